@@ -1,0 +1,1 @@
+"""Patch-series tooling: materialize megatron/ from the pinned sdist plus patches/series."""

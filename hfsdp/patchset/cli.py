@@ -1,0 +1,157 @@
+"""``scripts/patchset`` / ``python -m hfsdp.patchset``: quilt/gbp-pq style verbs for the series.
+
+Standard library only: it runs inside pip's isolated build environment during
+``pip install -e .`` as well as from a plain checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from . import gitops
+from .check import check_against, check_base
+from .errors import PatchsetError
+from .lint import lint
+from .materialize import materialize, tree_status
+from .project import Project
+from .queue import export_queue, make_queue, refresh
+from .source import locate_sdist
+from .tree import build_queue, read_stamp
+
+
+def _cmd_materialize(project: Project, args: argparse.Namespace) -> int:
+    materialize(project, sdist=args.sdist, backup=args.backup)
+    return 0
+
+
+def _cmd_status(project: Project, args: argparse.Namespace) -> int:
+    st = tree_status(project)
+    pin = project.pin()
+    print(f"base:    {pin.distribution} {pin.version} (sha256 {pin.sha256[:16]}...)")
+    print(f"fork:    {pin.fork_version}")
+    if not st.exists:
+        print("tree:    megatron/ not materialized -> run `scripts/patchset materialize`")
+        return 1
+    if not st.stamped:
+        print("tree:    megatron/ exists but has no stamp (not made by this tool)")
+        return 1
+    applied = set(st.applied)
+    for name in st.series:
+        mark = "changed" if name in st.changed_patches else ("applied" if name in applied else "pending")
+        print(f"  [{mark:7}] {name}")
+    for name in st.applied:
+        if name not in st.series:
+            print(f"  [removed] {name} (applied, no longer in series)")
+    if st.base_mismatch:
+        print(f"base:    STALE: {st.base_mismatch}")
+    print("stamp:   " + ("up to date" if st.up_to_date else "STALE -> run `scripts/patchset materialize`"))
+    if st.edits:
+        print(f"edits:   {len(st.edits)} file(s) differ from the stamp -> `scripts/patchset diff` / `refresh`")
+        for path, kind in st.edits.items():
+            print(f"  {kind:8} {path}")
+    else:
+        print("edits:   none")
+    return 0 if st.up_to_date and not st.edits else 1
+
+
+def _cmd_check(project: Project, args: argparse.Namespace) -> int:
+    if args.against is None:
+        count = check_base(project, args.sdist)
+        print(f"patchset: all {count} patches apply to a pristine {project.pin().filename} with no fuzz")
+        return 0
+    results = check_against(project, args.against)
+    for r in results:
+        extra = f" ({', '.join(r.files)})" if r.files else (f" [{r.note}]" if r.note else "")
+        print(f"  {r.state:9} {r.patch}{extra}")
+    upstream = [r.patch for r in results if r.state == "upstream"]
+    conflicts = [r.patch for r in results if r.state == "conflicts"]
+    print(f"patchset: against {args.against}: {len(upstream)} already upstream (drop them), "
+          f"{len(conflicts)} conflict, {len(results) - len(upstream) - len(conflicts)} apply")
+    return 1 if conflicts else 0
+
+
+def _cmd_refresh(project: Project, args: argparse.Namespace) -> int:
+    refresh(project, patch=args.patch, new=args.new, description=args.description, sdist=args.sdist)
+    return 0
+
+
+def _cmd_lint(project: Project, args: argparse.Namespace) -> int:
+    problems = lint(project, args.sdist)
+    for problem in problems:
+        print(f"lint: {problem}")
+    verdict = f"found {len(problems)} problem(s)" if problems else f"clean ({len(project.series())} patches)"
+    print(f"patchset: lint {verdict}")
+    return 1 if problems else 0
+
+
+def _cmd_diff(project: Project, args: argparse.Namespace) -> int:
+    pin = project.pin()
+    with tempfile.TemporaryDirectory(prefix=".patchset-tmp-", dir=project.root) as tmp:
+        queue = build_queue(pin, locate_sdist(pin, args.sdist), project.series(), Path(tmp) / "q")
+        if args.series:
+            sys.stdout.write(gitops.diff_commits(queue.repo, queue.base, "HEAD"))
+            return 0
+        if read_stamp(project.root) is None:
+            raise PatchsetError("megatron/ is not materialized", "run `scripts/patchset materialize`")
+        from .queue import _sync_tree
+
+        _sync_tree(project.root, queue.repo, pin.members)
+        gitops.git(["add", "-A", "."], cwd=queue.repo)
+        sys.stdout.write(gitops.git(["diff", "--cached", "--no-color", "--no-renames", "HEAD"], cwd=queue.repo).stdout)
+    return 0
+
+
+def _cmd_queue(project: Project, args: argparse.Namespace) -> int:
+    queue = make_queue(project, args.dir, args.sdist)
+    print(f"patchset: queue at {args.dir}: base {queue.base[:12]} (tag patchset/base) + {len(queue.commits)} commits")
+    print("  edit with git (commit --fixup, rebase -i, new commits), then `scripts/patchset export --queue DIR`")
+    return 0
+
+
+def _cmd_export(project: Project, args: argparse.Namespace) -> int:
+    export_queue(project, args.queue, args.sdist)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="patchset", description=__doc__)
+    parser.add_argument("--root", type=Path, default=None, help="project checkout (default: this one)")
+    parser.add_argument("--sdist", type=Path, default=None, help="use this local sdist (offline installs)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("materialize", help="build megatron/ from the pinned sdist + patches/series")
+    p.add_argument("--backup", action="store_true", help="move a foreign or edited tree to megatron.bak-* and rebuild")
+    p.set_defaults(func=_cmd_materialize)
+    sub.add_parser("status", help="applied vs series, stale stamp, local edits").set_defaults(func=_cmd_status)
+    p = sub.add_parser("check", help="series applies with no fuzz; --against VERSION|SDIST finds upstreamed patches")
+    p.add_argument("--against", default=None, metavar="VERSION|SDIST")
+    p.set_defaults(func=_cmd_check)
+    p = sub.add_parser("refresh", help="fold edits made in megatron/ back into a patch")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--patch", default=None, help="patch to fold the edits into (default: the one owning the files)")
+    group.add_argument("--new", default=None, metavar="NAME", help="add the edits as a new patch at the end")
+    p.add_argument("--description", default=None, help="Description line for --new")
+    p.set_defaults(func=_cmd_refresh)
+    sub.add_parser("lint", help="DEP-3 headers valid; paths exist in the sdist").set_defaults(func=_cmd_lint)
+    p = sub.add_parser("diff", help="local edits in megatron/ as a patch (--series: the whole series)")
+    p.add_argument("--series", action="store_true")
+    p.set_defaults(func=_cmd_diff)
+    p = sub.add_parser("queue", help="gbp-pq import: a git repo with one commit per patch, for editing")
+    p.add_argument("--dir", type=Path, required=True)
+    p.set_defaults(func=_cmd_queue)
+    p = sub.add_parser("export", help="gbp-pq export: rewrite patches/ and series from a queue")
+    p.add_argument("--queue", type=Path, required=True)
+    p.set_defaults(func=_cmd_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    project = Project(args.root.resolve()) if args.root else Project.default()
+    try:
+        return int(args.func(project, args))
+    except PatchsetError as exc:
+        print(f"patchset: error: {exc.cause}\n  -> {exc.fix}", file=sys.stderr)
+        return exc.exit_code

@@ -1,0 +1,109 @@
+"""Thin wrappers around git, the patch engine (apply, queue commits, diffs).
+
+Commits are made with a fixed identity and date so that a queue built twice from the same
+inputs has the same hashes, and exported diffs are byte-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from .errors import PatchDoesNotApply, PatchsetError, ToolMissing
+
+_FIXED_DATE = "2000-01-01T00:00:00+0000"
+_ENV = {
+    "GIT_AUTHOR_NAME": "patchset",
+    "GIT_AUTHOR_EMAIL": "patchset@localhost",
+    "GIT_COMMITTER_NAME": "patchset",
+    "GIT_COMMITTER_EMAIL": "patchset@localhost",
+    "GIT_AUTHOR_DATE": _FIXED_DATE,
+    "GIT_COMMITTER_DATE": _FIXED_DATE,
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_TERMINAL_PROMPT": "0",
+    "LC_ALL": "C",
+}
+# Options that keep diffs stable whatever the user's git config says.
+_DIFF_OPTS = [
+    "-c", "core.quotepath=off", "-c", "diff.noprefix=false", "-c", "diff.mnemonicprefix=false",
+    "-c", "diff.renames=false", "-c", "diff.algorithm=myers", "-c", "core.autocrlf=false",
+]
+_FAILED_FILE = re.compile(
+    r"^error: (?:patch failed: (?P<a>[^:\n]+):\d+|(?P<b>[^:\n]+): (?:patch does not apply|No such file or directory"
+    r"|already exists in (?:working directory|index)|does not exist in index|does not match index))$",
+    re.MULTILINE,
+)
+
+
+def git(args: list[str], cwd: Path, check: bool = True, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run git with a neutral environment; raise PatchsetError with git's words on failure."""
+    if shutil.which("git") is None:
+        raise ToolMissing("git is not installed", "install git (apt-get install git); it applies the patch series")
+    env = {**os.environ, **_ENV}
+    env.pop("GIT_DIR", None)
+    env.pop("GIT_WORK_TREE", None)
+    env.pop("GIT_INDEX_FILE", None)
+    proc = subprocess.run(
+        ["git", *_DIFF_OPTS, *args], cwd=cwd, env=env, text=True, capture_output=True, input=input_text
+    )
+    if check and proc.returncode != 0:
+        raise PatchsetError(f"git {' '.join(args)} failed in {cwd}: {proc.stderr.strip()}", "see git's message above")
+    return proc
+
+
+def init_repo(path: Path) -> None:
+    """Create an isolated repository for a queue (no hooks, no user config)."""
+    git(["init", "-q", "-b", "queue", str(path)], cwd=path.parent)
+    git(["config", "commit.gpgsign", "false"], cwd=path)
+    git(["config", "core.hooksPath", "/dev/null"], cwd=path)
+
+
+def commit_all(path: Path, message: str) -> str:
+    """Stage everything and commit; return the commit id."""
+    git(["add", "-A", "."], cwd=path)
+    git(["commit", "-q", "--allow-empty", "--no-verify", "-F", "-"], cwd=path, input_text=message)
+    return git(["rev-parse", "HEAD"], cwd=path).stdout.strip()
+
+
+def apply_patch(repo: Path, name: str, diff: str, reverse: bool = False, check_only: bool = False) -> None:
+    """Apply (or check) one diff with no fuzz: context must match exactly (offsets allowed)."""
+    args = ["apply", "--index", "--whitespace=nowarn", "-C3"]
+    if reverse:
+        args.append("--reverse")
+    if check_only:
+        args.append("--check")
+    proc = git([*args, "-"], cwd=repo, check=False, input_text=diff)
+    if proc.returncode != 0:
+        files = sorted({m["a"] or m["b"] for m in _FAILED_FILE.finditer(proc.stderr)})
+        raise PatchDoesNotApply(name, files, proc.stderr)
+
+
+def diff_commits(repo: Path, old: str, new: str) -> str:
+    """Deterministic full-index diff between two commits."""
+    return git(
+        ["diff", "--no-color", "--no-ext-diff", "--no-renames", "--full-index", "-U3",
+         "--src-prefix=a/", "--dst-prefix=b/", old, new],
+        cwd=repo,
+    ).stdout
+
+
+def rev_list(repo: Path, base: str, head: str = "HEAD") -> list[str]:
+    """Commits in (base, head], oldest first."""
+    out = git(["rev-list", "--reverse", f"{base}..{head}"], cwd=repo).stdout
+    return [line for line in out.splitlines() if line]
+
+
+def message(repo: Path, commit: str) -> str:
+    return git(["log", "-1", "--format=%B", commit], cwd=repo).stdout
+
+
+def tree_of(repo: Path, rev: str) -> str:
+    return git(["rev-parse", f"{rev}^{{tree}}"], cwd=repo).stdout.strip()
+
+
+def changed_paths(repo: Path, old: str, new: str) -> list[str]:
+    out = git(["diff", "--name-only", "--no-renames", old, new], cwd=repo).stdout
+    return [line for line in out.splitlines() if line]

@@ -1,0 +1,124 @@
+"""``lint``: DEP-3 headers are present and valid; patches touch only paths the sdist has."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import PatchsetError
+from .pin import BasePin
+from .project import Project
+from .series import Patch, read_patch, read_series_names
+from .source import locate_sdist
+
+REQUIRED = ("Description", "Origin", "Bug", "Forwarded", "Applied-Upstream", "Last-Update")
+ORIGIN_CATEGORIES = ("upstream", "backport", "vendor", "other")
+_URL = r"https?://\S+"
+_FORWARDED = re.compile(rf"^(no|not-needed|yes|{_URL})$")
+_BUG = re.compile(rf"^(none|{_URL})$")
+_APPLIED = re.compile(rf"^(no|(\d+\.\d+(\.\d+)?|{_URL}|commit:\S+)(,\s*({_URL}|commit:\S+))*)$")
+_ORIGIN = re.compile(rf"^(?:(?P<cat>[a-z]+),\s*)?(?P<ref>{_URL}|commit:\S+|\S.*)$")
+SUMMARY_MAX = 80
+
+
+@dataclass(frozen=True)
+class LintProblem:
+    patch: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.patch}: {self.message}"
+
+
+def lint_header(patch: Patch) -> list[LintProblem]:
+    """Check one patch's DEP-3 header."""
+    f = patch.fields
+    out: list[LintProblem] = []
+
+    def bad(msg: str) -> None:
+        out.append(LintProblem(patch.name, msg))
+
+    description = f.get("Description") or f.get("Subject")
+    if not description:
+        bad("missing Description (or Subject): say what the patch does and why")
+    elif len(description.splitlines()[0]) > SUMMARY_MAX:
+        bad(f"Description summary line is {len(description.splitlines()[0])} chars; keep it <= {SUMMARY_MAX}")
+    for key in REQUIRED[1:]:
+        if not f.get(key) and not (key == "Origin" and f.get("Author")):
+            bad(f"missing {key}")
+    origin = f.get("Origin")
+    if origin:
+        m = _ORIGIN.match(origin)
+        if m is None or (m["cat"] is not None and m["cat"] not in ORIGIN_CATEGORIES):
+            bad(f"Origin {origin!r}: category must be one of {', '.join(ORIGIN_CATEGORIES)}")
+        elif m["cat"] in ("upstream", "backport") and not re.match(rf"^({_URL}|commit:\S+)$", m["ref"]):
+            bad(f"Origin {origin!r}: an upstream/backport origin needs a URL or commit:<id>")
+    if f.get("Bug") and not _BUG.match(f["Bug"]):
+        bad(f"Bug {f['Bug']!r}: expected a URL or 'none'")
+    if f.get("Forwarded") and not _FORWARDED.match(f["Forwarded"]):
+        bad(f"Forwarded {f['Forwarded']!r}: expected no, not-needed, yes or a URL")
+    if f.get("Applied-Upstream") and not _APPLIED.match(f["Applied-Upstream"]):
+        bad(f"Applied-Upstream {f['Applied-Upstream']!r}: expected a version, URL, commit:<id> or 'no'")
+    if f.get("Last-Update"):
+        try:
+            _dt.date.fromisoformat(f["Last-Update"])
+        except ValueError:
+            bad(f"Last-Update {f['Last-Update']!r}: expected YYYY-MM-DD")
+    return out
+
+
+def sdist_paths(pin: BasePin, sdist: Path) -> set[str]:
+    """Files under the pinned members in the sdist (sdist-relative posix paths)."""
+    prefix = pin.sdist_root + "/"
+    with tarfile.open(sdist, "r:gz") as tar:
+        return {
+            m.name[len(prefix):]
+            for m in tar.getmembers()
+            if m.isfile() and m.name.startswith(prefix)
+            and any(m.name[len(prefix):].startswith(member + "/") for member in pin.members)
+        }
+
+
+def lint_paths(pin: BasePin, patches: list[Patch], base_files: set[str]) -> list[LintProblem]:
+    """Each patch may only modify files that exist (in the sdist or created earlier in the series)."""
+    out: list[LintProblem] = []
+    present = set(base_files)
+    for patch in patches:
+        for old, new in patch.touched_files():
+            path = new if old == "/dev/null" else old
+            if not any(path.startswith(m + "/") for m in pin.members):
+                out.append(LintProblem(patch.name, f"touches {path}, outside {', '.join(pin.members)}"))
+                continue
+            if old == "/dev/null":
+                if new in present:
+                    out.append(LintProblem(patch.name, f"creates {new}, which already exists"))
+                present.add(new)
+            elif old not in present:
+                out.append(LintProblem(patch.name, f"modifies {old}, which does not exist in the {pin.filename} sdist"))
+            elif new == "/dev/null":
+                present.discard(old)
+    return out
+
+
+def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:
+    """All problems in the series; an empty list means clean."""
+    pin = project.pin()
+    names = read_series_names(project.patches_dir / "series")
+    problems: list[LintProblem] = []
+    on_disk = sorted(p.name for p in project.patches_dir.glob("*.patch"))
+    for name in on_disk:
+        if name not in names:
+            problems.append(LintProblem(name, "is in patches/ but not listed in patches/series"))
+    patches: list[Patch] = []
+    for name in names:
+        try:
+            patches.append(read_patch(project.patches_dir / name, name))
+        except PatchsetError as exc:
+            problems.append(LintProblem(name, exc.cause))
+    for patch in patches:
+        problems.extend(lint_header(patch))
+    problems.extend(lint_paths(pin, patches, sdist_paths(pin, locate_sdist(pin, sdist))))
+    return problems

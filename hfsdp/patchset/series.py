@@ -1,0 +1,125 @@
+"""``patches/series`` and the patch files it lists (DEP-3 header + git diff)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import SeriesError
+
+_FIELD = re.compile(r"^(?P<key>[A-Za-z][A-Za-z0-9-]*):(?P<value>.*)$")
+_DIFF_PATH = re.compile(r"^diff --git a/(?P<a>\S+) b/(?P<b>\S+)$")
+HEADER_END = "---"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One patch file: its DEP-3 header fields, the raw header text and the diff."""
+
+    name: str  # file name as listed in series
+    path: Path
+    header_text: str  # everything before the ``---`` separator, verbatim
+    fields: dict[str, str]  # DEP-3 fields, continuation lines joined with "\n"
+    diff: str  # ``diff --git ...`` onwards
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+    @property
+    def stem(self) -> str:
+        return self.name.removesuffix(".patch")
+
+    def touched_files(self) -> list[tuple[str, str]]:
+        """(old path, new path) of each file the diff touches; /dev/null for creations."""
+        out: list[tuple[str, str]] = []
+        old = new = ""
+        for line in self.diff.splitlines():
+            if (m := _DIFF_PATH.match(line)) is not None:
+                old, new = m["a"], m["b"]
+                out.append((old, new))
+            elif line.startswith("new file mode") and out:
+                out[-1] = ("/dev/null", out[-1][1])
+            elif line.startswith("deleted file mode") and out:
+                out[-1] = (out[-1][0], "/dev/null")
+        return out
+
+
+def parse_header(text: str) -> dict[str, str]:
+    """Parse DEP-3 ``Key: value`` lines; indented lines continue the previous field."""
+    fields: dict[str, str] = {}
+    key: str | None = None
+    for line in text.splitlines():
+        if not line.strip():
+            key = None
+            continue
+        if line[0] in " \t" and key is not None:
+            fields[key] += "\n" + line.strip()
+            continue
+        match = _FIELD.match(line)
+        if match is None:
+            key = None  # free-form text is allowed in a DEP-3 header
+            continue
+        key = match["key"]
+        fields[key] = match["value"].strip()
+    return fields
+
+
+def read_patch(path: Path, name: str | None = None) -> Patch:
+    """Split a patch file into its header and its diff."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise SeriesError(
+            f"patch {path.name} is listed in patches/series but {path} does not exist",
+            "restore the file or remove its line from patches/series",
+        ) from exc
+    header_lines: list[str] = []
+    lines = text.splitlines(keepends=True)
+    for index, line in enumerate(lines):
+        if line.rstrip("\n") == HEADER_END or line.startswith("diff --git "):
+            start = index + 1 if line.rstrip("\n") == HEADER_END else index
+            diff = "".join(lines[start:])
+            break
+        header_lines.append(line)
+    else:
+        raise SeriesError(f"patch {path.name} has no diff", "a patch is a DEP-3 header, a '---' line, then a git diff")
+    if "diff --git " not in diff:
+        raise SeriesError(f"patch {path.name} has no 'diff --git' section", "regenerate it with scripts/patchset export")
+    header_text = "".join(header_lines)
+    return Patch(name or path.name, path, header_text, parse_header(header_text), diff)
+
+
+def read_series_names(series_path: Path) -> list[str]:
+    """Patch names in order; ``#`` comments and blank lines are ignored."""
+    try:
+        raw = series_path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise SeriesError(f"{series_path} is missing", "restore patches/series from git") from exc
+    names: list[str] = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        if "/" in entry or not entry.endswith(".patch"):
+            raise SeriesError(
+                f"{series_path}:{number}: {entry!r} is not a patch file name",
+                "list bare file names ending in .patch, one per line",
+            )
+        if entry in names:
+            raise SeriesError(f"{series_path}:{number}: {entry} is listed twice", "remove the duplicate line")
+        names.append(entry)
+    return names
+
+
+def read_series(patches_dir: Path) -> list[Patch]:
+    """Load every patch of the series, in order."""
+    return [read_patch(patches_dir / name, name) for name in read_series_names(patches_dir / "series")]
+
+
+def render_patch(header_text: str, diff: str) -> str:
+    """Serialize a patch deterministically: header, separator, diff, one trailing newline."""
+    header = header_text.rstrip("\n") + "\n"
+    return f"{header}{HEADER_END}\n{diff.rstrip(chr(10))}\n"

@@ -1,0 +1,177 @@
+"""Find, download and verify the pinned upstream sdist.
+
+Lookup order (first hit wins):
+
+1. an explicit path (``--sdist`` or ``MEGATRON_PATCHSET_SDIST``);
+2. wheelhouse folders (``MEGATRON_PATCHSET_FIND_LINKS``, ``os.pathsep``-separated, then
+   ``PIP_FIND_LINKS``, space-separated as pip reads it);
+3. the download cache (``MEGATRON_PATCHSET_CACHE``, else ``$XDG_CACHE_HOME/megatron-patchset``);
+4. a download from the pinned URL (then the PEP 691 index), unless offline
+   (``MEGATRON_PATCHSET_OFFLINE=1`` or ``PIP_NO_INDEX``).
+
+Whatever the source, the sha256 is checked before a single member is extracted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .errors import HashMismatch, SourceUnavailable, WrongBaseVersion
+from .pin import BasePin
+
+_TRUTHY = {"1", "true", "yes", "on"}
+_SDIST_NAME = re.compile(r"^(?P<dist>[A-Za-z0-9_.]+?)-(?P<version>[0-9][^/]*?)\.tar\.gz$")
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, streamed."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def is_offline(env: dict[str, str] | None = None) -> bool:
+    """True when the user asked for no network access."""
+    env = os.environ if env is None else env
+    return (
+        env.get("MEGATRON_PATCHSET_OFFLINE", "").lower() in _TRUTHY
+        or env.get("PIP_NO_INDEX", "").lower() in _TRUTHY
+    )
+
+
+def cache_dir(env: dict[str, str] | None = None) -> Path:
+    """Where downloaded sdists are kept between installs."""
+    env = os.environ if env is None else env
+    if env.get("MEGATRON_PATCHSET_CACHE"):
+        return Path(env["MEGATRON_PATCHSET_CACHE"])
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "megatron-patchset"
+
+
+def _wheelhouses(env: dict[str, str]) -> list[Path]:
+    dirs = [Path(p) for p in env.get("MEGATRON_PATCHSET_FIND_LINKS", "").split(os.pathsep) if p]
+    for item in env.get("PIP_FIND_LINKS", "").split():
+        item = item.removeprefix("file://")
+        if item and "://" not in item:
+            dirs.append(Path(item))
+    return dirs
+
+
+def check_version(pin: BasePin, path: Path) -> None:
+    """Refuse an sdist whose file name names another release than the pin."""
+    match = _SDIST_NAME.match(path.name)
+    if match is None:
+        raise WrongBaseVersion(
+            f"{path} is not an sdist (expected a file named {pin.filename})",
+            f"pass the {pin.distribution}=={pin.version} sdist: "
+            f"`pip download --no-deps --no-binary :all: {pin.distribution}=={pin.version}`",
+        )
+    if match["version"] != pin.version:
+        raise WrongBaseVersion(
+            f"{path.name} is {pin.distribution} {match['version']}, but this series is pinned to "
+            f"{pin.version} (patches/base.toml)",
+            f"use the {pin.filename} sdist, or rebase the series onto {match['version']} with "
+            f"`scripts/patchset check --against {path}` first",
+        )
+
+
+def verify(pin: BasePin, path: Path) -> Path:
+    """Check name and sha256; return the path. Nothing is extracted before this passes."""
+    check_version(pin, path)
+    actual = sha256_file(path)
+    if actual != pin.sha256:
+        raise HashMismatch(
+            f"sha256 of {path} is {actual}, expected {pin.sha256} (patches/base.toml); "
+            "nothing was extracted",
+            "delete the file and let the tool download it again, or fetch a clean copy with "
+            f"`pip download --no-deps --no-binary :all: {pin.distribution}=={pin.version}`",
+        )
+    return path
+
+
+def _download(url: str, dest: Path, timeout: float) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as resp:
+            shutil.copyfileobj(resp, out)
+        os.replace(tmp_name, dest)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+
+
+def _index_url_for(pin: BasePin, timeout: float) -> str | None:
+    """Ask the PEP 691 JSON simple index for the sdist's URL."""
+    req = urllib.request.Request(
+        f"{pin.index_url.rstrip('/')}/{pin.distribution}/",
+        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        files = json.load(resp).get("files", [])
+    for entry in files:
+        if entry.get("filename") == pin.filename:
+            return str(entry["url"])
+    return None
+
+
+def locate_sdist(
+    pin: BasePin,
+    explicit: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> Path:
+    """Return a verified local path to the pinned sdist, downloading it if allowed."""
+    env = dict(os.environ) if env is None else env
+    explicit = explicit or (Path(env["MEGATRON_PATCHSET_SDIST"]) if env.get("MEGATRON_PATCHSET_SDIST") else None)
+    if explicit is not None:
+        if not explicit.is_file():
+            raise SourceUnavailable(
+                f"sdist {explicit} does not exist", "fix the path given by --sdist / MEGATRON_PATCHSET_SDIST"
+            )
+        return verify(pin, explicit)
+    searched: list[str] = []
+    for folder in _wheelhouses(env):
+        candidate = folder / pin.filename
+        searched.append(str(candidate))
+        if candidate.is_file():
+            return verify(pin, candidate)
+    cached = cache_dir(env) / pin.filename
+    searched.append(str(cached))
+    if cached.is_file():
+        return verify(pin, cached)
+    if is_offline(env):
+        raise SourceUnavailable(
+            f"offline (MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX set) and no {pin.filename} found; "
+            f"looked in: {', '.join(searched)}",
+            f"on a connected machine run `pip download --no-deps --no-binary :all: "
+            f"{pin.distribution}=={pin.version} -d wheelhouse/`, copy it over, then set "
+            "MEGATRON_PATCHSET_SDIST=wheelhouse/" + pin.filename + " (see README, Offline install)",
+        )
+    errors: list[str] = []
+    for resolve in (lambda: pin.url, lambda: _index_url_for(pin, timeout)):
+        try:
+            url = resolve()
+            if url:
+                _download(url, cached, timeout)
+                return verify(pin, cached)
+        except (urllib.error.URLError, OSError, ValueError, json.JSONDecodeError) as exc:
+            errors.append(f"{exc}")
+        except HashMismatch:
+            cached.unlink(missing_ok=True)
+            raise
+    raise SourceUnavailable(
+        f"could not download {pin.filename}: {'; '.join(errors) or 'not listed on the index'}",
+        "check network access to the package index, or install offline with MEGATRON_PATCHSET_SDIST "
+        "pointing at a downloaded sdist (see README, Offline install)",
+    )

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test command (README; .ci/run calls it): set up the environment from scratch if needed,
+# then run the CPU unit tests. GPU tests skip here; run them with tests/gpu/*.sh on GPU machines.
+set -eo pipefail
+cd "$(dirname "$0")/.."
+. scripts/setup_env.sh
+echo "run_tests: patch series"
+scripts/patchset lint
+scripts/patchset check
+scripts/patchset status
+echo "run_tests: pytest tests/unit_tests"
+set +e
+"$HFSDP_PY" -m pytest tests/unit_tests -p no:cacheprovider "$@"
+rc=$?
+set -e
+[ "$rc" -eq 5 ] && { echo "run_tests: pytest collected no tests" >&2; exit 1; }
+exit "$rc"

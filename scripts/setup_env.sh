@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and install the fork into it:
+#   Python >= 3.12, torch, then `pip install -e .[test]` (which materializes megatron/).
+# Source it (`. scripts/setup_env.sh`) or run it; afterwards "$HFSDP_PY" is the interpreter.
+#   PYTHON=/path/to/python3.12   pick the interpreter (default: first Python >= 3.12 found)
+#   VENV=/path/to/venv           where the venv lives (default: ./.venv)
+#   HFSDP_TORCH_SPEC='torch==X'  torch to install when the venv has none (default below)
+set -eo pipefail
+_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
+_find_python() {
+  local c
+  for c in ${PYTHON:-} python3.13 python3.12 python3; do
+    command -v "$c" >/dev/null 2>&1 && _ok "$c" && { command -v "$c"; return 0; }
+  done
+  # pyenv installs that are not the active version (the CPU machines ship 3.12 this way).
+  for c in $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -V -r); do
+    _ok "$c" && { echo "$c"; return 0; }
+  done
+  return 1
+}
+
+_venv=${VENV:-$_root/.venv}
+if [ ! -x "$_venv/bin/python" ] || ! _ok "$_venv/bin/python"; then
+  _py=$(_find_python) || {
+    echo "setup_env: no Python >= 3.12 found (megatron-core 0.18.2 requires it)." >&2
+    echo "  -> install one (e.g. pyenv install 3.12) or set PYTHON=/path/to/python3.12" >&2
+    exit 2
+  }
+  echo "setup_env: creating $_venv with $_py ($("$_py" --version 2>&1))"
+  "$_py" -m venv "$_venv"
+fi
+HFSDP_PY="$_venv/bin/python"
+export HFSDP_PY
+if ! "$HFSDP_PY" -c 'import torch' >/dev/null 2>&1; then
+  echo "setup_env: installing ${HFSDP_TORCH_SPEC:=torch==2.13.0} (a CUDA build; it runs on CPU too)"
+  "$HFSDP_PY" -m pip install -q --disable-pip-version-check "$HFSDP_TORCH_SPEC"
+fi
+echo "setup_env: pip install -e .[test]"
+"$HFSDP_PY" -m pip install -q --disable-pip-version-check -e "$_root[test]"
+"$HFSDP_PY" - <<'PY'
+import importlib.metadata as md
+import torch
+print(f"setup_env: megatron-core {md.version('megatron-core')}, torch {torch.__version__}, "
+      f"CUDA GPUs: {torch.cuda.device_count()}")
+PY

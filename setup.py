@@ -1,0 +1,49 @@
+"""Install the hfsdp fork of megatron-core (``pip install -e .``).
+
+Before setuptools runs, ``megatron/`` is materialized from the pinned sdist plus
+``patches/series`` (a no-op when its stamp is current; an error, with the way out, when it has
+local edits). The distribution is ``megatron-core`` with a PEP 440 local version
+(``0.18.2+hfsdp.N``), so pip replaces an upstream wheel instead of installing a second copy.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+from setuptools import find_namespace_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from hfsdp.patchset.errors import PatchsetError  # noqa: E402
+from hfsdp.patchset.materialize import materialize  # noqa: E402
+from hfsdp.patchset.project import Project  # noqa: E402
+
+PROJECT = Project(ROOT)
+PIN = PROJECT.pin()
+
+if os.environ.get("HFSDP_SKIP_MATERIALIZE") != "1":
+    try:
+        materialize(PROJECT, log=lambda line: print(line, file=sys.stderr))
+    except PatchsetError as exc:
+        sys.exit(f"\nhfsdp: cannot materialize megatron/: {exc.cause}\n  -> {exc.fix}\n")
+
+setup(
+    name=PIN.distribution,
+    version=PIN.fork_version,
+    description="megatron-core 0.18.2 + hfsdp patches: hybrid (Mamba/attention/MoE) Megatron-FSDP double buffering",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.12",
+    packages=find_namespace_packages(
+        include=["megatron.core", "megatron.core.*", "megatron.training", "megatron.training.*", "hfsdp", "hfsdp.*"]
+    ),
+    include_package_data=True,
+    package_data={"megatron.core.datasets": ["helpers.cpp"]},
+    install_requires=["torch>=2.6.0", "numpy", "packaging>=24.2"],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6", "pyyaml", "einops"],
+        "bench": ["matplotlib"],
+    },
+    scripts=["scripts/patchset"],
+)

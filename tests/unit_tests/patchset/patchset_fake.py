@@ -1,0 +1,137 @@
+"""Fixtures: a synthetic upstream sdist and a throw-away project checkout around it.
+
+The tooling is exercised end to end (tarball, sha256, git apply, stamp, swap) on a few-file
+fake of megatron-core, so every error path runs in milliseconds without the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hfsdp.patchset.project import Project
+
+BASE_FILES = {
+    "megatron/core/__init__.py": "VALUE = 1\n",
+    "megatron/core/alloc.py": "".join(f"line_{i} = {i}\n" for i in range(40)),
+    "megatron/training/train.py": "def train():\n    return 'upstream'\n",
+}
+
+
+def make_sdist(folder: Path, version: str = "0.18.2", files: dict[str, str] | None = None,
+               pkg_version: str | None = None, name: str | None = None) -> Path:
+    """Write a megatron_core-<version>.tar.gz with PKG-INFO and the given files."""
+    root = f"megatron_core-{version}"
+    path = folder / (name or f"{root}.tar.gz")
+    members = {"PKG-INFO": f"Metadata-Version: 2.1\nName: megatron-core\nVersion: {pkg_version or version}\n"}
+    members.update(files or BASE_FILES)
+    with tarfile.open(path, "w:gz") as tar:
+        for rel, text in sorted(members.items()):
+            data = text.encode()
+            info = tarfile.TarInfo(f"{root}/{rel}")
+            info.size = len(data)
+            info.mtime = 0
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+HEADER = textwrap.dedent(
+    """\
+    Description: {desc}
+     Why it exists, in more words.
+    Origin: vendor, hfsdp
+    Bug: none
+    Forwarded: no
+    Applied-Upstream: no
+    Last-Update: 2026-11-21
+    """
+)
+
+
+def patch_text(desc: str, diff: str) -> str:
+    return HEADER.format(desc=desc) + "---\n" + diff
+
+
+ALLOC_PATCH = textwrap.dedent(
+    """\
+    diff --git a/megatron/core/alloc.py b/megatron/core/alloc.py
+    --- a/megatron/core/alloc.py
+    +++ b/megatron/core/alloc.py
+    @@ -19,4 +19,5 @@ line_18 = 18
+     line_19 = 19
+     line_20 = 20
+    +maxpool = True
+     line_21 = 21
+     line_22 = 22
+    """
+)
+TRAIN_PATCH = textwrap.dedent(
+    """\
+    diff --git a/megatron/training/train.py b/megatron/training/train.py
+    --- a/megatron/training/train.py
+    +++ b/megatron/training/train.py
+    @@ -1,2 +1,2 @@
+     def train():
+    -    return 'upstream'
+    +    return 'fork'
+    """
+)
+
+
+@dataclass
+class Env:
+    project: Project
+    sdist: Path
+    env: dict[str, str]
+
+    def write_series(self, patches: dict[str, str]) -> None:
+        for name, text in patches.items():
+            (self.project.patches_dir / name).write_text(text)
+        (self.project.patches_dir / "series").write_text("# test series\n" + "".join(f"{n}\n" for n in patches))
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Env:
+    """A project root with a pinned fake sdist (found through MEGATRON_PATCHSET_SDIST) and two patches."""
+    store = tmp_path / "store"
+    store.mkdir()
+    sdist = make_sdist(store)
+    root = tmp_path / "proj"
+    (root / "patches").mkdir(parents=True)
+    (root / "patches" / "base.toml").write_text(textwrap.dedent(f"""\
+        [base]
+        distribution = "megatron-core"
+        version = "0.18.2"
+        filename = "megatron_core-0.18.2.tar.gz"
+        sha256 = "{sha256(sdist)}"
+        url = "http://127.0.0.1:9/unreachable.tar.gz"
+        index_url = "http://127.0.0.1:9/simple"
+        members = ["megatron/core", "megatron/training"]
+        [fork]
+        name = "hfsdp"
+        release = 7
+        """))
+    env = Env(Project(root), sdist, {})
+    env.write_series({"alloc.patch": patch_text("Add maxpool flag", ALLOC_PATCH),
+                      "train.patch": patch_text("Fork training", TRAIN_PATCH)})
+    for var in ("MEGATRON_PATCHSET_FIND_LINKS", "PIP_FIND_LINKS", "PIP_NO_INDEX", "MEGATRON_PATCHSET_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MEGATRON_PATCHSET_SDIST", str(sdist))
+    monkeypatch.setenv("MEGATRON_PATCHSET_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1795000000")
+    return env
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file under root (stamp included) -> sha256, to prove a tree was left untouched."""
+    return {str(p.relative_to(root)): sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}

@@ -1,0 +1,71 @@
+"""The project's own series: lint-clean, applies, materialized tree is current and importable."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hfsdp.patchset.check import check_base
+from hfsdp.patchset.errors import PatchsetError
+from hfsdp.patchset.guard import ensure_fork
+from hfsdp.patchset.lint import lint
+from hfsdp.patchset.materialize import tree_status
+from hfsdp.patchset.project import Project
+
+PROJECT = Project.default()
+
+
+def test_series_lints_clean_and_applies_without_fuzz() -> None:
+    assert [str(p) for p in lint(PROJECT)] == []
+    assert check_base(PROJECT) == len(PROJECT.series()) > 0
+
+
+def test_materialized_tree_is_current() -> None:
+    st = tree_status(PROJECT)
+    assert st.exists and st.stamped, "run `scripts/patchset materialize` (pip install -e . does it)"
+    assert st.up_to_date, f"stale tree: {st}"
+    assert ensure_fork(PROJECT) == PROJECT.megatron_dir
+
+
+def test_import_from_unrelated_directory_uses_the_fork(tmp_path: Path) -> None:
+    code = (
+        "import megatron.core, megatron.training, megatron.core.fork_info as f; "
+        "print(megatron.core.__file__); print(megatron.training.__file__); "
+        "print(megatron.core.__version__); print(','.join(f.applied_patches()))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    core, training, version, patches = proc.stdout.strip().splitlines()[-4:]
+    assert Path(core).resolve().is_relative_to(PROJECT.megatron_dir.resolve())
+    assert Path(training).resolve().is_relative_to(PROJECT.megatron_dir.resolve())
+    assert version == PROJECT.pin().fork_version
+    assert patches.split(",") == [p.name for p in PROJECT.series()]
+
+
+def test_stale_tree_fails_fast_on_import(tmp_path: Path) -> None:
+    # A copy of the checkout whose series moved on after materializing: import must refuse.
+    copy = tmp_path / "checkout"
+    shutil.copytree(PROJECT.root, copy, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.so", "tests"))
+    first = PROJECT.series()[0].name
+    patch = copy / "patches" / first
+    patch.write_text(patch.read_text().replace("Last-Update:", "X-Note: touched\nLast-Update:", 1))
+    code = "import megatron.core"
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert proc.returncode != 0
+    assert "is stale" in proc.stderr and "scripts/patchset materialize" in proc.stderr
+
+
+def test_guard_rejects_megatron_resolving_elsewhere(tmp_path: Path) -> None:
+    # In this process megatron.core is the real checkout's; for any other checkout it is foreign.
+    copy = tmp_path / "other"
+    shutil.copytree(PROJECT.root / "patches", copy / "patches")
+    with pytest.raises(PatchsetError, match="not this fork's materialized tree") as info:
+        ensure_fork(Project(copy))
+    assert "pip uninstall -y megatron-core" in info.value.fix
