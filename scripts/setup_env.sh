@@ -11,11 +11,13 @@ _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
 _find_python() {
   local c
-  for c in ${PYTHON:-} python3.13 python3.12 python3; do
+  # 3.12 first: it is what the GPU machines run and what megatron-core 0.18.2 is tested on.
+  for c in ${PYTHON:-} python3.12 python3.13 python3; do
     command -v "$c" >/dev/null 2>&1 && _ok "$c" && { command -v "$c"; return 0; }
   done
   # pyenv installs that are not the active version (the CPU machines ship 3.12 this way).
-  for c in $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -V -r); do
+  for c in $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3 2>/dev/null | sort -V -r) \
+           $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[3-9]*/bin/python3 2>/dev/null | sort -V); do
     _ok "$c" && { echo "$c"; return 0; }
   done
   return 1

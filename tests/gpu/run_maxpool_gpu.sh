@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue-3 GPU suite: max-pool double buffering on a TE-free hybrid (Mamba/attention/MoE) model.
+# Run from the repo root on a 2-GPU machine with the patched tree materialized:
+#     . .devtools/bootstrap.sh && bash tests/gpu/run_maxpool_gpu.sh
+# Writes $OUT/maxpool_gpu.log (full torchrun output) and $OUT/maxpool_gpu.json (losses, pool
+# bytes, home misses, peak memory vs bound, gating spy, FixedPool outcome), plus
+# $OUT/maxpool_fixedpool_outcome.json from test (g).
+set -uo pipefail
+
+# NVLink multicast must stay off on these machines (see /work/shared/device/README.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Deterministic kernels for the bitwise-parity test: cuBLAS workspace, mamba_ssm reductions.
+export CUBLAS_WORKSPACE_CONFIG=:4096:8 MAMBA_DETERMINISTIC=1 PYTHONUNBUFFERED=1
+
+OUT=${OUT:-/tmp/maxpool_gpu_out}
+mkdir -p "$OUT"
+export OUT MAXPOOL_GPU_RESULTS="$OUT/maxpool_gpu.json"
+rm -f "$MAXPOOL_GPU_RESULTS" "$OUT/maxpool_fixedpool_outcome.json"
+
+python3 - <<'PY' || exit 2
+import os, sys
+bad = {k: os.environ.get(k) for k, v in
+       {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items()
+       if os.environ.get(k) != v}
+sys.exit(f"NVLS guards not set: {bad}" if bad else 0)
+PY
+
+NPROC=${NPROC:-2}
+TEST=tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py
+start=$(date +%s)
+torchrun --nproc-per-node "$NPROC" -m pytest -q -s -rA "$TEST" "$@" 2>&1 | tee "$OUT/maxpool_gpu.log"
+rc=${PIPESTATUS[0]}
+end=$(date +%s)
+
+python3 - "$MAXPOOL_GPU_RESULTS" "$rc" "$((end - start))" <<'PY'
+import json, os, sys
+path, rc, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+data = json.load(open(path)) if os.path.exists(path) else {}
+data["_run"] = {"pytest_returncode": rc, "wall_seconds": secs,
+                "nvls": os.environ.get("NCCL_NVLS_ENABLE")}
+json.dump(data, open(path, "w"), indent=2, sort_keys=True, default=str)
+a, d = data.get("a_bitwise", {}), data.get("d_peak_memory", {})
+print("summary:", json.dumps({
+    "rc": rc, "seconds": secs,
+    "bitwise_equal": a.get("equal"),
+    "peak_MiB": round(d["peak_bytes"] / 2**20, 1) if d else None,
+    "bound_MiB": round(d["bound_bytes"] / 2**20, 1) if d else None,
+    "gating_offenders": data.get("e_prefetch_gating", {}).get("offenders"),
+    "fixedpool_verdict": data.get("g_fixedpool_outcome", {}).get("verdict"),
+}))
+PY
+exit "$rc"

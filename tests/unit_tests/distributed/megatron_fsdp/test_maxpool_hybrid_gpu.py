@@ -1,0 +1,840 @@
+"""GPU integration tests for issue 3: max-pool double buffering on a hybrid Megatron-FSDP model.
+
+Run (2 GPUs, repo root, patched tree materialized):
+    . .devtools/bootstrap.sh && MAMBA_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 \
+    torchrun --nproc-per-node 2 -m pytest -q -s -x \
+        tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py
+or tests/gpu/run_maxpool_gpu.sh (same, plus log + JSON summary under $OUT).
+
+Model: HybridModel built from the TE-free ``hybrid_local_stack_spec`` (patch
+models-hybrid-local-spec); Mamba ('M'), attention ('*') and MoE ('E') layers are the FSDP
+units, embedding / final norm / output layer are non-units. bf16 via Float16Module, Megatron-FSDP
+``optim_grads_params`` through the MCore adapter, Megatron DistributedOptimizer (Adam).
+Mamba runs mamba_ssm's Triton kernels with ``use_mamba_mem_eff_path=False`` (no causal_conv1d).
+
+Tests (letters match the brief): (a) losses bitwise equal with max-pool vs no double
+buffering; (b) pool bytes stable after step 1; (c) zero new home misses after step 1;
+(d) peak memory under an analytic bound; (e) non-unit forwards gather only non-unit buckets
+(prefetch gating); (f) upstream's 1 attention + 1 Mamba repro with max-pool; (g) the same
+repro with the old FixedPool, in a child torchrun so an illegal memory access cannot take the
+session down, outcome recorded as JSON.
+
+Everything skips cleanly without 2 CUDA ranks; the max-pool tests also skip while the
+``megatron_fsdp_max_pool_double_buffer`` config field does not exist. The CPU-only test at the
+end builds the same models on CPU (no FSDP) and checks the unit census.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, Iterator, Optional
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig,
+)
+
+# --------------------------------------------------------------------------------------------
+# Gates
+# --------------------------------------------------------------------------------------------
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+HAVE_CUDA = torch.cuda.is_available()
+HAVE_MAMBA = importlib.util.find_spec("mamba_ssm") is not None
+HAVE_MAXPOOL_FIELD = any(
+    f.name == "megatron_fsdp_max_pool_double_buffer"
+    for f in dataclasses.fields(DistributedDataParallelConfig)
+)
+NVLS_GUARDS = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+needs_two_gpus = pytest.mark.skipif(
+    not (HAVE_CUDA and WORLD_SIZE == 2 and torch.cuda.device_count() >= 1 and HAVE_MAMBA),
+    reason="needs torchrun --nproc-per-node 2 on CUDA with mamba_ssm",
+)
+needs_maxpool = pytest.mark.skipif(
+    not HAVE_MAXPOOL_FIELD,
+    reason="DistributedDataParallelConfig has no megatron_fsdp_max_pool_double_buffer yet",
+)
+
+RESULTS_PATH = os.environ.get(
+    "MAXPOOL_GPU_RESULTS", os.path.join(os.environ.get("OUT") or "/tmp", "maxpool_gpu.json")
+)
+ALLOCATOR_ATTRS = ("weight_alloc", "transpose_weight_alloc", "main_grad_alloc", "hsdp_grad_comm_alloc")
+MiB = 1 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# Model / run description
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HybridCase:
+    """One model + schedule. Defaults: the small 'M*E' x2 hybrid used by tests (a)-(e)."""
+
+    pattern: str = "M*EM*E"
+    hidden: int = 256
+    heads: int = 4
+    vocab: int = 1024
+    seq: int = 128
+    micro_batch: int = 2
+    num_microbatches: int = 3
+    steps: int = 4
+    bucket_size: Optional[int] = None
+    # Mamba: d_inner = 2 * hidden, nheads = d_inner / head_dim.
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 2
+    mamba_state_dim: int = 32
+    num_experts: int = 4
+    moe_ffn: int = 256
+    seed: int = 1234
+
+
+# Upstream's failing scenario (#4810): 1 attention + 1 Mamba unit, hidden 256, DP=2, bf16,
+# bucket_size=4096, 5 steps x 4 micro-batches; attention first so the mode-class tie goes to it
+# and Mamba is FixedPool's outlier. Mamba sizes are the TransformerConfig defaults.
+# Weights dominate activations here (few tokens, wide layers), so the memory bound in (d) can
+# tell "2 pooled units" from "every unit unsharded".
+MEMORY_CASE = HybridCase(
+    hidden=1024, heads=8, vocab=1024, seq=32, micro_batch=1, num_microbatches=2, steps=3,
+    moe_ffn=1024,
+)
+
+UPSTREAM_CASE = HybridCase(
+    pattern="*M",
+    hidden=256,
+    heads=4,
+    vocab=1024,
+    seq=128,
+    micro_batch=2,
+    num_microbatches=4,
+    steps=5,
+    bucket_size=4096,
+    mamba_head_dim=64,
+    mamba_num_groups=8,
+    mamba_state_dim=128,
+)
+
+
+def transformer_config(case: HybridCase, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(
+        num_layers=len(case.pattern),
+        hidden_size=case.hidden,
+        num_attention_heads=case.heads,
+        ffn_hidden_size=4 * case.hidden,
+        mamba_head_dim=case.mamba_head_dim,
+        mamba_num_groups=case.mamba_num_groups,
+        mamba_state_dim=case.mamba_state_dim,
+        use_mamba_mem_eff_path=False,
+        normalization="RMSNorm",
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    if "E" in case.pattern:
+        kwargs.update(
+            num_moe_experts=case.num_experts, moe_router_topk=2, moe_ffn_hidden_size=case.moe_ffn
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_hybrid_model(case: HybridCase, config=None):
+    """HybridModel from the local spec (no FSDP, no Float16Module)."""
+    from megatron.core.models.hybrid.hybrid_local_layer_specs import hybrid_local_stack_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return HybridModel(
+        config=config if config is not None else transformer_config(case),
+        hybrid_stack_spec=hybrid_local_stack_spec,
+        vocab_size=case.vocab,
+        max_sequence_length=case.seq,
+        hybrid_layer_pattern=case.pattern,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+
+
+def unit_classes():
+    from megatron.core.ssm.mamba_layer import MambaLayer
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
+
+    # Passed explicitly so the tests do not depend on the default-units patch.
+    return [TransformerLayer, MoETransformerLayer, MambaLayer]
+
+
+def unit_census(model: torch.nn.Module) -> dict[str, Any]:
+    """Outermost unit modules (FSDP skips nested ones), their sizes, and the non-unit params."""
+    units = tuple(unit_classes())
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, units) and not any(name.startswith(n + ".") for n, _ in found):
+            found.append((name, mod))
+    unit_param_ids = {id(p) for _, m in found for p in m.parameters()}
+    non_unit = [(n, p) for n, p in model.named_parameters() if id(p) not in unit_param_ids]
+    return {
+        "units": [(n, type(m).__name__, sum(p.numel() for p in m.parameters())) for n, m in found],
+        "non_unit_numel": sum(p.numel() for _, p in non_unit),
+        "non_unit_names": [n for n, _ in non_unit],
+        "total_numel": sum(p.numel() for p in model.parameters()),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed setup
+# --------------------------------------------------------------------------------------------
+def _set_nvls_guards() -> None:
+    for key, safe in NVLS_GUARDS.items():
+        val = os.environ.setdefault(key, safe)
+        if val != safe:
+            pytest.fail(f"{key}={val!r}; GPU runs must keep {key}={safe}")
+
+
+@pytest.fixture(scope="module")
+def dist_env() -> Iterator[None]:
+    _set_nvls_guards()
+    os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
+    from megatron.core import parallel_state
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+        created = True
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    torch.cuda.synchronize()
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+def rank0_print(*args) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def record_result(key: str, value: Any) -> None:
+    """Merge one test's numbers into the JSON summary (rank 0 writes)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    data: dict[str, Any] = {}
+    if os.path.exists(RESULTS_PATH):
+        with open(RESULTS_PATH) as f:
+            data = json.load(f)
+    data[key] = value
+    os.makedirs(os.path.dirname(RESULTS_PATH) or ".", exist_ok=True)
+    with open(RESULTS_PATH, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True, default=str)
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-FSDP training loop
+# --------------------------------------------------------------------------------------------
+def ddp_config(case: HybridCase, *, maxpool: bool, double_buffer: bool) -> DistributedDataParallelConfig:
+    kwargs = dict(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        grad_reduce_in_fp32=True,  # what the 0.18.2 CLI does for bf16 (brief 2.4)
+        bucket_size=case.bucket_size,
+        fsdp_double_buffer=double_buffer or maxpool,
+    )
+    if maxpool:
+        kwargs["megatron_fsdp_max_pool_double_buffer"] = True
+    return DistributedDataParallelConfig(**kwargs)
+
+
+@dataclasses.dataclass
+class Run:
+    fsdp: Any
+    optimizer: Any
+    lm: torch.nn.Module  # the HybridModel inside Float16Module inside MegatronFSDP
+    census: dict[str, Any]
+
+    @property
+    def pgb(self):
+        return self.fsdp.param_and_grad_buffer
+
+    @property
+    def ag_pipeline(self):
+        return self.fsdp.module.all_gather_pipeline
+
+    def allocators(self) -> dict[str, Any]:
+        out = {}
+        for attr in ALLOCATOR_ATTRS:
+            alloc = getattr(self.pgb, attr, None)
+            if alloc is not None:
+                out[attr] = alloc
+        return out
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return {k: dict(a.stats()) for k, a in self.allocators().items() if hasattr(a, "stats")}
+
+
+def seed_all(seed: int) -> None:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def make_run(case: HybridCase, *, maxpool: bool, double_buffer: bool) -> Run:
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
+
+    # Pools live in Megatron-FSDP's process-global GlobalMemoryBuffer under fixed names; drop
+    # the previous run's tensors so each run starts like a fresh process (memory, growth).
+    get_global_memory_buffer().buffer.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    seed_all(case.seed)
+    config = transformer_config(case)
+    lm = build_hybrid_model(case, config).cuda()
+    census = unit_census(lm)
+    fsdp = FullyShardedDataParallel(
+        config=config,
+        ddp_config=ddp_config(case, maxpool=maxpool, double_buffer=double_buffer),
+        module=Float16Module(config, lm),
+        fsdp_unit_modules=unit_classes(),
+    )
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=1e-3,
+        weight_decay=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True,
+        clip_grad=1.0,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [fsdp])
+    return Run(fsdp=fsdp, optimizer=optimizer, lm=lm, census=census)
+
+
+def batch(case: HybridCase, step: int, mb: int) -> dict[str, torch.Tensor]:
+    """Deterministic per-(step, micro-batch, rank) tokens, identical across runs."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    gen = torch.Generator().manual_seed(case.seed * 1_000_003 + step * 1009 + mb * 31 + rank)
+    tokens = torch.randint(0, case.vocab, (case.micro_batch, case.seq + 1), generator=gen)
+    pos = torch.arange(case.seq).unsqueeze(0).expand(case.micro_batch, -1)
+    return {
+        "input_ids": tokens[:, :-1].cuda(),
+        "position_ids": pos.cuda(),
+        "attention_mask": None,
+        "labels": tokens[:, 1:].cuda(),
+    }
+
+
+def train(
+    run: Run,
+    case: HybridCase,
+    *,
+    on_step_end: Optional[Callable[[int, Run], None]] = None,
+    on_backward: Optional[Callable[[bool], None]] = None,
+    tag: str = "",
+) -> list[float]:
+    """steps x micro-batches; returns the per-micro-batch losses (fp32 values, in order)."""
+    losses: list[float] = []
+    for step in range(case.steps):
+        run.fsdp.zero_grad_buffer()
+        run.optimizer.zero_grad()
+        for mb in range(case.num_microbatches):
+            last = mb == case.num_microbatches - 1
+            ctx = contextlib.nullcontext() if last else run.fsdp.no_sync()
+            with ctx:
+                out = run.fsdp(**batch(case, step, mb))
+                loss = out.float().mean()
+                if on_backward:
+                    on_backward(True)
+                (loss / case.num_microbatches).backward()
+                if on_backward:
+                    on_backward(False)
+            losses.append(loss.detach())
+        run.fsdp.finish_grad_sync()
+        result = run.optimizer.step()  # (update_successful, grad_norm, num_zeros_in_grad)
+        update_ok, grad_norm = result[0], result[1]
+        assert update_ok, f"{tag} step {step}: optimizer step skipped (grad_norm={grad_norm})"
+        vals = [float(v) for v in losses[-case.num_microbatches :]]
+        rank0_print(f"[{tag}] step {step} losses {vals} grad_norm {grad_norm}")
+        if on_step_end:
+            on_step_end(step, run)
+    torch.cuda.synchronize()
+    return [float(v) for v in losses]
+
+
+def teardown_run(run: Optional[Run]) -> None:
+    """Drain outstanding work; callers drop their own reference afterwards."""
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# (a) bitwise parity, (b) stable pool bytes, (c) no new home misses
+# --------------------------------------------------------------------------------------------
+@needs_two_gpus
+@needs_maxpool
+def test_maxpool_bitwise_losses_and_stable_pool(dist_env) -> None:
+    case = HybridCase()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        t0 = time.time()
+        base_run = make_run(case, maxpool=False, double_buffer=False)
+        rank0_print("census", json.dumps(base_run.census))
+        base = train(base_run, case, tag="no-db")
+        teardown_run(base_run)
+        del base_run
+
+        per_step: list[dict[str, dict[str, Any]]] = []
+
+        def snap(step: int, run: Run) -> None:
+            s = run.stats()
+            per_step.append(s)
+            rank0_print(f"[maxpool] step {step} stats {json.dumps(s, sort_keys=True)}")
+
+        mp_run = make_run(case, maxpool=True, double_buffer=True)
+        kinds = {k: type(a).__name__ for k, a in mp_run.allocators().items()}
+        rank0_print("allocators", kinds)
+        mp = train(mp_run, case, on_step_end=snap, tag="maxpool")
+        teardown_run(mp_run)
+
+        repeat: Optional[list[float]] = None
+        if base != mp:
+            # Tell a max-pool numerics bug apart from a non-deterministic stack.
+            rerun = make_run(case, maxpool=False, double_buffer=False)
+            repeat = train(rerun, case, tag="no-db-repeat")
+            teardown_run(rerun)
+        record_result(
+            "a_bitwise",
+            {
+                "case": dataclasses.asdict(case),
+                "losses_no_db": base,
+                "losses_maxpool": mp,
+                "losses_no_db_repeat": repeat,
+                "equal": base == mp,
+                "allocators": kinds,
+                "stats_per_step": per_step,
+                "seconds": time.time() - t0,
+            },
+        )
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+    assert repeat is None or repeat == base, (
+        "baseline itself is not bitwise reproducible, parity cannot be judged: "
+        f"{base} vs {repeat}"
+    )
+    # (a) bit-identical losses (torch.equal on the fp32 values).
+    assert torch.equal(torch.tensor(base), torch.tensor(mp)), f"no-db {base}\nmaxpool {mp}"
+
+    # (b) + (c): every allocator that reports stats is a max-pool and is stable after step 1.
+    assert per_step and per_step[0], f"no allocator reported stats(): {kinds}"
+    assert kinds.get("weight_alloc") == "MaxPoolAllocator", kinds
+    for name, first in per_step[0].items():
+        last = per_step[-1][name]
+        assert last["pool_bytes_allocated"] == first["pool_bytes_allocated"], (
+            name, first, last)
+        assert last["home_misses"] == first["home_misses"], (name, first, last)
+        assert last["pool_bytes_allocated"] <= last["pool_bytes_planned"], (name, last)
+    assert per_step[0]["weight_alloc"]["pool_bytes_allocated"] > 0, per_step[0]
+    if "main_grad_alloc" in per_step[0]:
+        assert per_step[0]["main_grad_alloc"]["pool_bytes_allocated"] > 0, per_step[0]
+
+
+# --------------------------------------------------------------------------------------------
+# (d) peak memory under an analytic bound
+# --------------------------------------------------------------------------------------------
+def activation_bytes_estimate(case: HybridCase) -> int:
+    """Generous upper estimate of one micro-batch's live activations (bytes).
+
+    Only one micro-batch is live at a time (backward follows its forward). Per layer we allow
+    24 tensors of T x max(hidden, d_inner, topk * moe_ffn) in fp32, which covers what Mamba
+    (z, x, B, C, dt, conv in/out, y, gated norm), attention (qkv, context, norms) and MoE
+    (permuted tokens, fc1 out, activation, unpermute) save, plus their grads. Attention adds
+    scores/probs/grad as b x heads x s x s x fp32 x 3; the head adds fp32 logits, softmax,
+    grad-of-logits and a bf16 copy: T x V x 14 bytes.
+    """
+    tokens = case.micro_batch * case.seq
+    width = max(case.hidden, 2 * case.hidden, 2 * case.moe_ffn)
+    per_layer = 24 * tokens * width * 4
+    attn = case.pattern.count("*") * case.micro_batch * case.heads * case.seq * case.seq * 4 * 3
+    head = tokens * case.vocab * 14
+    return len(case.pattern) * per_layer + attn + head
+
+
+@needs_two_gpus
+@needs_maxpool
+def test_maxpool_peak_memory_within_analytic_bound(dist_env) -> None:
+    case = MEMORY_CASE
+    run = make_run(case, maxpool=True, double_buffer=True)
+    census = run.census
+    dp = dist.get_world_size()
+    n_total = census["total_numel"]
+    largest_unit = max(n for _, _, n in census["units"])
+
+    peaks: list[int] = []
+
+    def measure(step: int, r: Run) -> None:
+        torch.cuda.synchronize()
+        if step >= 1:  # step 0 includes Triton autotune scratch and lazy optimizer-state init
+            peaks.append(torch.cuda.memory_stats()["active_bytes.all.peak"])
+        torch.cuda.reset_peak_memory_stats()
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    train(run, case, on_step_end=measure, tag="maxpool-mem")
+    peak = max(peaks)
+
+    # Persistent, sharded over DP: bf16 model-weight shard (2 B) + fp32 main weight (4 B) +
+    # fp32 main grad (4 B) + Adam exp_avg/exp_avg_sq (8 B) = 18 B per param / DP.
+    sharded = 18 * n_total // dp
+    # Non-units stay unsharded after their first gather (bf16, 2 B) and get a transient fp32
+    # unsharded grad bucket (4 B) in backward.
+    non_unit = 6 * census["non_unit_numel"]
+    # The two pool groups: 2 x the largest unit's bf16 weights and 2 x its fp32 grads. The plan
+    # is per-slot maxima across units, which can exceed the largest single unit when units have
+    # several buckets; 1.5x covers that for this model (buckets are per dtype only here).
+    pools = int(1.5 * (2 * 2 * largest_unit + 2 * 4 * largest_unit))
+    # Autograd's bf16 .grad of one param before it is folded into main_grad, x2 in flight.
+    transient_grads = 2 * 2 * largest_unit
+    # torch Adam (foreach) temporaries over the fp32 shard: ~2 fp32 copies of the shard.
+    optimizer_temps = 8 * n_total // dp
+    activations = activation_bytes_estimate(case)
+    subtotal = sharded + non_unit + pools + transient_grads + optimizer_temps + activations
+    # Slack: allocator rounding (512 B granularity), NCCL/Megatron small workspaces,
+    # cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8 -> 8 x 4 MiB), RNG states.
+    slack = 48 * MiB + subtotal // 10
+    bound = subtotal + slack
+    # A pool that leaked one buffer per unit would hold every unit unsharded instead of 2.
+    leak_if_unpooled = (len(census["units"]) - 2) * 6 * largest_unit
+    breakdown = {
+        "peak_bytes": peak,
+        "bound_bytes": bound,
+        "sharded": sharded,
+        "non_unit": non_unit,
+        "pools": pools,
+        "transient_grads": transient_grads,
+        "optimizer_temps": optimizer_temps,
+        "activations_estimate": activations,
+        "slack": slack,
+        "leak_if_unpooled": leak_if_unpooled,
+        "per_step_peaks": peaks,
+        "stats": run.stats(),
+        "census": census,
+    }
+    rank0_print("memory", json.dumps(breakdown, default=str))
+    record_result("d_peak_memory", breakdown)
+    teardown_run(run)
+    assert peak <= bound, f"peak {peak / MiB:.1f} MiB > bound {bound / MiB:.1f} MiB: {breakdown}"
+
+
+# --------------------------------------------------------------------------------------------
+# (e) prefetch gating: non-unit gathers stay non-unit
+# --------------------------------------------------------------------------------------------
+@needs_two_gpus
+@needs_maxpool
+def test_non_unit_forward_gathers_only_its_own_buckets(dist_env) -> None:
+    case = HybridCase(steps=2)
+    run = make_run(case, maxpool=True, double_buffer=True)
+    groups = run.pgb.parameter_groups
+    phase = ["setup"]
+    gathered: list[tuple[str, int]] = []
+
+    ag = run.ag_pipeline
+    orig_gather = ag.async_bucket_gather
+
+    def spy_gather(bucket_id, *args, **kwargs):
+        gathered.append((phase[0], bucket_id))
+        return orig_gather(bucket_id, *args, **kwargs)
+
+    ag.async_bucket_gather = spy_gather
+
+    def set_phase(name: str):
+        def hook(*_):
+            phase[0] = name
+
+        return hook
+
+    # prepend=True: our marker runs before Megatron-FSDP's own pre-forward gather hook.
+    run.lm.embedding.register_forward_pre_hook(set_phase("embedding"), prepend=True)
+    for i, layer in enumerate(run.lm.decoder.layers):
+        layer.register_forward_pre_hook(set_phase(f"unit{i}"), prepend=True)
+    run.lm.output_layer.register_forward_pre_hook(set_phase("output"), prepend=True)
+    orig_sps = run.fsdp.start_param_sync
+
+    def spy_start_param_sync(*args, **kwargs):
+        phase[0] = "start_param_sync"
+        try:
+            return orig_sps(*args, **kwargs)
+        finally:
+            phase[0] = "optimizer"
+
+    # The optimizer calls model_chunk.start_param_sync() after its step: the other non-unit
+    # (first-parameter) gather with prefetch=True.
+    run.fsdp.start_param_sync = spy_start_param_sync
+
+    train(run, case, on_backward=lambda fwd_done: phase.__setitem__(0, "backward" if fwd_done else "idle"),
+          tag="gating")
+    teardown_run(run)
+
+    non_unit_phases = ("embedding", "start_param_sync")
+    offenders = [
+        (ph, b, groups[b].fsdp_unit_id)
+        for ph, b in gathered
+        if ph in non_unit_phases and groups[b].fsdp_unit_id is not None
+    ]
+    emb_buckets = sorted({b for ph, b in gathered if ph == "embedding"})
+    summary = {
+        "gathers": len(gathered),
+        "embedding_phase_buckets": emb_buckets,
+        "start_param_sync_buckets": sorted({b for ph, b in gathered if ph == "start_param_sync"}),
+        "offenders": offenders,
+        "bucket_units": [g.fsdp_unit_id for g in groups],
+    }
+    rank0_print("gating", json.dumps(summary))
+    record_result("e_prefetch_gating", summary)
+    assert emb_buckets, f"spy saw no gather during the embedding forward: {gathered}"
+    assert not offenders, f"non-unit gathers pulled unit buckets (phase, bucket, unit): {offenders}"
+
+
+# --------------------------------------------------------------------------------------------
+# (f) upstream's failing scenario with max-pool
+# --------------------------------------------------------------------------------------------
+@needs_two_gpus
+@needs_maxpool
+def test_upstream_attention_mamba_repro_with_maxpool(dist_env) -> None:
+    case = UPSTREAM_CASE
+    run = make_run(case, maxpool=True, double_buffer=True)
+    units = run.census["units"]
+    rank0_print("upstream-case units", units)
+    assert [cls for _, cls, _ in units] == ["TransformerLayer", "MambaLayer"], units
+    losses = train(run, case, tag="upstream-maxpool")
+    stats = run.stats()
+    teardown_run(run)
+    record_result("f_upstream_maxpool", {"losses": losses, "units": units, "stats": stats})
+    assert len(losses) == case.steps * case.num_microbatches
+    assert all(math.isfinite(v) for v in losses), losses
+
+
+# --------------------------------------------------------------------------------------------
+# (g) the same scenario with the old FixedPool, isolated in a child torchrun
+# --------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+FIXEDPOOL_JSON = os.path.join(os.environ.get("OUT") or "/tmp", "maxpool_fixedpool_outcome.json")
+
+
+@needs_two_gpus
+def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env) -> None:
+    """Records what FixedPool does on the asymmetric pair; does not require it to pass."""
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        child_dir = os.path.join(os.environ.get("OUT") or "/tmp", "fixedpool_child")
+        os.makedirs(child_dir, exist_ok=True)
+        for f in os.listdir(child_dir):
+            os.remove(os.path.join(child_dir, f))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GROUP_", "ROLE_"))}
+        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        env.update(NVLS_GUARDS)
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(_free_port()), os.path.abspath(__file__),
+            "--fixedpool-child", child_dir,
+        ]
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+            rc, out = proc.returncode, (proc.stdout or "") + (proc.stderr or "")
+        except subprocess.TimeoutExpired as e:
+            rc = "timeout"
+            out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        ranks = {}
+        for f in sorted(os.listdir(child_dir)):
+            with open(os.path.join(child_dir, f)) as fh:
+                ranks[f] = json.load(fh)
+        crash_lines = [
+            ln for ln in out.splitlines()
+            if any(s in ln for s in ("illegal memory access", "Error", "error:", "No buffer found"))
+        ]
+        outcome = {
+            "cmd": " ".join(cmd),
+            "returncode": rc,
+            "seconds": round(time.time() - t0, 1),
+            "ranks": ranks,
+            "crash_lines": crash_lines[-20:],
+            "output_tail": out[-4000:],
+        }
+        outcome["verdict"] = (
+            "ok" if rc == 0 and ranks and all(r.get("status") == "ok" for r in ranks.values())
+            else "failed"
+        )
+        with open(FIXEDPOOL_JSON, "w") as fh:
+            json.dump(outcome, fh, indent=2, default=str)
+        print("fixedpool outcome:", json.dumps({k: outcome[k] for k in ("returncode", "verdict", "crash_lines")}),
+              flush=True)
+        for name, r in ranks.items():
+            print(f"  {name}: status={r.get('status')} outliers={r.get('outlier_units')} "
+                  f"fallback_keys={r.get('fallback_keys')} backup={r.get('backup_buckets')} "
+                  f"losses={r.get('losses')} error={r.get('error')}", flush=True)
+        payload[0] = {"verdict": outcome["verdict"], "path": FIXEDPOOL_JSON}
+        record_result("g_fixedpool_outcome", outcome)
+    dist.broadcast_object_list(payload, src=0)
+    assert payload[0] is not None, "rank 0 did not record the FixedPool outcome"
+    if dist.get_rank() == 0:
+        with open(payload[0]["path"]) as fh:
+            rec = json.load(fh)
+        assert rec["verdict"] in ("ok", "failed") and "returncode" in rec, rec
+        assert rec["ranks"] or rec["output_tail"], "child produced neither rank records nor output"
+
+
+def _fixedpool_child(out_dir: str) -> int:
+    """Child entry (under its own torchrun): FixedPool double buffer on UPSTREAM_CASE."""
+    from megatron.core import parallel_state
+
+    rank = int(os.environ["RANK"])
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    rec: dict[str, Any] = {"rank": rank, "status": "starting", "losses": []}
+
+    def dump() -> None:
+        with open(path, "w") as fh:
+            json.dump(rec, fh, indent=2, default=str)
+
+    dump()
+    try:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+        parallel_state.initialize_model_parallel(1, 1)
+        case = UPSTREAM_CASE
+        run = make_run(case, maxpool=False, double_buffer=True)
+        wa = run.pgb.weight_alloc
+        all_units = sorted({g.fsdp_unit_id for g in run.pgb.parameter_groups if g.fsdp_unit_id is not None})
+        pooled = sorted(getattr(wa, "fsdp_double_buffer_units", []) or [])
+        rec.update(
+            allocators={k: type(a).__name__ for k, a in run.allocators().items()},
+            units=run.census["units"],
+            all_unit_ids=all_units,
+            pooled_units=pooled,
+            outlier_units=[u for u in all_units if u not in pooled],
+            status="running",
+        )
+        dump()
+
+        def after_step(step: int, r: Run) -> None:
+            rec["steps_done"] = step + 1
+            rec["fallback_keys"] = _fallback_keys()
+            rec["backup_buckets"] = {
+                k: sorted(getattr(getattr(a, "backup_allocator", None), "buckets", {}) or {})
+                for k, a in r.allocators().items()
+            }
+            dump()
+
+        losses = train(run, case, on_step_end=after_step, tag="upstream-fixedpool")
+        rec.update(status="ok", losses=losses, finite=all(math.isfinite(v) for v in losses))
+        dump()
+        return 0
+    except BaseException as e:  # record everything, including CUDA errors
+        rec.update(status="exception", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+        dump()
+        return 1
+
+
+def _fallback_keys() -> list[str]:
+    """GlobalMemoryBuffer keys FixedPool created for buckets outside its pool (F3)."""
+    try:
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
+
+        buf = get_global_memory_buffer()
+        return sorted(str(k) for k in getattr(buf, "buffer", {}) if "not_fit_in_fixed_pool" in str(k))
+    except Exception as e:  # diagnostic only
+        return [f"<unavailable: {e}>"]
+
+
+# --------------------------------------------------------------------------------------------
+# CPU dry run: the models above build and have the expected unit census
+# --------------------------------------------------------------------------------------------
+@pytest.mark.skipif(HAVE_CUDA, reason="CPU dry run; the GPU tests build these models for real")
+@pytest.mark.skipif(not HAVE_MAMBA, reason="mamba_ssm not installed")
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        (HybridCase(), ["MambaLayer", "TransformerLayer", "MoETransformerLayer"] * 2),
+        (MEMORY_CASE, ["MambaLayer", "TransformerLayer", "MoETransformerLayer"] * 2),
+        (UPSTREAM_CASE, ["TransformerLayer", "MambaLayer"]),
+    ],
+    ids=["m*e-x2", "memory-case", "upstream-*M"],
+)
+def test_cpu_dry_run_unit_census(case: HybridCase, expected: list[str]) -> None:
+    from megatron.core import parallel_state
+
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        created = True
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel()
+    try:
+        tracker = mock.MagicMock()
+        tracker.fork.side_effect = lambda *a, **k: contextlib.nullcontext()
+        with (
+            mock.patch("torch.cuda.current_device", return_value="cpu"),
+            mock.patch("megatron.core.ssm.mamba_mixer.get_cuda_rng_tracker", return_value=tracker),
+        ):
+            model = build_hybrid_model(case, transformer_config(case, use_cpu_initialization=True))
+        census = unit_census(model)
+        print(case.pattern, json.dumps(census))
+        assert [cls for _, cls, _ in census["units"]] == expected
+        assert census["non_unit_names"] == [
+            "embedding.word_embeddings.weight", "decoder.final_norm.weight", "output_layer.weight"
+        ], census["non_unit_names"]
+        assert census["non_unit_numel"] == 2 * case.vocab * case.hidden + case.hidden
+        # The analytic memory bound must stay finite and positive for the sizes used on GPU.
+        assert 0 < activation_bytes_estimate(case) < 4 << 30
+        # DDP configs the GPU tests use must be constructible (field present or not).
+        cfg = ddp_config(case, maxpool=False, double_buffer=True)
+        assert cfg.fsdp_double_buffer and cfg.data_parallel_sharding_strategy == "optim_grads_params"
+        if HAVE_MAXPOOL_FIELD:
+            assert ddp_config(case, maxpool=True, double_buffer=False).fsdp_double_buffer
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--fixedpool-child":
+        sys.exit(_fixedpool_child(sys.argv[2]))
+    sys.exit(f"usage: {sys.argv[0]} --fixedpool-child OUT_DIR (run under torchrun)")

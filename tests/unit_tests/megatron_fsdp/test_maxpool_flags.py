@@ -1,0 +1,117 @@
+"""Max-pool double-buffer flags: CLI parse/validate, DDP configs, fully_shard plumbing (CPU)."""
+
+import importlib
+import inspect
+import sys
+
+import pytest
+
+import megatron.training.arguments as arguments
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig as MCoreDDPConfig,
+)
+from megatron.core.distributed.fsdp.src.megatron_fsdp.distributed_data_parallel_config import (
+    DistributedDataParallelConfig as FsdpDDPConfig,
+)
+
+# The package re-exports the function `fully_shard`; we need the module.
+fs = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard")
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 1 --bf16 --lr 1e-4 --train-iters 2 "
+    "--ckpt-format fsdp_dtensor"
+).split()
+FSDP = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params".split()
+
+
+@pytest.fixture
+def validated(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    # validate_args queries the GPU arch late; pretend Hopper on a CPU box.
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+
+    def run(extra):
+        monkeypatch.setattr(sys, "argv", ["pretrain"] + BASE + extra)
+        args = arguments.parse_args()
+        arguments.validate_args(args, {})
+        return args
+
+    return run
+
+
+def test_flags_parse_with_defaults_off(validated):
+    args = validated(FSDP)
+    assert args.megatron_fsdp_max_pool_double_buffer is False
+    assert args.fsdp_db_use_persist_buf_on_alloc_fail is False
+    assert args.fsdp_double_buffer is False
+
+
+def test_max_pool_implies_double_buffer(validated):
+    args = validated(FSDP + ["--megatron-fsdp-max-pool-double-buffer"])
+    assert args.megatron_fsdp_max_pool_double_buffer is True
+    assert args.fsdp_double_buffer is True
+
+
+def test_persist_fallback_flag_with_double_buffer(validated):
+    args = validated(FSDP + ["--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail"])
+    assert args.fsdp_db_use_persist_buf_on_alloc_fail is True
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--megatron-fsdp-max-pool-double-buffer"], "requires --use-megatron-fsdp"),
+        (
+            [
+                "--use-megatron-fsdp",
+                "--data-parallel-sharding-strategy",
+                "optim_grads",
+                "--megatron-fsdp-max-pool-double-buffer",
+            ],
+            "optim_grads_params",
+        ),
+        (
+            FSDP + ["--megatron-fsdp-max-pool-double-buffer", "--overlap-moe-expert-parallel-comm"],
+            "incompatible with --overlap-moe-expert-parallel-comm",
+        ),
+        (FSDP + ["--fsdp-db-use-persist-buf-on-alloc-fail"], "requires --fsdp-double-buffer"),
+    ],
+)
+def test_invalid_combinations_rejected(validated, extra, match):
+    with pytest.raises(ValueError, match=match):
+        validated(extra)
+
+
+@pytest.mark.parametrize("cfg_cls", [MCoreDDPConfig, FsdpDDPConfig])
+def test_ddp_configs_post_init_imply_double_buffer(cfg_cls):
+    assert cfg_cls().megatron_fsdp_max_pool_double_buffer is False
+    assert cfg_cls().fsdp_double_buffer is False
+    cfg = cfg_cls(megatron_fsdp_max_pool_double_buffer=True)
+    assert cfg.fsdp_double_buffer is True
+
+
+def test_fully_shard_plumbs_maxpool_kwarg(monkeypatch):
+    for fn in (fs.fully_shard, fs.fully_shard_model):
+        param = inspect.signature(fn).parameters["maxpool_double_buffer"]
+        assert param.default is False
+    # fully_shard forwards the kwarg to fully_shard_model ...
+    original_model_fn = fs.fully_shard_model
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_model(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(fs, "fully_shard_model", fake_model)
+    with pytest.raises(Stop):
+        fs.fully_shard(module=None, optimizer=None, maxpool_double_buffer=True)
+    assert seen["maxpool_double_buffer"] is True
+    # ... which builds the DDP config with the max-pool field set (needs GPUs to call).
+    src = inspect.getsource(original_model_fn)
+    assert "megatron_fsdp_max_pool_double_buffer=maxpool_double_buffer" in src
