@@ -46,7 +46,7 @@ print("summary:", json.dumps({
     "peak_MiB": round(d["peak_bytes"] / 2**20, 1) if d else None,
     "bound_MiB": round(d["bound_bytes"] / 2**20, 1) if d else None,
     "gating_offenders": data.get("e_prefetch_gating", {}).get("offenders"),
-    "fixedpool_verdict": data.get("g_fixedpool_outcome", {}).get("verdict"),
+    "fixedpool_verdicts": {k: v.get("verdict") for k, v in data.items() if k.startswith("g_fixedpool_outcome")},
 }))
 PY
 exit "$rc"

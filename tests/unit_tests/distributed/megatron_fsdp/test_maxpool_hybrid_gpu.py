@@ -154,7 +154,10 @@ def transformer_config(case: HybridCase, **overrides):
     )
     if "E" in case.pattern:
         kwargs.update(
-            num_moe_experts=case.num_experts, moe_router_topk=2, moe_ffn_hidden_size=case.moe_ffn
+            num_moe_experts=case.num_experts, moe_router_topk=2, moe_ffn_hidden_size=case.moe_ffn,
+            # Local SequentialMLP experts add their bias in place on a custom-Function view,
+            # which autograd forbids; MoE stacks run without linear biases anyway.
+            add_bias_linear=False,
         )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -658,11 +661,17 @@ FIXEDPOOL_JSON = os.path.join(os.environ.get("OUT") or "/tmp", "maxpool_fixedpoo
 
 
 @needs_two_gpus
-def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env) -> None:
-    """Records what FixedPool does on the asymmetric pair; does not require it to pass."""
+@pytest.mark.parametrize("variant", ["fork", "emulate-0.18.2-backup"])
+def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env, variant: str) -> None:
+    """Records what FixedPool does on the asymmetric pair; does not require it to pass.
+
+    ``fork``: this tree's FixedPool (its backup allocator keeps bucket storage, patch P1).
+    ``emulate-0.18.2-backup``: the backup swapped back to 0.18.2's TemporaryBucketAllocator,
+    which drops the bucket on free (brief F2), to show what unpatched users hit.
+    """
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
-        child_dir = os.path.join(os.environ.get("OUT") or "/tmp", "fixedpool_child")
+        child_dir = os.path.join(os.environ.get("OUT") or "/tmp", f"fixedpool_child_{variant}")
         os.makedirs(child_dir, exist_ok=True)
         for f in os.listdir(child_dir):
             os.remove(os.path.join(child_dir, f))
@@ -674,7 +683,7 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env) -> None:
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(_free_port()), os.path.abspath(__file__),
             "--fixedpool-child", child_dir,
-        ]
+        ] + (["--emulate-0182"] if variant != "fork" else [])
         t0 = time.time()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -691,6 +700,7 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env) -> None:
             if any(s in ln for s in ("illegal memory access", "Error", "error:", "No buffer found"))
         ]
         outcome = {
+            "variant": variant,
             "cmd": " ".join(cmd),
             "returncode": rc,
             "seconds": round(time.time() - t0, 1),
@@ -702,7 +712,8 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env) -> None:
             "ok" if rc == 0 and ranks and all(r.get("status") == "ok" for r in ranks.values())
             else "failed"
         )
-        with open(FIXEDPOOL_JSON, "w") as fh:
+        out_json = FIXEDPOOL_JSON.replace(".json", f"_{variant}.json")
+        with open(out_json, "w") as fh:
             json.dump(outcome, fh, indent=2, default=str)
         print("fixedpool outcome:", json.dumps({k: outcome[k] for k in ("returncode", "verdict", "crash_lines")}),
               flush=True)
@@ -710,8 +721,8 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env) -> None:
             print(f"  {name}: status={r.get('status')} outliers={r.get('outlier_units')} "
                   f"fallback_keys={r.get('fallback_keys')} backup={r.get('backup_buckets')} "
                   f"losses={r.get('losses')} error={r.get('error')}", flush=True)
-        payload[0] = {"verdict": outcome["verdict"], "path": FIXEDPOOL_JSON}
-        record_result("g_fixedpool_outcome", outcome)
+        payload[0] = {"verdict": outcome["verdict"], "path": out_json}
+        record_result(f"g_fixedpool_outcome_{variant}", outcome)
     dist.broadcast_object_list(payload, src=0)
     assert payload[0] is not None, "rank 0 did not record the FixedPool outcome"
     if dist.get_rank() == 0:
@@ -721,7 +732,7 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env) -> None:
         assert rec["ranks"] or rec["output_tail"], "child produced neither rank records nor output"
 
 
-def _fixedpool_child(out_dir: str) -> int:
+def _fixedpool_child(out_dir: str, emulate_0182: bool = False) -> int:
     """Child entry (under its own torchrun): FixedPool double buffer on UPSTREAM_CASE."""
     from megatron.core import parallel_state
 
@@ -740,6 +751,17 @@ def _fixedpool_child(out_dir: str) -> int:
         parallel_state.initialize_model_parallel(1, 1)
         case = UPSTREAM_CASE
         run = make_run(case, maxpool=False, double_buffer=True)
+        if emulate_0182:
+            # 0.18.2's FixedPool backup: a TemporaryBucketAllocator whose free() drops the
+            # bucket, so the next allocate makes a new storage behind saved aliases (F2).
+            from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+                TemporaryBucketAllocator,
+            )
+
+            for alloc in run.allocators().values():
+                if hasattr(alloc, "backup_allocator"):
+                    alloc.backup_allocator = TemporaryBucketAllocator()
+        rec["emulate_0182_backup"] = emulate_0182
         wa = run.pgb.weight_alloc
         all_units = sorted({g.fsdp_unit_id for g in run.pgb.parameter_groups if g.fsdp_unit_id is not None})
         pooled = sorted(getattr(wa, "fsdp_double_buffer_units", []) or [])
@@ -835,6 +857,6 @@ def test_cpu_dry_run_unit_census(case: HybridCase, expected: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--fixedpool-child":
-        sys.exit(_fixedpool_child(sys.argv[2]))
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--fixedpool-child":
+        sys.exit(_fixedpool_child(sys.argv[2], emulate_0182=sys.argv[3:] == ["--emulate-0182"]))
     sys.exit(f"usage: {sys.argv[0]} --fixedpool-child OUT_DIR (run under torchrun)")

@@ -1,0 +1,79 @@
+"""GPU experiment (2): process exit time after training with many expert-parallel NCCL groups,
+with and without the pretrain() teardown (megatron/training/teardown.py).
+
+Run (2 x H200, < 3 min):  . .devtools/bootstrap.sh && python tests/gpu/nccl_lifecycle/teardown_exit_time.py
+Writes $OUT/teardown_exit_time.json and prints a summary.
+
+Each child builds Megatron's groups with EP=2 plus EXTRA_GROUPS additional 2-rank groups (the
+many expert-parallel groups of a large MoE layout), uses every group once so its communicator
+exists, then returns from a pretrain-like function. "teardown" wraps that function with
+tear_down_distributed_on_exit; "none" leaves the groups to interpreter shutdown (0.18.2).
+Measured: seconds from "training done" (timestamp written by each rank) to job exit, as seen
+by the parent; a job still alive after CHILD_TIMEOUT_S is recorded as a hang.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _launch  # noqa: E402
+
+EXTRA_GROUPS = 48
+CHILD_TIMEOUT_S = 60  # x2 jobs; a hang is recorded as timed_out
+
+
+def child(variant: str, stamp_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+
+    def pretrain_like(inprocess_call_wrapper=None) -> int:
+        dist.init_process_group("nccl")
+        from megatron.core import parallel_state as ps
+
+        ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2,
+                                     num_distributed_optimizer_instances=2)
+        for i in range(EXTRA_GROUPS):
+            ps.create_group([0, 1], group_desc=f"EXTRA_EP_GROUP_{i}")
+        from megatron.training.nccl_warmup import warm_up_nccl_communicators
+
+        return warm_up_nccl_communicators().warmed  # every communicator now exists
+
+    if variant == "teardown":
+        from megatron.training.teardown import tear_down_distributed_on_exit
+
+        pretrain_like = tear_down_distributed_on_exit(pretrain_like)
+    warmed = pretrain_like()
+    Path(f"{stamp_path}.rank{local}").write_text(json.dumps({"done_at": time.time(), "groups": warmed}))
+
+
+def main() -> None:
+    _launch.assert_safety_env()
+    out = _launch.out_dir()
+    runs = {}
+    for variant in ("none", "teardown"):
+        stamp = out / f"teardown_exit_{variant}"
+        job = _launch.torchrun(__file__, [variant, str(stamp)], CHILD_TIMEOUT_S)
+        ended = time.time()
+        stamps = [json.loads(Path(f"{stamp}.rank{r}").read_text())
+                  for r in range(2) if Path(f"{stamp}.rank{r}").exists()]
+        exit_s = round(ended - min(s["done_at"] for s in stamps), 2) if stamps else None
+        runs[variant] = {"job": job, "stamps": stamps, "exit_after_training_s": exit_s}
+    path = _launch.write_results("teardown_exit_time", runs)
+    print(f"== exit time after training ({path}) ==")
+    for variant, run in runs.items():
+        groups = run["stamps"][0]["groups"] if run["stamps"] else None
+        print(f"{variant:9s} rc={run['job']['rc']} timed_out={run['job']['timed_out']} "
+              f"nccl_groups={groups} exit_after_training_s={run['exit_after_training_s']}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3])
+    else:
+        main()

@@ -1,0 +1,200 @@
+"""Distributed teardown at the end of pretrain() (megatron/training/teardown.py), on CPU/gloo."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any, List
+
+import pytest
+import torch.distributed as dist
+
+from conftest import WORKER, child_env, free_ports
+from megatron.training import teardown
+
+FAIL_JOB_TIMEOUT_S = 240  # whole torchrun job, imports included
+EXIT_AFTER_RAISE_BOUND_S = 45  # from rank 1's raise to the job's exit
+
+
+# ---------------------------------------------------------------- multi-rank lifecycle job
+
+
+def test_caller_created_group_is_left_alone(lifecycle_results):
+    for res in lifecycle_results:
+        owned = res["caller_owned"]
+        assert owned["result"] == "done"
+        assert owned["initialized_after"] is True
+        assert owned["mp_initialized_after"] is True
+        assert owned["all_reduce_after"] == 3.0  # 1 + 2: the caller's group still works
+
+
+def test_group_created_inside_is_destroyed_idempotently(lifecycle_results):
+    for res in lifecycle_results:
+        owned = res["owned"]
+        assert owned["result"] == "done"
+        assert owned["initialized_after"] is False
+        assert owned["mp_initialized_after"] is False
+        assert owned["group_list_after"] is None
+        assert owned["second_teardown_error"] is None
+
+
+def test_steps_aside_under_inprocess_restart(lifecycle_results):
+    for res in lifecycle_results:
+        assert res["inprocess"]["initialized_after"] is True
+        assert res["inprocess"]["mp_initialized_after"] is True
+
+
+def test_sys_exit_zero_is_a_success_path(lifecycle_results):
+    for res in lifecycle_results:
+        assert res["sys_exit"] == {"raised": True, "code": 0, "initialized_after": False}
+
+
+# ---------------------------------------------------------------- single-process unit tests
+
+
+@pytest.fixture
+def init_single_rank():
+    """Returns a function that creates a 1-rank gloo world; destroys it at the end if left."""
+
+    def init() -> None:
+        port = free_ports(1)[0]
+        dist.init_process_group(
+            "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}"
+        )
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_success_order_barrier_deregister_mp_then_pg(monkeypatch, init_single_rank):
+    calls: List[str] = []
+    real_destroy = dist.destroy_process_group
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(teardown, "deregister_fsdp_nccl_pool", lambda: calls.append("deregister"))
+    monkeypatch.setattr(teardown, "_destroy_model_parallel", lambda: calls.append("mp"))
+
+    def destroy(*a: Any, **k: Any) -> None:
+        calls.append("pg")
+        real_destroy(*a, **k)
+
+    monkeypatch.setattr(dist, "destroy_process_group", destroy)
+
+    @teardown.tear_down_distributed_on_exit
+    def pretrain_like(inprocess_call_wrapper: Any = None) -> int:
+        init_single_rank()
+        return 7
+
+    assert pretrain_like() == 7
+    assert calls == ["barrier", "deregister", "mp", "pg"]
+    assert not dist.is_initialized()
+
+
+def test_failure_keeps_original_error_when_every_teardown_step_breaks(
+    monkeypatch, init_single_rank, capsys
+):
+    calls: List[str] = []
+
+    def broken(name: str):
+        def step(*a: Any, **k: Any) -> None:
+            calls.append(name)
+            raise RuntimeError(f"teardown step {name} broke")
+
+        return step
+
+    monkeypatch.setattr(dist, "barrier", broken("barrier"))
+    monkeypatch.setattr(teardown, "_destroy_model_parallel", broken("mp"))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", broken("abort"))
+    monkeypatch.setattr(dist, "destroy_process_group", broken("destroy"))
+
+    @teardown.tear_down_distributed_on_exit
+    def pretrain_like(inprocess_call_wrapper: Any = None) -> None:
+        init_single_rank()
+        raise ValueError("original-error-sentinel")
+
+    with pytest.raises(ValueError, match="original-error-sentinel"):
+        pretrain_like()
+    assert "barrier" not in calls, "the failure path must not barrier"
+    assert calls == ["mp", "abort", "destroy"]
+    assert "pretrain failed with ValueError: original-error-sentinel" in capsys.readouterr().err
+    monkeypatch.undo()  # real destroy for the fixture's cleanup
+
+
+def test_failure_teardown_is_bounded_when_abort_hangs(monkeypatch, init_single_rank):
+    release = threading.Event()
+    monkeypatch.setattr(
+        dist.distributed_c10d, "_abort_process_group", lambda group=None: release.wait(60)
+    )
+    init_single_rank()
+    start = time.monotonic()
+    try:
+        teardown.teardown_after_failure(ValueError("x"), timeout_s=1.0)
+        elapsed = time.monotonic() - start
+    finally:
+        release.set()
+    assert elapsed < 10.0, f"failure teardown took {elapsed:.1f} s with a hung abort"
+
+
+def test_deregisters_shared_pool_once_per_group(monkeypatch, init_single_rank):
+    from megatron.core import nccl_allocator
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    init_single_rank()
+    pool = object()
+    g1, g2, g3, g4 = (SimpleNamespace(name=f"g{i}") for i in range(1, 5))
+    auto = SimpleNamespace(fsdp_manual_registration=False)
+    manual = SimpleNamespace(fsdp_manual_registration=True)
+    chunks = [
+        SimpleNamespace(param_and_grad_buffer=SimpleNamespace(
+            ubr_groups=[g1, g2], ddp_config=auto, already_registered=False)),
+        SimpleNamespace(param_and_grad_buffer=SimpleNamespace(
+            ubr_groups=[g2, g3], ddp_config=auto, already_registered=False)),
+        # manual registration that never ran: nothing is registered on g4
+        SimpleNamespace(param_and_grad_buffer=SimpleNamespace(
+            ubr_groups=[g4], ddp_config=manual, already_registered=False)),
+        SimpleNamespace(param_and_grad_buffer=SimpleNamespace(
+            ubr_groups=None, ddp_config=auto, already_registered=False)),  # no nccl_ub
+        SimpleNamespace(),  # not a Megatron-FSDP chunk
+    ]
+    undone: List[Any] = []
+    monkeypatch.setattr(pgb, "NCCL_MEMORY_POOL", pool)
+    monkeypatch.setattr(
+        nccl_allocator, "deregister_mem_pool", lambda p, g: undone.append((p, g.name))
+    )
+    teardown.track_model_for_teardown(chunks)
+    assert teardown.deregister_fsdp_nccl_pool() == 3
+    assert undone == [(pool, "g1"), (pool, "g2"), (pool, "g3")]
+    assert teardown.deregister_fsdp_nccl_pool() == 0  # idempotent
+    assert len(undone) == 3
+
+
+# ---------------------------------------------------------------- a failing rank ends the job
+
+
+def test_raising_rank_ends_the_whole_job_with_its_error(tmp_path):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", "0", "--monitor-interval", "0.5", str(WORKER), "fail", str(tmp_path),
+    ]
+    env = child_env()
+    env["TORCHELASTIC_ERROR_FILE"] = str(tmp_path / "error.json")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=FAIL_JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"job hung for {FAIL_JOB_TIMEOUT_S} s after a rank raised:\n{out[-4000:]}")
+    ended = time.time()
+    assert proc.returncode != 0, out[-4000:]
+    # Rank 1's own traceback ends with its original error ...
+    assert "[rank1]: ValueError: sentinel-rank1-exploded" in out, out[-4000:]
+    assert "pretrain failed with ValueError: sentinel-rank1-exploded" in out
+    # ... although its (sabotaged) abort failed: that is only logged, never raised.
+    assert "abort failed (sabotaged abort)" in out, out[-4000:]
+    assert "RuntimeError: sabotaged abort" not in out
+    raised_at = float((tmp_path / "raise_time").read_text())
+    assert ended - raised_at < EXIT_AFTER_RAISE_BOUND_S, f"{ended - raised_at:.1f} s to exit"
+    print(f"job exited {ended - raised_at:.1f} s after rank 1 raised (rc={proc.returncode})")
