@@ -3,7 +3,7 @@
 # then run the CPU unit tests. GPU tests skip here; run them with tests/gpu/*.sh on GPU machines.
 set -eo pipefail
 cd "$(dirname "$0")/.."
-. scripts/setup_env.sh
+HFSDP_WITH_MAMBA=${HFSDP_WITH_MAMBA:-1} . scripts/setup_env.sh
 echo "run_tests: patch series"
 scripts/patchset lint
 scripts/patchset check

@@ -5,6 +5,9 @@
 #   PYTHON=/path/to/python3.12   pick the interpreter (default: first Python >= 3.12 found)
 #   VENV=/path/to/venv           where the venv lives (default: ./.venv)
 #   HFSDP_TORCH_SPEC='torch==X'  torch to install when the venv has none (default below)
+#   HFSDP_WITH_MAMBA=1           also install mamba_ssm's Triton-only build (as on the GPU machines),
+#                                so Mamba layers can be constructed in CPU tests; HFSDP_MAMBA_WHEEL
+#                                names a prebuilt wheel, else ../shared/device/wheels or a local build
 set -eo pipefail
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -41,6 +44,27 @@ if ! "$HFSDP_PY" -c 'import torch' >/dev/null 2>&1; then
 fi
 echo "setup_env: pip install -e .[test]"
 "$HFSDP_PY" -m pip install -q --disable-pip-version-check -e "$_root[test]"
+if [ "${HFSDP_WITH_MAMBA:-0}" = 1 ] && ! "$HFSDP_PY" -c 'import mamba_ssm' >/dev/null 2>&1; then
+  _pip() { "$HFSDP_PY" -m pip install -q --disable-pip-version-check "$@"; }
+  _whl=${HFSDP_MAMBA_WHEEL:-$(ls "$_root"/../shared/device/wheels/mamba_ssm-*.whl 2>/dev/null | head -1)}
+  _pip huggingface_hub transformers setuptools wheel ninja packaging
+  if [ -z "$_whl" ]; then
+    _wdir=$(mktemp -d)
+    echo "setup_env: building mamba-ssm (Triton kernels only, no CUDA extensions)"
+    MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE "$HFSDP_PY" -m pip wheel -q --no-deps \
+      --no-build-isolation "mamba-ssm==2.3.2.post1" -w "$_wdir" && _whl=$(ls "$_wdir"/mamba_ssm-*.whl)
+  fi
+  if [ -n "$_whl" ]; then
+    echo "setup_env: installing $(basename "$_whl")"
+    _pip --no-deps "$_whl"
+    # mamba_ssm imports its selective-scan CUDA extension eagerly; the Mamba2 Triton path never
+    # calls it (same stand-in as the GPU machines' bootstrap).
+    _site=$("$HFSDP_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    [ -f "$_site/selective_scan_cuda.py" ] || echo "# stand-in: mamba_ssm's CUDA-only selective scan (unused by the Triton path)" > "$_site/selective_scan_cuda.py"
+  else
+    echo "setup_env: could not build mamba-ssm; Mamba CPU tests will skip" >&2
+  fi
+fi
 "$HFSDP_PY" - <<'PY'
 import importlib.metadata as md
 import torch

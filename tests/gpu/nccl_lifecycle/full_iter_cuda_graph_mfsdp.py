@@ -1,15 +1,19 @@
 """GPU experiment (4): full-iteration CUDA graph capture of a small Megatron-FSDP model.
 
-Run (2 x H200, < 3 min):  . .devtools/bootstrap.sh && python tests/gpu/nccl_lifecycle/full_iter_cuda_graph_mfsdp.py
+Run (2 x H200, < 90 s):  . .devtools/bootstrap.sh && python tests/gpu/nccl_lifecycle/full_iter_cuda_graph_mfsdp.py
 Writes $OUT/full_iter_cuda_graph_mfsdp.json and prints a summary.
 
-A 4-block MLP is wrapped with Megatron-FSDP (ZeRO-3, blocks as FSDP units, cuda_graph_mode)
-and driven through the real FullCudaGraphWrapper: 2 eager warmup iterations, capture on the
-3rd, then 3 replays. Records whether torch has set_override_stale_capture_stream, whether the
-wrapper's one warning (pytorch/pytorch#180090) was logged, whether capture succeeded (with the
-error otherwise, e.g. cudaErrorStreamCaptureIsolation) and the losses of eager vs replayed steps.
-torch 2.11 on the H200 machines lacks the API, so the expected record there is "warning logged";
-capture may then fail, which is the failure mode the patch addresses on newer torch.
+A 4-block MLP (plain torch.nn.Linear, fp32) is wrapped the way Megatron training does it:
+parallel_state.initialize_model_parallel(1, 1), then the MCore adapter
+megatron.core.distributed.fsdp.mcore_fsdp_adapter.FullyShardedDataParallel with
+optim_grads_params (ZeRO-3), blocks as FSDP units, max-pool double buffering
+(megatron_fsdp_max_pool_double_buffer) and megatron_fsdp_cuda_graph_mode. It is driven through
+the real FullCudaGraphWrapper: 2 eager warmup iterations, capture on the 3rd, then 3 replays.
+Records whether torch has set_override_stale_capture_stream, the wrapper's warning text
+(pytorch/pytorch#180090) if logged, whether capture succeeded (with the error otherwise, e.g.
+cudaErrorStreamCaptureIsolation) and the losses of eager vs replayed steps. torch 2.11 on the
+H200 machines lacks the API, so the expected record there is "warning logged"; capture may then
+fail, which is the failure mode the patch addresses on newer torch. No nccl_ub.
 """
 
 import json
@@ -21,8 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _launch  # noqa: E402
 
-CHILD_TIMEOUT_S = 120
+CHILD_TIMEOUT_S = 80
 HIDDEN = 1024
+NUM_BLOCKS = 4
 
 
 class _ListHandler(logging.Handler):
@@ -34,16 +39,41 @@ class _ListHandler(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def ddp_config():
+    """Megatron-FSDP ZeRO-3 with max-pool double buffers, CUDA-graph-safe grad handling."""
+    from megatron.core.distributed.distributed_data_parallel_config import (
+        DistributedDataParallelConfig,
+    )
+
+    return DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        grad_reduce_in_fp32=True,
+        megatron_fsdp_max_pool_double_buffer=True,  # implies fsdp_double_buffer
+        megatron_fsdp_cuda_graph_mode=True,
+    )
+
+
+def transformer_config():
+    """Only what the adapter reads; the model itself is plain torch.nn.Linear."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=NUM_BLOCKS, hidden_size=HIDDEN, num_attention_heads=8,
+                             cuda_graph_impl="full_iteration", gradient_accumulation_fusion=False)
+
+
 def child(result_path: str) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     dist.init_process_group("nccl")
     from megatron.core import full_cuda_graph as fcg
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard import fully_shard_model
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
     handler = _ListHandler()
     fcg.logger.addHandler(handler)
@@ -59,23 +89,24 @@ def child(result_path: str) -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(*[Block() for _ in range(4)]).cuda()
-    mesh = init_device_mesh("cuda", (2,), mesh_dim_names=("dp",))
-    model = fully_shard_model(module, device_mesh=mesh, dp_shard_dim="dp",
-                              fsdp_unit_modules=[Block], zero_dp_strategy=3,
-                              device=torch.device("cuda", local), cuda_graph_mode=True)
-    static_x = torch.randn(8, 128, HIDDEN, device="cuda", generator=None)
-
-    def forward_backward(model, data_iterator, num_microbatches, seq_length, forward_only):
-        loss = model[0](static_x).float().pow(2).mean()
-        loss.backward()
-        model[0].finish_grad_sync()
-        return loss.detach()
-
-    wrapper = fcg.FullCudaGraphWrapper(forward_backward, cuda_graph_warmup_steps=2)
-    losses, phase = [], "eager"
+    losses, phase = [], "setup"
     try:
+        ps.initialize_model_parallel(1, 1)
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(*[Block() for _ in range(NUM_BLOCKS)]).cuda()
+        model = FullyShardedDataParallel(config=transformer_config(), ddp_config=ddp_config(),
+                                         module=module, fsdp_unit_modules=[Block])
+        wa = model.param_and_grad_buffer.weight_alloc
+        res["weight_alloc"] = type(wa).__name__
+        static_x = torch.randn(8, 128, HIDDEN, device="cuda")
+
+        def forward_backward(model, data_iterator, num_microbatches, seq_length, forward_only):
+            loss = model[0](static_x).float().pow(2).mean()
+            loss.backward()
+            model[0].finish_grad_sync()
+            return loss.detach()
+
+        wrapper = fcg.FullCudaGraphWrapper(forward_backward, cuda_graph_warmup_steps=2)
         for it in range(6):
             phase = "capture" if it == 2 else ("replay" if it > 2 else "eager")
             model.zero_grad_buffer()
@@ -109,8 +140,10 @@ def main() -> None:
     print(f"== full-iteration CUDA graph, Megatron-FSDP ({results_path}) ==")
     print(f"rc={job['rc']} timed_out={job['timed_out']} torch={r0.get('torch')} "
           f"api_available={r0.get('api_available')} warnings={len(r0.get('warnings', []))} "
-          f"capture_ok={r0.get('capture_ok')} failed_phase={r0.get('failed_phase')} "
+          f"alloc={r0.get('weight_alloc')} capture_ok={r0.get('capture_ok')} "
+          f"failed_phase={r0.get('failed_phase')} "
           f"losses={r0.get('losses')} error={r0.get('error', '')[:200]}")
+    print(f"stale-stream warning: {(r0.get('warnings') or ['<none logged>'])[0]}")
 
 
 if __name__ == "__main__":

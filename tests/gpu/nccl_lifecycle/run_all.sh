@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# NCCL-lifecycle GPU experiments on 2 x H200 (about 5 min worst case, ~2 min typical).
+# NCCL-lifecycle GPU experiments on 2 x H200 (each script < 90 s; ~4.5 min worst case).
 # Usage from the repo root:  . .devtools/bootstrap.sh && bash tests/gpu/nccl_lifecycle/run_all.sh
 # Results: $OUT/{warmup_memory,teardown_exit_time,full_iter_cuda_graph_mfsdp}.json
+# CPU pre-flight (no GPU):  python tests/gpu/nccl_lifecycle/check_cpu.py
 set -u
 : "${OUT:=/tmp/nccl_lifecycle_out}"; export OUT
 for v in NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; do
@@ -9,7 +10,32 @@ for v in NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_N
 done
 dir=$(dirname "$0")
 rc=0
+summary=()
 for s in warmup_memory teardown_exit_time full_iter_cuda_graph_mfsdp; do
-  timeout 180 python "$dir/$s.py" || { echo "$s: exit $?"; rc=1; }
+  t0=$SECONDS
+  timeout 100 python "$dir/$s.py"; src=$?
+  [ $src -eq 0 ] || rc=1
+  summary+=("$(python - "$OUT/$s.json" "$s" "$src" "$((SECONDS - t0))" <<'PY'
+import json, sys
+path, name, src, secs = sys.argv[1:]
+try:
+    data = json.load(open(path))
+except Exception as exc:
+    print(f"{name}: exit={src} {secs}s no JSON ({type(exc).__name__})"); sys.exit()
+jobs = [data["job"]] if "job" in data else [r["job"] for r in data.values() if isinstance(r, dict) and "job" in r]
+ok = sum(1 for j in jobs if j.get("rc") == 0)
+extra = ""
+if name == "full_iter_cuda_graph_mfsdp":
+    r0 = (data.get("ranks") or [None])[0] or {}
+    extra = f" capture_ok={r0.get('capture_ok')} warnings={len(r0.get('warnings', []))} phase={r0.get('failed_phase')}"
+elif name == "teardown_exit_time":
+    extra = " " + " ".join(f"{k}:exit_s={v.get('exit_after_training_s')}" for k, v in data.items())
+elif name == "warmup_memory":
+    extra = " " + " ".join(f"{k}:step_ok={((v.get('ranks') or [None])[0] or {}).get('step_ok')}" for k, v in data.items())
+print(f"{name}: exit={src} {secs}s jobs_rc0={ok}/{len(jobs)}{extra}")
+PY
+)")
 done
+echo "== summary =="
+printf '%s\n' "${summary[@]}"
 exit $rc

@@ -1,9 +1,14 @@
 """GPU experiment (1): NCCL communicator memory with/without --nccl-comm-warmup, and an OOM repro.
 
-Run (2 x H200, < 3 min):  . .devtools/bootstrap.sh && python tests/gpu/nccl_lifecycle/warmup_memory.py
+Run (2 x H200, < 90 s):  . .devtools/bootstrap.sh && python tests/gpu/nccl_lifecycle/warmup_memory.py
 Writes $OUT/warmup_memory.json and prints a summary.
 
-Each child is a 2-rank job with Megatron's real parallel groups (EP=2, 2 DistOpt instances).
+Each child is a 2-rank job with Megatron's real parallel groups: TP=PP=EP=ETP=1 and 2 DistOpt
+instances, so expert DP = 2 and the inter-partial expert DP group (the DistOpt replica group,
+get_inter_distributed_optimizer_instance_group) is a real 2-rank NCCL group. On 2 GPUs EP=2 and
+2 DistOpt instances cannot coexist: expert DP = world / (EP*ETP*PP) must be divisible by the
+instance count (parallel_state asserts it), which needs >= 4 GPUs; PARALLEL_KWARGS keeps the
+partial-DistOpt groups, which are the ones this experiment is about.
 A "step" allocates activations (ACT_MIB) and then runs one collective on every NCCL group, as
 iteration 1 does. Without warmup the communicators are created inside that step.
 - measure: records device free memory (cudaMemGetInfo, which sees NCCL's own allocations)
@@ -26,7 +31,13 @@ import _launch  # noqa: E402
 
 ACT_MIB = 2048
 MARGIN_MIB = 24
-CHILD_TIMEOUT_S = 40  # x4 jobs: worst case stays under 3 min
+CHILD_TIMEOUT_S = 20  # x4 jobs: worst case stays under 90 s
+
+# Valid on world size 2 (checked on CPU by check_cpu.py): expert DP = 2 / (EP*ETP*PP) = 2,
+# divisible by num_distributed_optimizer_instances = 2.
+PARALLEL_KWARGS = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                       expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+                       num_distributed_optimizer_instances=2, create_gloo_process_groups=False)
 
 
 def child(mode: str, warmup: bool, result_path: str) -> None:
@@ -40,11 +51,14 @@ def child(mode: str, warmup: bool, result_path: str) -> None:
     from megatron.core import parallel_state as ps
     from megatron.training.nccl_warmup import select_groups, warm_up_nccl_communicators
 
-    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2,
-                                 num_distributed_optimizer_instances=2,
-                                 create_gloo_process_groups=False)
+    ps.initialize_model_parallel(**PARALLEL_KWARGS)
     groups, _, _ = select_groups(ps._global_process_group_list)
+    inter = ps.get_inter_distributed_optimizer_instance_group()
     res = {"rank": dist.get_rank(), "mode": mode, "warmup": warmup, "n_nccl_groups": len(groups),
+           "parallel_kwargs": PARALLEL_KWARGS,
+           "inter_partial_expert_dp_size": dist.get_world_size(inter),
+           "inter_partial_expert_dp_in_warmed_set": any(g is inter for g in groups),
+           "ep2_with_partial_distopt": "impossible on 2 GPUs (expert DP must divide by 2 instances)",
            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
            "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE")}
     free0, total = torch.cuda.mem_get_info(dev)

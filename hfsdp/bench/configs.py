@@ -1,0 +1,106 @@
+"""Benchmark configurations, model presets, and feature detection in the materialized tree."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from typing import Optional, Sequence
+
+from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
+
+MAXPOOL_FLAG = "--megatron-fsdp-max-pool-double-buffer"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    flags: tuple[str, ...]
+    description: str
+    plan: Optional[str]  # which planner figure is its pool: "fixed_pool", "maxpool" or None
+
+
+CONFIGS = {
+    "no_db": BenchConfig("no_db", (), "no double buffer (StorageResize allocator)", None),
+    "fixedpool": BenchConfig("fixedpool", ("--fsdp-double-buffer",),
+                             "0.18.2 FixedPool double buffer", "fixed_pool"),
+    "maxpool": BenchConfig("maxpool", ("--fsdp-double-buffer", MAXPOOL_FLAG),
+                           "max-pool double buffer", "maxpool"),
+    "maxpool_ub": BenchConfig("maxpool_ub", ("--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub"),
+                              "max-pool + NCCL user buffers (NVLS off)", "maxpool"),
+}
+DEFAULT_CONFIGS = ("no_db", "fixedpool", "maxpool", "maxpool_ub")
+
+# "Fills most of an H200": ~6B-param hybrid (24 layers, hidden 4096, 16 experts), seq 4096.
+# Peak use depends on the tree; check peak reserved in the first run and adjust with --set.
+FILL_GPU_OVERRIDES = (
+    "--hybrid-layer-pattern", "M*E" * 8, "--hidden-size", "4096", "--num-attention-heads", "32",
+    "--ffn-hidden-size", "16384", "--moe-ffn-hidden-size", "4096", "--num-experts", "16",
+    "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
+)
+PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES}
+
+
+def override_flags(base: Sequence[str], overrides: Sequence[str]) -> list[str]:
+    """``base`` with every ``--flag [value]`` in ``overrides`` replacing the same flag in base."""
+
+    def split(flags: Sequence[str]) -> list[list[str]]:
+        groups: list[list[str]] = []
+        for tok in flags:
+            if tok.startswith("--") or not groups:
+                groups.append([tok])
+            else:
+                groups[-1].append(tok)
+        return groups
+
+    over = split(overrides)
+    names = {g[0] for g in over}
+    return [t for g in split(base) if g[0] not in names for t in g] + [t for g in over for t in g]
+
+
+def model_flags(preset: str, extra: Sequence[str] = ()) -> list[str]:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    return override_flags(override_flags(DEFAULT_MODEL_FLAGS, PRESETS[preset]), extra)
+
+
+def parser_has_flag(flag: str) -> bool:
+    """True when Megatron's argument parser (in the tree on the path) knows ``flag``."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    return flag in parser._option_string_actions
+
+
+def nccl_allocator_respects_nvls_env() -> bool:
+    """True when ``nccl_allocator.init`` keeps an explicit ``NCCL_NVLS_ENABLE`` (the NVLS patch).
+
+    0.18.2 assigns ``os.environ["NCCL_NVLS_ENABLE"] = "1"`` unconditionally. This reads
+    ``init``'s source for that assignment (calling ``init`` would build the NCCL allocator);
+    the worker additionally asserts after model setup that the variable is still "0".
+    """
+    try:
+        from megatron.core import nccl_allocator
+    except ImportError:
+        return False
+    src = inspect.getsource(nccl_allocator.init)
+    unconditional = 'os.environ["NCCL_NVLS_ENABLE"] = "1"' in src or \
+        "os.environ['NCCL_NVLS_ENABLE'] = '1'" in src
+    return "NCCL_NVLS_ENABLE" in src and not unconditional
+
+
+def availability(name: str) -> Optional[str]:
+    """None when config ``name`` can run here, else the reason it is skipped."""
+    if name not in CONFIGS:
+        return f"unknown configuration {name!r}"
+    if name in ("maxpool", "maxpool_ub") and not parser_has_flag(MAXPOOL_FLAG):
+        return f"the tree has no {MAXPOOL_FLAG} (max-pool patch not applied)"
+    if name == "maxpool_ub":
+        if os.environ.get("NCCL_NVLS_ENABLE") != "0":
+            return "NCCL_NVLS_ENABLE is not pinned to 0 (source .devtools/bootstrap.sh)"
+        if not nccl_allocator_respects_nvls_env():
+            return ("megatron/core/nccl_allocator.py overwrites NCCL_NVLS_ENABLE=1 (NVLS patch "
+                    "missing); NCCL user buffers would turn NVLink multicast on")
+    return None

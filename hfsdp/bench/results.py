@@ -1,0 +1,175 @@
+"""Benchmark result aggregation: medians over repeats, ratios vs the baseline, table, JSON.
+
+Pure stdlib so it is unit-tested on CPU. One *run* is one fresh torchrun of one configuration;
+a configuration's summary takes the median over its runs of each run's median step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from typing import Any, Iterable, Optional, Sequence
+
+BASELINE = "no_db"
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """One fresh-process run of one configuration (timed steps only, warm-up excluded)."""
+
+    config: str
+    repeat: int
+    step_times_s: tuple[float, ...]
+    tokens_per_step: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    pool_bytes_measured: Optional[int] = None  # bytes held by double-buffer pools at the end
+
+    def __post_init__(self) -> None:
+        if not self.step_times_s:
+            raise ValueError(f"run {self.config}#{self.repeat} has no timed steps")
+        if any(t <= 0 for t in self.step_times_s):
+            raise ValueError(f"run {self.config}#{self.repeat} has non-positive step times")
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_times_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSummary:
+    config: str
+    runs: int
+    median_step_s: float
+    min_run_median_s: float
+    max_run_median_s: float
+    tokens_per_s: float
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    pool_bytes_measured: Optional[int]
+    pool_bytes_planned: Optional[int]
+    analytic_minimum_bytes: Optional[int]
+    step_time_ratio: Optional[float] = None  # vs baseline (lower is better)
+    tokens_per_s_ratio: Optional[float] = None
+    peak_allocated_ratio: Optional[float] = None
+    peak_reserved_ratio: Optional[float] = None
+
+
+def median(values: Iterable[float]) -> float:
+    vals = list(values)
+    if not vals:
+        raise ValueError("median of no values")
+    return statistics.median(vals)
+
+
+def interleaved_order(configs: Sequence[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, config) launch order: every repeat runs every config, rotated per repeat.
+
+    Rotation puts each config at each position once every len(configs) repeats, so slow drift
+    (thermals, clocks, page cache) spreads over all configurations instead of one.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    n = len(configs)
+    order = []
+    for r in range(repeats):
+        shift = r % n if n else 0
+        for c in list(configs[shift:]) + list(configs[:shift]):
+            order.append((r, c))
+    return order
+
+
+def summarize(runs: Sequence[RunResult], *, planned: Optional[dict[str, dict[str, int]]] = None,
+              baseline: str = BASELINE) -> list[ConfigSummary]:
+    """One summary per config (first-seen order); ratios filled when the baseline ran."""
+    planned = planned or {}
+    by_config: dict[str, list[RunResult]] = {}
+    for run in runs:
+        by_config.setdefault(run.config, []).append(run)
+    out = []
+    for config, rs in by_config.items():
+        run_medians = [r.median_step_s for r in rs]
+        step = median(run_medians)
+        tokens = rs[0].tokens_per_step
+        if any(r.tokens_per_step != tokens for r in rs):
+            raise ValueError(f"{config}: runs disagree on tokens per step")
+        measured = [r.pool_bytes_measured for r in rs if r.pool_bytes_measured is not None]
+        plan = planned.get(config, {})
+        out.append(ConfigSummary(
+            config=config,
+            runs=len(rs),
+            median_step_s=step,
+            min_run_median_s=min(run_medians),
+            max_run_median_s=max(run_medians),
+            tokens_per_s=tokens / step,
+            peak_allocated_bytes=max(r.peak_allocated_bytes for r in rs),
+            peak_reserved_bytes=max(r.peak_reserved_bytes for r in rs),
+            pool_bytes_measured=max(measured) if measured else None,
+            pool_bytes_planned=plan.get("pool_bytes"),
+            analytic_minimum_bytes=plan.get("analytic_minimum_bytes"),
+        ))
+    base = next((s for s in out if s.config == baseline), None)
+    if base is None:
+        return out
+    return [dataclasses.replace(
+        s,
+        step_time_ratio=s.median_step_s / base.median_step_s,
+        tokens_per_s_ratio=s.tokens_per_s / base.tokens_per_s,
+        peak_allocated_ratio=s.peak_allocated_bytes / base.peak_allocated_bytes,
+        peak_reserved_ratio=s.peak_reserved_bytes / base.peak_reserved_bytes,
+    ) for s in out]
+
+
+def _fmt_ratio(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _fmt_mib(x: Optional[int]) -> str:
+    return "-" if x is None else f"{x / MIB:,.1f}"
+
+
+def format_table(summaries: Sequence[ConfigSummary]) -> list[str]:
+    head = (f"{'config':<12} {'runs':>4} {'step ms':>9} {'(min..max)':>17} {'tok/s':>10} "
+            f"{'x base':>7} {'peak alloc MiB':>15} {'x base':>7} {'peak resv MiB':>14} "
+            f"{'x base':>7} {'pool MiB':>9} {'plan MiB':>9} {'min MiB':>8}")
+    lines = [head, "-" * len(head)]
+    for s in summaries:
+        lines.append(
+            f"{s.config:<12} {s.runs:>4} {s.median_step_s * 1e3:>9.1f} "
+            f"{f'({s.min_run_median_s * 1e3:.1f}..{s.max_run_median_s * 1e3:.1f})':>17} "
+            f"{s.tokens_per_s:>10,.0f} {_fmt_ratio(s.tokens_per_s_ratio):>7} "
+            f"{_fmt_mib(s.peak_allocated_bytes):>15} {_fmt_ratio(s.peak_allocated_ratio):>7} "
+            f"{_fmt_mib(s.peak_reserved_bytes):>14} {_fmt_ratio(s.peak_reserved_ratio):>7} "
+            f"{_fmt_mib(s.pool_bytes_measured):>9} {_fmt_mib(s.pool_bytes_planned):>9} "
+            f"{_fmt_mib(s.analytic_minimum_bytes):>8}")
+    return lines
+
+
+def to_json(summaries: Sequence[ConfigSummary], runs: Sequence[RunResult],
+            meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "meta": meta,
+        "summary": [dataclasses.asdict(s) for s in summaries],
+        "runs": [dict(dataclasses.asdict(r), median_step_s=r.median_step_s) for r in runs],
+    }
+
+
+def write_json(path: str, doc: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+def run_from_dict(d: dict[str, Any]) -> RunResult:
+    """Inverse of the worker's JSON record."""
+    return RunResult(
+        config=d["config"], repeat=int(d["repeat"]),
+        step_times_s=tuple(float(t) for t in d["step_times_s"]),
+        tokens_per_step=int(d["tokens_per_step"]),
+        peak_allocated_bytes=int(d["peak_allocated_bytes"]),
+        peak_reserved_bytes=int(d["peak_reserved_bytes"]),
+        pool_bytes_measured=(None if d.get("pool_bytes_measured") is None
+                             else int(d["pool_bytes_measured"])),
+    )

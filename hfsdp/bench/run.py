@@ -1,0 +1,177 @@
+"""``scripts/benchmark_double_buffer.py``: time one model under each double-buffer configuration.
+
+Every (repeat, configuration) pair is a fresh ``torchrun`` of :mod:`hfsdp.bench.worker`, launched
+in an interleaved, rotated order; the planner runs once (CPU-only subprocess) for the planned pool
+sizes. Results: a table on stdout, JSON and a PNG chart (see docs/benchmark.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional, Sequence
+
+from hfsdp.bench import configs as cfgs
+from hfsdp.bench import results as res
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+                                epilog="Megatron flags after `--` override the preset's model flags.")
+    p.add_argument("--nproc", type=int, default=2, help="GPUs (= data-parallel size).")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup-steps", type=int, default=3, help="Untimed steps per run.")
+    p.add_argument("--timed-steps", type=int, default=10, help="Timed steps per run.")
+    p.add_argument("--configs", default=",".join(cfgs.DEFAULT_CONFIGS),
+                   help="Comma-separated subset of " + ", ".join(cfgs.CONFIGS))
+    p.add_argument("--preset", default="default", choices=sorted(cfgs.PRESETS))
+    p.add_argument("--out-json", default="docs/benchmark-results.json")
+    p.add_argument("--out-png", default="docs/benchmark-results.png")
+    p.add_argument("--no-chart", action="store_true")
+    p.add_argument("--no-plan", action="store_true", help="Skip the planner subprocess.")
+    p.add_argument("--profile-dir", default=None,
+                   help="Chrome traces of the timed steps (profiling distorts step times).")
+    p.add_argument("--run-timeout", type=int, default=300, help="Seconds per torchrun.")
+    p.add_argument("--chart-from", default=None,
+                   help="Only (re)draw --out-png from an existing results JSON (no GPU).")
+    opts = p.parse_args(argv[:split])
+    if opts.repeats < 3:
+        print(f"note: --repeats {opts.repeats} < 3; medians over so few runs are noisy")
+    return opts, argv[split + 1:]
+
+
+def planned_pools(flags: Sequence[str], nproc: int) -> dict[str, dict[str, int]]:
+    """Planned pool bytes per configuration (weights + grads) from a CPU-only planner run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "plan.json")
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+        cmd = [sys.executable, "-m", "hfsdp.planner", *flags, "--plan-dp-size", str(nproc),
+               "--plan-json", out]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print("planner failed; continuing without planned sizes:\n" + proc.stderr[-2000:])
+            return {}
+        with open(out) as f:
+            plan = json.load(f)
+    alloc = plan["allocators"]
+
+    def total(key: str) -> int:
+        return sum(a[key] for a in alloc.values())
+
+    minimum = total("analytic_minimum_bytes")
+    maxpool = {"pool_bytes": total("maxpool_pool_bytes"), "analytic_minimum_bytes": minimum}
+    return {
+        "fixedpool": {"pool_bytes": total("fixed_pool_pool_bytes"), "analytic_minimum_bytes": minimum},
+        "maxpool": maxpool,
+        "maxpool_ub": maxpool,
+    }
+
+
+def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: argparse.Namespace,
+           workdir: str) -> tuple[Optional[res.RunResult], str]:
+    result = os.path.join(workdir, f"{config.name}-{repeat}.json")
+    log = os.path.join(workdir, f"{config.name}-{repeat}.log")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={opts.nproc}", "-m", "hfsdp.bench.worker",
+           "--result", result, "--config", config.name, "--repeat", str(repeat),
+           "--warmup-steps", str(opts.warmup_steps), "--timed-steps", str(opts.timed_steps),
+           *(["--profile-dir", opts.profile_dir] if opts.profile_dir else []),
+           "--", *flags, *config.flags]
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=opts.run_timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0 or not os.path.exists(result):
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        return None, f"rc={rc}; log tail:\n{tail}"
+    with open(result) as f:
+        return res.run_from_dict(json.load(f)), log
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    opts, extra = parse(sys.argv[1:] if argv is None else argv)
+    if opts.chart_from:
+        from hfsdp.bench.chart import write_chart
+
+        with open(opts.chart_from) as f:
+            doc = json.load(f)
+        summaries = [res.ConfigSummary(**d) for d in doc["summary"]]
+        write_chart(opts.out_png, summaries, f"Megatron-FSDP double buffering, "
+                    f"{doc['meta'].get('preset')} model, {doc['meta'].get('nproc')} GPUs")
+        print(f"wrote {opts.out_png}")
+        return 0
+    flags = cfgs.model_flags(opts.preset, extra)
+    wanted = [c.strip() for c in opts.configs.split(",") if c.strip()]
+    if "no_db" not in wanted:
+        print("note: no_db not selected; ratios vs baseline will be empty")
+    runnable, skipped = [], {}
+    for name in wanted:
+        reason = cfgs.availability(name)
+        if reason is None:
+            runnable.append(name)
+        else:
+            skipped[name] = reason
+            print(f"skip {name}: {reason}")
+    planned = {} if opts.no_plan else planned_pools(flags, opts.nproc)
+    order = res.interleaved_order(runnable, opts.repeats)
+    runs: list[res.RunResult] = []
+    failures: dict[str, str] = {}
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="hfsdp-bench-") as workdir:
+        for k, (repeat, name) in enumerate(order, 1):
+            t0 = time.time()
+            run, info = launch(cfgs.CONFIGS[name], repeat, flags, opts, workdir)
+            wall = time.time() - t0
+            if run is None:
+                failures[f"{name}#{repeat}"] = info
+                print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} FAILED after {wall:.0f}s\n{info}",
+                      flush=True)
+                continue
+            runs.append(run)
+            print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} median step "
+                  f"{run.median_step_s * 1e3:8.1f} ms  peak alloc "
+                  f"{run.peak_allocated_bytes / res.MIB:9.1f} MiB  peak reserved "
+                  f"{run.peak_reserved_bytes / res.MIB:9.1f} MiB  (run {wall:.0f}s, "
+                  f"total {time.time() - start:.0f}s)", flush=True)
+    summaries = res.summarize(runs, planned=planned)
+    print("\n".join(res.format_table(summaries)))
+    meta = {
+        "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc,
+        "repeats": opts.repeats, "warmup_steps": opts.warmup_steps,
+        "timed_steps": opts.timed_steps, "order": order, "skipped": skipped,
+        "failures": failures, "configs": {n: cfgs.CONFIGS[n].description for n in wanted
+                                          if n in cfgs.CONFIGS},
+        "torch": _torch_version(), "wall_s": round(time.time() - start, 1),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(opts.out_json)), exist_ok=True)
+    res.write_json(opts.out_json, res.to_json(summaries, runs, meta))
+    print(f"wrote {opts.out_json}")
+    if not opts.no_chart and summaries:
+        from hfsdp.bench.chart import ChartUnavailable, write_chart
+
+        try:
+            write_chart(opts.out_png, summaries,
+                        f"Megatron-FSDP double buffering, {opts.preset} model, {opts.nproc} GPUs")
+            print(f"wrote {opts.out_png}")
+        except ChartUnavailable as exc:
+            print(f"chart skipped: {exc}")
+    return 1 if failures else 0
+
+
+def _torch_version() -> Any:
+    try:
+        import torch
+
+        return torch.__version__
+    except ImportError:
+        return None

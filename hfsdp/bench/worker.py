@@ -1,0 +1,154 @@
+"""One benchmark run: ``torchrun ... -m hfsdp.bench.worker --result R --config C --repeat N
+--warmup-steps W --timed-steps T -- <Megatron flags>``.
+
+Builds model + optimizer through Megatron's own ``setup_model_and_optimizer`` (Float16Module,
+Megatron-FSDP wrapper, distributed optimizer: exactly what ``pretrain`` builds), then times
+``train_step`` on synthetic token batches. Rank 0 writes one JSON record. Each run is a fresh
+process so allocator pools and the CUDA caching allocator never leak between configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Iterator
+
+POOL_PREFIXES = ("fsdp_params", "fsdp_fp8_transpose_params", "fsdp_grads", "hsdp_grad_comm")
+
+
+def synthetic_batches(args: Any) -> Iterator[dict[str, Any]]:
+    """Deterministic random tokens with a causal mask, in the dict shape forward_step reads."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    b, s = args.micro_batch_size, args.seq_length
+    mask = torch.tril(torch.ones(1, 1, s, s)) < 0.5  # True = masked
+    pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+    while True:
+        tokens = torch.randint(0, args.padded_vocab_size, (b, s + 1), generator=g)
+        yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+               "loss_mask": torch.ones(b, s), "attention_mask": mask, "position_ids": pos}
+
+
+def pool_bytes_held() -> int:
+    """Bytes of Megatron-FSDP's named global buffers that belong to double-buffer pools."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
+
+    total = 0
+    for (name, _dtype), t in get_global_memory_buffer().buffer.items():
+        # Persistent fallbacks ("*_not_fit_in_fixed_pool_*", "*_not_in_max_pool_*") are not pool.
+        if name.startswith(POOL_PREFIXES) and "_not_" not in name:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    own = argparse.ArgumentParser()
+    own.add_argument("--result", required=True)
+    own.add_argument("--config", required=True)
+    own.add_argument("--repeat", type=int, default=0)
+    own.add_argument("--warmup-steps", type=int, default=3)
+    own.add_argument("--timed-steps", type=int, default=10)
+    own.add_argument("--profile-dir", default=None,
+                     help="Write a torch.profiler Chrome trace of the timed steps per rank.")
+    opts = own.parse_args(argv[:split])
+    mflags = argv[split + 1:]
+    total_steps = opts.warmup_steps + opts.timed_steps
+    mflags += ["--train-iters", str(total_steps), "--lr", "1e-4", "--min-lr", "1e-5",
+               "--log-interval", "1000000", "--eval-iters", "0"]
+
+    import torch
+
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_args
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import setup_model_and_optimizer, train_step
+
+    from hfsdp.training import entry, forward_step, fsdp_units, model_provider
+
+    _, family = entry.parse_args(mflags)
+    fsdp_units.install_unit_override()
+    initialize_megatron()
+    args = get_args()
+    model, optimizer, scheduler = setup_model_and_optimizer(
+        model_provider.make_model_provider(family), ModelType.encoder_or_decoder)
+    if "--use-nccl-ub" in mflags:
+        # The NVLS patch must keep our explicit pin; multicast stays off on these machines.
+        assert os.environ.get("NCCL_NVLS_ENABLE") == "0", (
+            f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')!r} after NCCL UB setup")
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap_grad_reduce:
+        config.no_sync_func = model[0].no_sync
+    for m in model:
+        m.train()
+    fwd_bwd = get_forward_backward_func()
+    data = synthetic_batches(args)
+    times: list[float] = []
+    prof = None
+    for it in range(total_steps):
+        if opts.profile_dir and it == opts.warmup_steps:
+            prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU,
+                            torch.profiler.ProfilerActivity.CUDA],
+                record_shapes=False, with_stack=False)
+            prof.__enter__()
+        if it == opts.warmup_steps:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        train_step(forward_step.forward_step, data, model, optimizer, scheduler, config,
+                   fwd_bwd, iteration=it)
+        torch.cuda.synchronize()
+        if it == 0 and getattr(args, "nccl_ub", False) and getattr(
+                args, "fsdp_manual_registration", False):
+            # train() registers FSDP buffers once, after the first iteration; do the same.
+            for chunk in model:
+                buf = getattr(chunk, "param_and_grad_buffer", None)
+                if buf is not None and getattr(chunk.ddp_config, "fsdp_manual_registration", False):
+                    buf.manual_buffer_registration()
+        if it >= opts.warmup_steps:
+            times.append(time.perf_counter() - t0)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        os.makedirs(opts.profile_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(
+            opts.profile_dir,
+            f"{opts.config}-r{opts.repeat}-rank{torch.distributed.get_rank()}.json"))
+    dp = args.data_parallel_size
+    num_micro = args.global_batch_size // (args.micro_batch_size * dp)
+    record = {
+        "config": opts.config,
+        "repeat": opts.repeat,
+        "step_times_s": times,
+        "tokens_per_step": args.global_batch_size * args.seq_length,
+        "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+        "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+        "pool_bytes_measured": pool_bytes_held(),
+        "num_microbatches": num_micro,
+        "world_size": args.world_size,
+        "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
+    # Peak memory is per rank; report the max over ranks.
+    peaks = torch.tensor([record["peak_allocated_bytes"], record["peak_reserved_bytes"]],
+                         device="cuda", dtype=torch.int64)
+    torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
+    record["peak_allocated_bytes"], record["peak_reserved_bytes"] = (int(v) for v in peaks.tolist())
+    if torch.distributed.get_rank() == 0:
+        with open(opts.result, "w") as f:
+            json.dump(record, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

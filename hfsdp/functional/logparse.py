@@ -1,0 +1,76 @@
+"""Metrics from Megatron's stdout (no TensorBoard needed).
+
+Megatron prints, per logged iteration (``print_rank_last``)::
+
+    [2026-11-21 ...] iteration        3/      20 | consumed samples: ... |
+    elapsed time per iteration (ms): 71.2 | ... | lm loss: 1.045678E+01 | ... | num zeros: 0 | ...
+
+and, with ``--log-memory-interval 1`` (``report_memory`` on data-parallel rank 0)::
+
+    [Rank 0] (after 3 iterations) memory (MB) | allocated: 812.5 | max allocated: 1650.1 | ...
+
+Metric names follow Megatron's TensorBoard keys so the golden JSON looks like upstream's:
+``lm loss``, ``num-zeros``, ``iteration-time`` (seconds), ``mem-allocated-bytes``,
+``mem-max-allocated-bytes``, ``mem-reserved-bytes``, ``mem-max-reserved-bytes``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+_ITER = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
+_FIELD = re.compile(r"\s*([^:|]+?):\s*([-+0-9.eEnaif]+)\s*(?=\|)")
+_MEM = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\)(.*)$")
+_MEM_FIELDS = {
+    "allocated": "mem-allocated-bytes",
+    "max allocated": "mem-max-allocated-bytes",
+    "reserved": "mem-reserved-bytes",
+    "max reserved": "mem-max-reserved-bytes",
+}
+_MB = 1024.0 * 1024.0
+
+Metrics = dict[str, dict[int, float]]
+
+
+def parse_log(lines: Iterable[str]) -> Metrics:
+    """Per-iteration metrics found in ``lines`` (later duplicates of a step win)."""
+    metrics: Metrics = {}
+
+    def put(name: str, step: int, value: float) -> None:
+        metrics.setdefault(name, {})[step] = value
+
+    for line in lines:
+        m = _ITER.search(line)
+        if m:
+            step = int(m.group(1))
+            for key, raw in _FIELD.findall(m.group(3) + "|"):
+                key = key.strip()
+                try:
+                    value = float(raw)
+                except ValueError:
+                    continue
+                if key == "elapsed time per iteration (ms)":
+                    put("iteration-time", step, value / 1000.0)
+                elif key == "lm loss":
+                    put("lm loss", step, value)
+                elif key == "num zeros":
+                    put("num-zeros", step, value)
+                elif key in ("grad norm", "load_balancing_loss"):
+                    put(key.replace(" ", "-"), step, value)
+            continue
+        m = _MEM.search(line)
+        if m and m.group(1) == "0":
+            step = int(m.group(2))
+            for part in m.group(3).split("|"):
+                if ":" not in part:
+                    continue
+                key, raw = (s.strip() for s in part.split(":", 1))
+                if key in _MEM_FIELDS:
+                    put(_MEM_FIELDS[key], step, float(raw) * _MB)
+    return metrics
+
+
+def parse_file(path: str) -> Metrics:
+    with open(path, errors="replace") as f:
+        return parse_log(f)

@@ -1,0 +1,345 @@
+"""Run one functional-test case, write its metrics, and judge it against goldens.
+
+    python -m hfsdp.functional.run_case <case_dir> [--record] [--nproc N]
+        [--compare-to <other_case_dir>] [--output-dir DIR] [--platform dgx_h200]
+
+Per case (``TEST_TYPE``):
+* ``regular`` / ``smoke``: one torchrun launch.
+* ``ckpt-resume``: run 1 saves every ``--save-interval`` (= TRAIN_ITERS/2); like Megatron's
+  ``run_ci_test.sh`` we then drop the final checkpoint, point ``latest_checkpointed_iteration.txt``
+  at the half-way one, and run 2 (``MODEL_ARGS`` + ``MODEL_ARGS_2``, ``ENV_VARS`` +
+  ``ENV_VARS_2``) resumes. Run 2's ``lm loss`` must equal run 1's step for step: resuming (even
+  across a flag or FSDP-unit change) must continue exactly as the straight run.
+
+Outputs under ``<output-dir>`` (default ``$HFSDP_FUNCTIONAL_OUT`` or ``<repo>/out/functional``
+``/<model>/<case>``): ``run1.log`` [``run2.log``], ``metrics.json`` (golden format), and
+``result.json``. The last stdout line is ``HFSDP-FUNCTIONAL RESULT <model>/<case>: PASS|FAIL``;
+the exit status is 0 only on PASS. ``--record`` writes ``golden_values_<env>_<platform>.json``
+into the case directory instead of comparing against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from hfsdp.functional import golden, logparse
+from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RESULT_MARK = "HFSDP-FUNCTIONAL RESULT"
+# Required on every GPU run of this project (see HELPERS.md): NVLS/multicast stay off.
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where the torchrun of this node sits in the job (SLURM fills these per node)."""
+
+    nproc: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    timeout_s: float | None = None
+    exit_duration_in_mins: float | None = None
+
+
+@dataclass
+class RunRecord:
+    log: str
+    returncode: int
+    timed_out: bool
+
+
+@dataclass
+class Result:
+    case: str
+    status: str = "PASS"
+    reasons: list[str] = field(default_factory=list)
+    runs: list[RunRecord] = field(default_factory=list)
+    metrics_path: str | None = None
+
+    def fail(self, why: str) -> None:
+        self.status = "FAIL"
+        self.reasons.append(why)
+
+
+def output_dir_for(recipe: Recipe, root: Path | None) -> Path:
+    base = root or Path(os.environ.get("HFSDP_FUNCTIONAL_OUT", REPO_ROOT / "out" / "functional"))
+    return Path(base) / recipe.model / recipe.name
+
+
+def path_variables(out: Path) -> dict[str, str]:
+    """Values for ``${...}`` placeholders in MODEL_ARGS."""
+    ckpt = out / "checkpoints"
+    return {
+        "OUTPUT_PATH": str(out),
+        "CHECKPOINT_SAVE_PATH": str(ckpt),
+        "CHECKPOINT_LOAD_PATH": str(ckpt),
+        "TENSORBOARD_PATH": str(out / "tensorboard"),
+        "DATA_PATH": os.environ.get("DATA_PATH", ""),
+        "DATA_CACHE_PATH": str(out / "data_cache"),
+    }
+
+
+def script_target(recipe: Recipe) -> list[str]:
+    """``-m module`` or the absolute script path of ``TRAINING_SCRIPT``."""
+    script = recipe.training_script.split()
+    if script[0] == "-m":
+        return ["-m", *script[1:]]
+    return [str((REPO_ROOT / script[0]).resolve()), *script[1:]]
+
+
+def build_command(recipe: Recipe, argv: Sequence[str], launch: Launch,
+                  python: str = sys.executable) -> list[str]:
+    """torchrun command line for one run of ``recipe``."""
+    target = script_target(recipe)
+    cmd = [
+        python, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(launch.nproc),
+        "--nnodes", str(launch.nnodes),
+        "--node-rank", str(launch.node_rank),
+        "--master-addr", launch.master_addr,
+        "--master-port", str(launch.master_port),
+        *target, *argv,
+    ]
+    if launch.exit_duration_in_mins is not None and "--exit-duration-in-mins" not in argv:
+        cmd += ["--exit-duration-in-mins", f"{launch.exit_duration_in_mins:g}"]
+    return cmd
+
+
+def run_env(env_vars: dict[str, str | None]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(SAFE_ENV)
+    for key, value in env_vars.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    return env
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float | None) -> RunRecord:
+    """Run ``cmd`` in its own process group, tee output to ``log``; kill the group on timeout."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    timed_out = threading.Event()
+    with open(log, "w") as sink:
+        sink.write("$ " + " ".join(cmd) + "\n")
+        sink.flush()
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace",
+                                start_new_session=True)
+
+        def on_timeout() -> None:
+            timed_out.set()
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+        timer = threading.Timer(timeout_s, on_timeout) if timeout_s else None
+        if timer:
+            timer.start()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sink.write(line)
+            sys.stdout.write(line)
+        rc = proc.wait()
+        if timer:
+            timer.cancel()
+    return RunRecord(str(log), rc, timed_out.is_set())
+
+
+def prepare_resume(ckpt_dir: Path, half: int, final: int) -> None:
+    """Keep the half-way checkpoint only and make it the one ``--load`` picks."""
+    half_dir = ckpt_dir / f"iter_{half:07d}"
+    if not half_dir.is_dir():
+        raise FileNotFoundError(f"run 1 left no {half_dir}; is --save-interval {half}?")
+    final_dir = ckpt_dir / f"iter_{final:07d}"
+    if final_dir.is_dir():
+        shutil.rmtree(final_dir)
+    (ckpt_dir / "latest_checkpointed_iteration.txt").write_text(str(half))
+
+
+def apply_checks(recipe: Recipe, log: Path, metrics: logparse.Metrics, result: Result) -> None:
+    text = log.read_text(errors="replace")
+    for pattern in recipe.checks.log_absent:
+        if re.search(pattern, text):
+            result.fail(f"{log.name}: forbidden log pattern {pattern!r} found")
+    for pattern in recipe.checks.log_present:
+        if not re.search(pattern, text):
+            result.fail(f"{log.name}: required log pattern {pattern!r} not found")
+    loss = metrics.get("lm loss", {})
+    if len(loss) < recipe.checks.min_iterations:
+        result.fail(f"{log.name}: {len(loss)} iterations logged, need {recipe.checks.min_iterations}")
+    if any(not math.isfinite(v) for v in loss.values()):
+        result.fail(f"{log.name}: non-finite lm loss")
+    if recipe.checks.loss_decreases and loss:
+        first, last = loss[min(loss)], loss[max(loss)]
+        if not last < first:
+            result.fail(f"{log.name}: lm loss did not decrease ({first} -> {last})")
+
+
+def compare_curves(name: str, a: logparse.Metrics, b: logparse.Metrics,
+                   steps: set[int] | None, result: Result) -> None:
+    """Exact ``lm loss`` equality of two curves on ``steps`` (default: all of ``a``'s)."""
+    problems = golden.compare(a, b, ["lm loss"], steps=steps)
+    for p in problems:
+        result.fail(f"{name}: {p}")
+    if not a.get("lm loss"):
+        result.fail(f"{name}: reference curve is empty")
+
+
+def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = False,
+             compare_to: Path | None = None, output_root: Path | None = None,
+             environment: str = "dev", platform: str = "dgx_h200",
+             evaluate_log: Path | None = None) -> Result:
+    """Run and judge one case; see the module docstring.
+
+    ``evaluate_log`` judges an existing log instead of launching (the srun-per-GPU SLURM mode
+    launches the ranks itself and calls this afterwards; single-run cases only).
+    """
+    recipe = load_recipe(case_dir)
+    launch = launch or Launch(nproc=recipe.nproc)
+    if launch.nnodes > 1 and recipe.test_type == "ckpt-resume":
+        raise ValueError("ckpt-resume cases run on one node (the resume step edits the checkpoint)")
+    out = output_dir_for(recipe, output_root)
+    if launch.nnodes > 1:
+        out = out / f"node{launch.node_rank}"  # per-node logs; no cross-node file races
+    result = Result(case=f"{recipe.model}/{recipe.name}")
+    if evaluate_log is not None:
+        if recipe.test_type == "ckpt-resume":
+            raise ValueError("--evaluate-log handles single-run cases only")
+        out.mkdir(parents=True, exist_ok=True)
+        rec1 = RunRecord(str(evaluate_log), 0, False)
+    else:
+        if out.exists():
+            shutil.rmtree(out)  # a stale checkpoint would turn run 1 into a resume
+        out.mkdir(parents=True)
+        argv1 = args_to_argv(recipe.model_args, path_variables(out))
+        rec1 = run_logged(build_command(recipe, argv1, launch), run_env(recipe.env_vars),
+                          out / "run1.log", launch.timeout_s)
+    variables = path_variables(out)
+    result.runs.append(rec1)
+    metrics = logparse.parse_file(rec1.log)
+    if rec1.returncode != 0:
+        result.fail(f"run 1 exited with {rec1.returncode}" + (" (timeout)" if rec1.timed_out else ""))
+    apply_checks(recipe, Path(rec1.log), metrics, result)
+
+    if recipe.test_type == "ckpt-resume" and rec1.returncode == 0:
+        final = recipe.train_iters
+        half = final // 2
+        try:
+            prepare_resume(Path(variables["CHECKPOINT_SAVE_PATH"]), half, final)
+        except FileNotFoundError as exc:
+            result.fail(str(exc))
+        else:
+            argv2 = args_to_argv(merged_args(recipe.model_args, recipe.model_args_2), variables)
+            env2 = merged_env(recipe.env_vars, recipe.env_vars_2)
+            rec2 = run_logged(build_command(recipe, argv2, launch), run_env(env2),
+                              out / "run2.log", launch.timeout_s)
+            result.runs.append(rec2)
+            metrics2 = logparse.parse_file(rec2.log)
+            if rec2.returncode != 0:
+                result.fail(f"run 2 exited with {rec2.returncode}")
+            apply_checks(recipe, Path(rec2.log), metrics2, result)
+            resumed = set(range(half + 1, final + 1))
+            if not resumed <= set(metrics2.get("lm loss", {})):
+                result.fail(f"run 2 did not log every step {half + 1}..{final}")
+            compare_curves("resume vs straight run", metrics, metrics2, resumed, result)
+
+    metrics_path = out / "metrics.json"
+    golden.save(metrics_path, metrics, list(metrics))
+    result.metrics_path = str(metrics_path)
+
+    golden_path = recipe.golden_path(environment, platform)
+    if launch.nnodes > 1 and launch.node_rank != launch.nnodes - 1:
+        # Megatron prints the loss on the last rank only; other nodes report their exit status.
+        (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
+        return result
+    if record:
+        if result.status == "PASS":
+            golden.save(golden_path, metrics, list(recipe.metrics))
+            print(f"recorded {golden_path}")
+        else:
+            result.fail("not recording goldens from a failing run")
+    elif golden_path.is_file():
+        for p in golden.compare(golden.load(golden_path), metrics, list(recipe.metrics)):
+            result.fail(f"golden: {p}")
+    elif recipe.require_golden:
+        result.fail(f"no golden {golden_path.name}; record one with --record on {platform}")
+
+    other = compare_to or (recipe.case_dir / recipe.compare_to if recipe.compare_to else None)
+    if other is not None:
+        other_recipe = load_recipe(other)
+        other_metrics_path = output_dir_for(other_recipe, output_root) / "metrics.json"
+        if not other_metrics_path.is_file():
+            sub = run_case(Path(other), launch=launch, output_root=output_root,
+                           environment=environment, platform=platform,
+                           record=False)
+            if sub.status != "PASS" and not other_metrics_path.is_file():
+                result.fail(f"compare-to case {sub.case} failed: {sub.reasons}")
+        if other_metrics_path.is_file():
+            compare_curves(f"vs {other_recipe.model}/{other_recipe.name}",
+                           golden.load(other_metrics_path), metrics, None, result)
+
+    (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("case_dir", type=Path)
+    parser.add_argument("--record", action="store_true", help="write goldens instead of comparing")
+    parser.add_argument("--nproc", type=int, default=None, help="processes per node (default: NPROC)")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)))
+    parser.add_argument("--compare-to", type=Path, default=None,
+                        help="another case whose lm loss curve must be identical")
+    parser.add_argument("--output-dir", type=Path, default=None, help="root for case outputs")
+    parser.add_argument("--environment", default="dev")
+    parser.add_argument("--platform", default="dgx_h200")
+    parser.add_argument("--timeout-s", type=float, default=None, help="kill a run after this long")
+    parser.add_argument("--exit-duration-in-mins", type=float, default=None,
+                        help="forwarded to Megatron (SLURM jobs derive it from the time limit)")
+    parser.add_argument("--evaluate-log", type=Path, default=None,
+                        help="judge this existing log instead of launching (srun-per-GPU mode)")
+    ns = parser.parse_args(argv)
+    recipe = load_recipe(ns.case_dir)
+    launch = Launch(
+        nproc=ns.nproc or recipe.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
+        master_addr=ns.master_addr, master_port=ns.master_port, timeout_s=ns.timeout_s,
+        exit_duration_in_mins=ns.exit_duration_in_mins,
+    )
+    result = run_case(ns.case_dir, launch=launch, record=ns.record, compare_to=ns.compare_to,
+                      output_root=ns.output_dir, environment=ns.environment, platform=ns.platform,
+                      evaluate_log=ns.evaluate_log)
+    for reason in result.reasons:
+        print(f"  - {reason}")
+    print(f"{RESULT_MARK} {result.case}: {result.status}", flush=True)
+    return 0 if result.status == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

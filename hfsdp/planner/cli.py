@@ -1,0 +1,89 @@
+"""``scripts/fsdp_memory_planner.py``: plan Megatron-FSDP double buffering without a GPU.
+
+Takes pretrain_gpt.py / pretrain_hybrid.py model flags (parsed by Megatron's own parser) plus
+``--plan-*`` options, builds the model on the meta device, computes the FSDP units and bucket
+layout with Megatron-FSDP's own functions, and prints the max-pool / rank-matched / analytic
+minimum pool sizes and what 0.18.2's FixedPool would pool.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Optional, Sequence
+
+from hfsdp.planner import layout as layout_mod
+from hfsdp.planner import model as model_mod
+from hfsdp.planner import report, setup
+
+
+def resolve_unit_classes(value: Optional[str]) -> list[type]:
+    if value is None or not value.strip():
+        paths = layout_mod.DEFAULT_UNIT_CLASSES
+    elif value.strip() == "megatron-0.18.2":
+        paths = layout_mod.UPSTREAM_0182_UNIT_CLASSES
+    elif value.strip() == "none":
+        paths = ()
+    else:
+        paths = tuple(p.strip() for p in value.split(",") if p.strip())
+    return [layout_mod.import_class(p) for p in paths]
+
+
+def grad_dtypes(args: Any) -> tuple[Any, Any]:
+    """(main_grads_dtype, grad_comm_dtype) as the Megatron-FSDP adapter derives them."""
+    import torch
+
+    if getattr(args, "accumulate_allreduce_grads_in_fp32", False):
+        return torch.float32, torch.float32
+    return (getattr(args, "megatron_fsdp_main_grads_dtype", None),
+            getattr(args, "megatron_fsdp_grad_comm_dtype", None))
+
+
+def bucket_size_for(args: Any) -> Optional[int]:
+    """Megatron-FSDP ``suggested_bucket_size`` as ``get_model`` computes it (non-units only)."""
+    if not getattr(args, "overlap_grad_reduce", False):
+        return None
+    if args.ddp_bucket_size is not None:
+        return args.ddp_bucket_size
+    return max(40_000_000, 1_000_000 * args.data_parallel_size)
+
+
+def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
+    """Build the meta model for parsed ``args`` and return (layout, per-allocator results)."""
+    from megatron.core import parallel_state as ps
+
+    model_mod.ensure_selective_scan_stub()
+    setup.init_fake_parallel_state(args)
+    try:
+        model = model_mod.build_meta_model(args)
+        lay = layout_mod.compute_layout(
+            model,
+            unit_classes=resolve_unit_classes(args.fsdp_unit_modules),
+            strategy=args.data_parallel_sharding_strategy,
+            dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+            expert_dp_size=ps.get_expert_data_parallel_world_size(),
+            bucket_size=bucket_size_for(args),
+        )
+    finally:
+        setup.teardown_fake_parallel_state()
+    main_grads, comm = grad_dtypes(args)
+    results = [
+        report.plan_allocator(lay, "weight", align_bytes=args.plan_align_bytes),
+        report.plan_allocator(lay, "grad", align_bytes=args.plan_align_bytes,
+                              main_grads_dtype=main_grads, grad_comm_dtype=comm),
+    ]
+    return lay, results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--hidden-size" not in argv and "--num-layers" not in argv:
+        argv = list(setup.DEFAULT_MODEL_FLAGS) + argv  # default: the benchmark's hybrid
+    args = setup.parse(argv)
+    lay, results = plan_from_args(args)
+    print("\n".join(report.format_report(lay, results)))
+    if args.plan_json:
+        with open(args.plan_json, "w") as f:
+            json.dump(report.report_dict(lay, results), f, indent=1, sort_keys=True)
+        print(f"wrote {args.plan_json}")
+    return 0

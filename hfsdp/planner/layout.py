@@ -1,0 +1,207 @@
+"""FSDP unit table and bucket layout, computed by Megatron-FSDP's own functions.
+
+``_get_parameter_groups`` (unit discovery, dtype/expert/unit grouping, bucket splitting, chunk
+factors) and ``build_data_parallel_buffer_index`` (item placement and DP padding) are called
+exactly as ``ParamAndGradBuffer`` calls them, with the DP size given on the command line instead
+of read from a process group. Nothing here allocates tensor memory: shapes are enough.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+MFSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp"
+DEFAULT_UNIT_CLASSES = (
+    "megatron.core.transformer.transformer_layer.TransformerLayer",
+    "megatron.core.transformer.transformer_layer.MoETransformerLayer",
+    "megatron.core.ssm.mamba_layer.MambaLayer",
+)
+UPSTREAM_0182_UNIT_CLASSES = ("megatron.core.transformer.transformer_layer.TransformerLayer",)
+
+
+def import_class(path: str) -> type:
+    """Import ``pkg.module.Class``; short names resolve against the default unit classes."""
+    import importlib
+
+    if "." not in path:
+        matches = [p for p in DEFAULT_UNIT_CLASSES if p.rsplit(".", 1)[1] == path]
+        if not matches:
+            raise ValueError(f"unknown unit class {path!r}; give a dotted path")
+        path = matches[0]
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"{path!r} does not name a class")
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketRow:
+    """One parameter group (= bucket) as ParamAndGradBuffer sees it."""
+
+    bucket_id: int
+    unit_id: Optional[int]
+    dtype: str  # param group dtype: "torch.bfloat16", ..., or "float8"
+    is_expert: bool
+    requires_grad: bool
+    num_params: int
+    unpadded_numel: int  # sum of parameter numels (FixedPool's comparison size)
+    numel: int  # padded bucket_index.size (the size every runtime allocation asks for)
+    chunk_size_factor: int
+    dp_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitRow:
+    """One FSDP unit: id (= discovery order), module path and class."""
+
+    unit_id: int
+    name: str
+    cls: str
+    num_params: int
+    bucket_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    units: tuple[UnitRow, ...]
+    buckets: tuple[BucketRow, ...]
+    unit_classes: tuple[str, ...]
+    strategy: str
+    dp_size: int
+    expert_dp_size: int
+    total_params: int
+
+
+def discover_units(module: torch.nn.Module, unit_classes: Sequence[type]) -> list[tuple[str, torch.nn.Module]]:
+    """Units in ``_get_parameter_groups`` order: pre-order, nested units skipped."""
+    found: list[tuple[str, torch.nn.Module]] = []
+    if not unit_classes:
+        return found
+    for name, m in module.named_modules():
+        if any(name.startswith(prefix + ".") for prefix, _ in found):
+            continue
+        if isinstance(m, tuple(unit_classes)):
+            found.append((name, m))
+    return found
+
+
+def compute_layout(
+    module: torch.nn.Module,
+    *,
+    unit_classes: Sequence[type],
+    strategy: str,
+    dp_size: int,
+    expert_dp_size: Optional[int] = None,
+    bucket_size: Optional[int] = None,
+) -> Layout:
+    """Bucket layout of ``module`` for a DP group of ``dp_size`` ranks (expert: ``expert_dp_size``)."""
+    import importlib
+
+    pgb = importlib.import_module(f"{MFSDP}.param_and_grad_buffer")
+    expert_dp_size = dp_size if expert_dp_size is None else expert_dp_size
+    policy = pgb.BucketingPolicy(
+        suggested_bucket_size=bucket_size,
+        fsdp_unit_modules=list(unit_classes),
+        data_parallel_sharding_strategy=strategy,
+    )
+    groups, _, _ = pgb._get_parameter_groups(module, policy, {})
+    # build_data_parallel_buffer_index only reads the sharding strategy from the DDP config.
+    ddp_view = types.SimpleNamespace(data_parallel_sharding_strategy=strategy)
+    weights_sharded = strategy == "optim_grads_params"
+    buckets = []
+    for bucket_id, group in enumerate(groups):
+        size = expert_dp_size if group.is_expert_param else dp_size
+        shapes = [pgb.to_local_if_dtensor(p).shape for p in group.params]
+        _, bucket_index, _ = pgb.build_data_parallel_buffer_index(
+            shapes, 0, size, weights_sharded and size > 1, ddp_view,
+            bucket_id=bucket_id, chunk_size_factor=group.chunk_size_factor,
+        )
+        buckets.append(BucketRow(
+            bucket_id=bucket_id,
+            unit_id=group.fsdp_unit_id,
+            dtype=str(group.dtype),
+            is_expert=bool(group.is_expert_param),
+            requires_grad=bool(group.requires_grad),
+            num_params=len(group.params),
+            unpadded_numel=sum(s.numel() for s in shapes),
+            numel=int(bucket_index.size),
+            chunk_size_factor=int(group.chunk_size_factor),
+            dp_size=size,
+        ))
+    units = []
+    for unit_id, (name, m) in enumerate(discover_units(module, unit_classes)):
+        ids = tuple(b.bucket_id for b in buckets if b.unit_id == unit_id)
+        units.append(UnitRow(unit_id, name, type(m).__name__,
+                             sum(p.numel() for p in m.parameters()), ids))
+    n_unit_ids = len({b.unit_id for b in buckets if b.unit_id is not None})
+    assert n_unit_ids == len(units) and all(u.bucket_ids for u in units), (
+        f"unit discovery disagrees with _get_parameter_groups: {len(units)} units found, "
+        f"{n_unit_ids} unit ids in groups"
+    )
+    return Layout(
+        units=tuple(units),
+        buckets=tuple(buckets),
+        unit_classes=tuple(f"{c.__module__}.{c.__qualname__}" for c in unit_classes),
+        strategy=strategy,
+        dp_size=dp_size,
+        expert_dp_size=expert_dp_size,
+        total_params=sum(p.numel() for p in module.parameters()),
+    )
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype in ("float8", "torch.uint8"):
+        return 1
+    return torch.empty((), dtype=getattr(torch, dtype.split(".", 1)[1])).element_size()
+
+
+def weight_dtype(row: BucketRow) -> str:
+    """Dtype the weight allocator is asked for (``"float8"`` groups live in uint8 buffers)."""
+    return "torch.uint8" if row.dtype == "float8" else row.dtype
+
+
+def grad_dtype(row: BucketRow, main_grads_dtype: Optional[torch.dtype],
+               grad_comm_dtype: Optional[torch.dtype]) -> str:
+    """Dtype the grad allocator is asked for (brief 2.4: comm dtype, else the grad dtype)."""
+    if isinstance(grad_comm_dtype, torch.dtype):
+        return str(grad_comm_dtype)
+    if main_grads_dtype is not None:
+        return str(main_grads_dtype)
+    return "torch.bfloat16" if row.dtype == "float8" else row.dtype
+
+
+def bucket_specs(layout: Layout, allocator: str, *, main_grads_dtype: Optional[torch.dtype] = None,
+                 grad_comm_dtype: Optional[torch.dtype] = None) -> list:
+    """BucketSpecs for the ``"weight"`` or ``"grad"`` allocator (all buckets, units and not)."""
+    import importlib
+
+    plan_mod = importlib.import_module(f"{MFSDP}.maxpool_plan")
+    if allocator not in ("weight", "grad"):
+        raise ValueError(f"allocator must be 'weight' or 'grad', got {allocator!r}")
+    specs = []
+    for row in layout.buckets:
+        dtype = weight_dtype(row) if allocator == "weight" else grad_dtype(
+            row, main_grads_dtype, grad_comm_dtype)
+        specs.append(plan_mod.BucketSpec(
+            bucket_id=row.bucket_id, unit_id=row.unit_id, dtype=dtype, numel=row.numel,
+            itemsize=_itemsize(dtype), unpadded_numel=row.unpadded_numel,
+        ))
+    return specs
+
+
+def unit_dtype_sizes(layout: Layout) -> dict[int, dict[str, list[int]]]:
+    """unit id -> param dtype -> padded bucket sizes (in bucket order)."""
+    out: dict[int, dict[str, list[int]]] = {}
+    for row in layout.buckets:
+        if row.unit_id is not None:
+            out.setdefault(row.unit_id, {}).setdefault(row.dtype, []).append(row.numel)
+    return out
+
+
+def non_unit_buckets(layout: Layout) -> Iterable[BucketRow]:
+    return (b for b in layout.buckets if b.unit_id is None)

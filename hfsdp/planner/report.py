@@ -1,0 +1,141 @@
+"""Turn a bucket layout into the planner report: unit table, per-allocator plans, FixedPool view.
+
+Pure functions over :class:`~hfsdp.planner.layout.Layout` and the fork's ``maxpool_plan``
+module; the CLI prints :func:`format_report` and can dump :func:`report_dict` as JSON.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional
+
+import torch
+
+from hfsdp.planner.layout import MFSDP, Layout, bucket_specs
+
+MIB = 2**20
+
+
+def _plan_mod():
+    return importlib.import_module(f"{MFSDP}.maxpool_plan")
+
+
+def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int = 256,
+                   main_grads_dtype: Optional[torch.dtype] = None,
+                   grad_comm_dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
+    """Max-pool, rank-matched, analytic-minimum and FixedPool results for one allocator."""
+    pm = _plan_mod()
+    specs = bucket_specs(layout, allocator, main_grads_dtype=main_grads_dtype,
+                         grad_comm_dtype=grad_comm_dtype)
+    maxpool = pm.plan_max_pool(specs, align_bytes=align_bytes)
+    ranked = pm.plan_rank_matched(specs)
+    fixed = pm.fixed_pool_outliers(specs)
+    return {
+        "allocator": allocator,
+        "specs": specs,
+        "maxpool": maxpool,
+        "rank_matched": ranked,
+        "analytic_minimum_bytes": pm.analytic_minimum_bytes(specs),
+        "fixed_pool": fixed,
+    }
+
+
+def unit_table(layout: Layout) -> list[str]:
+    """One line per unit: id, class, params, and per-dtype padded bucket sizes."""
+    by_id = {b.bucket_id: b for b in layout.buckets}
+    lines = [f"{'unit':>4}  {'class':<20} {'params':>12}  buckets (dtype: padded numel ...)  module"]
+    for u in layout.units:
+        per_dtype: dict[str, list[str]] = {}
+        for bid in u.bucket_ids:
+            b = by_id[bid]
+            tag = f"{b.numel}" + ("e" if b.is_expert else "")
+            per_dtype.setdefault(b.dtype.replace("torch.", ""), []).append(tag)
+        cells = "; ".join(f"{d}: {' '.join(v)}" for d, v in per_dtype.items())
+        lines.append(f"{u.unit_id:>4}  {u.cls:<20} {u.num_params:>12,}  {cells}  {u.name}")
+    rest = [b for b in layout.buckets if b.unit_id is None]
+    if rest:
+        cells = " ".join(f"{b.dtype.replace('torch.', '')}:{b.numel}" for b in rest)
+        lines.append(f"{'-':>4}  {'(non-unit)':<20} {sum(b.unpadded_numel for b in rest):>12,}  "
+                     f"{cells}  (never pooled)")
+    return lines
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:,.2f} MiB"
+
+
+def plan_lines(result: dict[str, Any], layout: Layout) -> list[str]:
+    """Pool bytes per plan for one allocator, plus per-dtype arenas and FixedPool's outliers."""
+    name = result["allocator"]
+    mp, rm, fx = result["maxpool"], result["rank_matched"], result["fixed_pool"]
+    minimum = result["analytic_minimum_bytes"]
+    cls = {u.unit_id: u.cls for u in layout.units}
+    lines = [
+        f"[{name}] max-pool arena plan : {_mib(mp.pool_bytes())}"
+        f"  ({mp.pool_bytes() / minimum:.3f} x analytic minimum)",
+        f"[{name}] rank-matched (0.19) : {_mib(rm.pool_bytes())}"
+        f"  ({rm.pool_bytes() / minimum:.3f} x analytic minimum)",
+        f"[{name}] analytic minimum    : {_mib(minimum)}  (2 x largest unit, per dtype)",
+    ]
+    for dtype in sorted(mp.arena_numel):
+        setter = mp.setter[dtype]
+        lines.append(
+            f"[{name}]   {dtype}: arena {mp.arena_numel[dtype]:,} elems/group "
+            f"({_mib(mp.arena_bytes(dtype))}), set by unit {setter} ({cls.get(setter, '?')}); "
+            f"rank-matched slots {list(rm.slots.get(dtype, ()))}")
+    pooled = ", ".join(f"{u}" for u in fx.pooled_unit_ids)
+    outl = ", ".join(f"{u}:{cls.get(u, '?')}" for u in fx.outlier_unit_ids) or "none"
+    lines.append(
+        f"[{name}] 0.18.2 FixedPool    : pool {_mib(fx.pool_bytes)} for units [{pooled}] "
+        f"({len(fx.pooled_unit_ids)}/{len(layout.units)}); outliers [{outl}] "
+        f"= {_mib(fx.outlier_bytes)} outside the pool")
+    return lines
+
+
+def format_report(layout: Layout, results: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"Megatron-FSDP memory plan: strategy={layout.strategy} dp={layout.dp_size} "
+        f"expert_dp={layout.expert_dp_size} params={layout.total_params:,} "
+        f"units={len(layout.units)} buckets={len(layout.buckets)}",
+        "unit classes: " + ", ".join(c.rsplit(".", 1)[1] for c in layout.unit_classes),
+        "",
+        *unit_table(layout),
+        "",
+    ]
+    for r in results:
+        lines += plan_lines(r, layout) + [""]
+    return lines
+
+
+def report_dict(layout: Layout, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """JSON-ready summary (bytes as ints, plans as plain dicts)."""
+    out: dict[str, Any] = {
+        "strategy": layout.strategy,
+        "dp_size": layout.dp_size,
+        "expert_dp_size": layout.expert_dp_size,
+        "total_params": layout.total_params,
+        "unit_classes": list(layout.unit_classes),
+        "units": [dict(unit_id=u.unit_id, name=u.name, cls=u.cls, params=u.num_params,
+                       bucket_ids=list(u.bucket_ids)) for u in layout.units],
+        "buckets": [dict(bucket_id=b.bucket_id, unit_id=b.unit_id, dtype=b.dtype,
+                         is_expert=b.is_expert, numel=b.numel, unpadded_numel=b.unpadded_numel,
+                         chunk_size_factor=b.chunk_size_factor, dp_size=b.dp_size)
+                    for b in layout.buckets],
+        "allocators": {},
+    }
+    for r in results:
+        mp, rm, fx = r["maxpool"], r["rank_matched"], r["fixed_pool"]
+        out["allocators"][r["allocator"]] = {
+            "maxpool_pool_bytes": mp.pool_bytes(),
+            "maxpool_arena_numel": dict(mp.arena_numel),
+            "maxpool_offsets": {str(k): list(v) for k, v in sorted(mp.offsets.items())},
+            "maxpool_setter": dict(mp.setter),
+            "rank_matched_pool_bytes": rm.pool_bytes(),
+            "rank_matched_slots": {d: list(s) for d, s in rm.slots.items()},
+            "analytic_minimum_bytes": r["analytic_minimum_bytes"],
+            "fixed_pool_pool_bytes": fx.pool_bytes,
+            "fixed_pool_pooled_units": list(fx.pooled_unit_ids),
+            "fixed_pool_outlier_units": list(fx.outlier_unit_ids),
+            "fixed_pool_outlier_bytes": fx.outlier_bytes,
+        }
+    return out

@@ -1,0 +1,43 @@
+"""Print, one argument per line, the direct (no torchrun) command for a case's single run.
+
+Used by the srun-per-GPU sbatch mode: every task runs this command with RANK/LOCAL_RANK/
+WORLD_SIZE taken from SLURM, so the driver is not in the loop while training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hfsdp.functional.recipe import args_to_argv, load_recipe
+from hfsdp.functional.run_case import output_dir_for, path_variables, script_target
+
+
+def command(case_dir: Path, output_root: Path | None, exit_mins: float | None,
+            python: str = sys.executable) -> list[str]:
+    recipe = load_recipe(case_dir)
+    if recipe.test_type == "ckpt-resume":
+        raise SystemExit("srun-per-GPU mode runs single-run cases only; use the torchrun launcher")
+    out = output_dir_for(recipe, output_root)
+    out.mkdir(parents=True, exist_ok=True)
+    argv = args_to_argv(recipe.model_args, path_variables(out))
+    if exit_mins is not None and "--exit-duration-in-mins" not in argv:
+        argv += ["--exit-duration-in-mins", f"{exit_mins:g}"]
+    env = [f"{k}={v}" for k, v in recipe.env_vars.items() if v is not None]
+    return (["env", *env] if env else []) + [python, *script_target(recipe), *argv]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("case_dir", type=Path)
+    parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument("--exit-duration-in-mins", type=float, default=None)
+    ns = parser.parse_args()
+    for arg in command(ns.case_dir, ns.output_dir, ns.exit_duration_in_mins):
+        assert "\n" not in arg, f"argument with a newline cannot be passed line-wise: {arg!r}"
+        print(arg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""A throw-away one-node Slurm cluster (root, no systemd) for CI; see design/slurm-notes.md.
+
+Debian's ``slurm-wlm`` + ``munge`` (installed with apt when missing), config/state/logs in a temp
+directory, ``slurmctld``/``slurmd`` started with ``-f <conf>`` as root, stopped by their pid files.
+Accounting is off, so results come from ``scontrol`` and job output files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+MUNGE_KEY = Path("/etc/munge/munge.key")
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+def ensure_installed(timeout_s: float = 400) -> None:
+    """apt-get install slurm-wlm and munge unless their daemons are already on PATH."""
+    if all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "munged")):
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"],
+                ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"]):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_pidfile(path: Path) -> None:
+    try:
+        pid = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class LocalCluster:
+    """Context manager: ``with LocalCluster(tmp) as c: subprocess.run([...], env=c.env)``."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = Path(workdir)
+        self.host = socket.gethostname().split(".")[0]
+        self.conf = self.workdir / "slurm.conf"
+        self._started_munged = False
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    # Lifecycle #
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._start_munge()
+        for sub in ("state", "spool"):
+            (self.workdir / sub).mkdir(parents=True, exist_ok=True)
+        self.conf.write_text(self._slurm_conf())
+        for daemon in ("slurmctld", "slurmd"):
+            proc = _run([daemon, "-f", str(self.conf)], env=self.env)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{daemon} failed to start: {proc.stderr}\n{self.logs()}")
+        self.wait_idle()
+
+    def stop(self) -> None:
+        """Stop what we started, by pid file; safe to call twice."""
+        _kill_pidfile(self.workdir / "slurmd.pid")
+        _kill_pidfile(self.workdir / "slurmctld.pid")
+        if self._started_munged:
+            _kill_pidfile(Path("/run/munge/munged.pid"))
+            self._started_munged = False
+
+    # Helpers #
+
+    def _start_munge(self) -> None:
+        if not MUNGE_KEY.is_file() or MUNGE_KEY.stat().st_size < 1024:
+            MUNGE_KEY.parent.mkdir(parents=True, exist_ok=True)
+            MUNGE_KEY.write_bytes(os.urandom(1024))
+        shutil.chown(MUNGE_KEY, "munge", "munge")
+        MUNGE_KEY.chmod(0o400)
+        if self._munge_works():
+            return
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        proc = _run(["runuser", "-u", "munge", "--", "munged"])
+        if proc.returncode != 0:
+            proc = _run(["munged", "--force"])
+        self._started_munged = proc.returncode == 0
+        for _ in range(50):
+            if self._munge_works():
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"munged is not working: {proc.stderr}")
+
+    @staticmethod
+    def _munge_works() -> bool:
+        return subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
+
+    def _slurm_conf(self) -> str:
+        w = self.workdir
+        return "\n".join([
+            "ClusterName=hfsdpci",
+            f"SlurmctldHost={self.host}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "SchedulerType=sched/backfill",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "MinJobAge=3600",
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmdPort={_free_port()}",
+            f"StateSaveLocation={w / 'state'}",
+            f"SlurmdSpoolDir={w / 'spool'}",
+            f"SlurmctldPidFile={w / 'slurmctld.pid'}",
+            f"SlurmdPidFile={w / 'slurmd.pid'}",
+            f"SlurmctldLogFile={w / 'slurmctld.log'}",
+            f"SlurmdLogFile={w / 'slurmd.log'}",
+            f"NodeName={self.host} CPUs={os.cpu_count() or 1} State=UNKNOWN",
+            f"PartitionName=ci Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ])
+
+    def wait_idle(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = _run(["sinfo", "-h", "-o", "%t"], env=self.env)
+            if proc.returncode == 0 and "idle" in proc.stdout:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"node never became idle\n{self.logs()}")
+
+    def logs(self) -> str:
+        parts = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = self.workdir / name
+            if path.is_file():
+                parts.append(f"--- {name}\n" + path.read_text(errors="replace")[-3000:])
+        return "\n".join(parts)

@@ -1,0 +1,80 @@
+"""Shared ``main()`` for ``pretrain_gpt.py`` and ``pretrain_hybrid.py``.
+
+Flow: fork guard -> parse and validate *upstream* Megatron args (every upstream flag, plus the
+flags our patches add to Megatron's own parser) -> pick the model family -> install the optional explicit
+FSDP unit list hook -> build the
+``PretrainConfigContainer`` -> ``megatron.training.pretrain``.
+
+This module imports only the stdlib at import time so the guard runs before ``megatron`` loads.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from typing import Sequence
+
+from hfsdp.patchset.guard import ensure_fork
+
+# Tokenizer default matches upstream's GPT entry point; mock-data runs pass
+# `--tokenizer-type NullTokenizer --vocab-size N`.
+ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
+def megatron_parser():
+    """Megatron's own argument parser (every upstream flag plus the fork's patched-in ones)."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments (hfsdp entry point)",
+                                     allow_abbrev=False)
+    add_megatron_arguments(parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = None):
+    """Parse + validate Megatron args (sets Megatron's globals) and resolve the family.
+
+    Returns ``(args, family)``. ``argv`` replaces ``sys.argv[1:]`` when given.
+    """
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    from megatron.training.arguments import parse_and_validate_args
+
+    from hfsdp.training import specs
+
+    args = parse_and_validate_args(args_defaults=dict(ARGS_DEFAULTS))
+    family = specs.resolve_family(args, forced_family)
+    specs.use_transformer_engine(args)  # clear error before any CUDA/NCCL work
+    return args, family
+
+
+def main(argv: Sequence[str] | None = None, forced_family: str | None = None) -> None:
+    """Run pretraining; ``forced_family='hybrid'`` is ``pretrain_hybrid.py``."""
+    program_start = time.time()
+    ensure_fork()
+    from megatron.core.enums import ModelType
+    from megatron.training import print_rank_0
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.training import pretrain, set_startup_timestamps
+
+    from hfsdp.training import data, fsdp_units, forward_step, model_provider
+
+    set_startup_timestamps(program_start=program_start, main_entry=time.time())
+    args, family = parse_args(argv, forced_family)
+    units = fsdp_units.install_unit_override()
+    print_rank_0(f"> hfsdp entry: model family={family}, transformer_impl={args.transformer_impl}"
+                 + (f", FSDP units override={units[0]}" if units else ""))
+    with warnings.catch_warnings():
+        # We pass a model_provider function on purpose (the ModelConfig path is hybrid-only).
+        warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
+        cfg = pretrain_cfg_container_from_args(args)
+    pretrain(
+        cfg,
+        data.train_valid_test_datasets_provider,
+        model_provider.make_model_provider(family),
+        ModelType.encoder_or_decoder,
+        forward_step.forward_step,
+    )

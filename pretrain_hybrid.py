@@ -1,0 +1,8 @@
+#!/usr/bin/env python3
+"""Pretrain a hybrid (Mamba / attention / MLP / MoE) model: ``pretrain_gpt.py`` with the family
+forced to ``hybrid`` (``--hybrid-layer-pattern`` is required)."""
+
+from hfsdp.training.entry import main
+
+if __name__ == "__main__":
+    main(forced_family="hybrid")

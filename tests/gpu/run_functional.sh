@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Run (or record) the GPU functional cases on a 2-GPU machine, from the repo root:
+#   . .devtools/bootstrap.sh && bash tests/gpu/run_functional.sh [--record] [case ...]
+# Default cases: every GPU case under tests/functional_tests/test_cases (not smoke/).
+# Everything lands in $OUT/functional.tgz (logs, metrics, goldens) plus $OUT/functional_summary.txt.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+mode=()
+[ "${1:-}" = "--record" ] && { mode=(--record); shift; }
+cases=("$@")
+if [ ${#cases[@]} -eq 0 ]; then
+  mapfile -t cases < <(cd tests/functional_tests/test_cases && ls -d */*/ | sed 's#/$##' | grep -v '^smoke/')
+fi
+work=${HFSDP_FUNCTIONAL_OUT:-/tmp/hfsdp_functional}
+export HFSDP_FUNCTIONAL_OUT=$work
+mkdir -p "$work"
+summary="${OUT:-$work}/functional_summary.txt"
+: > "$summary"
+t0=$(date +%s)
+for c in "${cases[@]}"; do
+  start=$(date +%s)
+  if [ $(( start - t0 + ${CASE_TIMEOUT:-170} )) -gt "${BUDGET_S:-100000}" ]; then
+    echo "skipped (BUDGET_S=${BUDGET_S} reached) [$c]" | tee -a "$summary"; continue
+  fi
+  python -m hfsdp.functional.run_case "tests/functional_tests/test_cases/$c" "${mode[@]}" --timeout-s "${CASE_TIMEOUT:-170}" \
+    > "$work/$(echo "$c" | tr / _).log" 2>&1
+  rc=$?
+  line=$(grep -h "HFSDP-FUNCTIONAL RESULT" "$work/$(echo "$c" | tr / _).log" | tail -1)
+  echo "rc=$rc $(( $(date +%s) - start ))s ${line:-no result line} [$c]" | tee -a "$summary"
+done
+mkdir -p "$work/goldens"
+for f in tests/functional_tests/test_cases/*/*/golden_values_*.json; do
+  [ -f "$f" ] && { mkdir -p "$work/goldens/$(dirname "$f")"; cp "$f" "$work/goldens/$f"; }
+done
+[ -n "${OUT:-}" ] && tar czf "$OUT/functional.tgz" -C "$work" .
+grep -q "FAIL\|no result\|skipped" "$summary" && exit 1
+exit 0

@@ -1,0 +1,106 @@
+"""Benchmark aggregation, ordering, JSON and chart writer (CPU only, no megatron needed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from hfsdp.bench import results as R
+from hfsdp.bench.chart import ChartUnavailable, write_chart
+
+
+def run(config, repeat, times, alloc=1000, resv=2000, pool=None, tokens=4096):
+    return R.RunResult(config, repeat, tuple(times), tokens, alloc, resv, pool)
+
+
+def test_median_and_run_median():
+    assert R.median([3.0, 1.0, 2.0]) == 2.0
+    assert R.median([1.0, 2.0, 3.0, 10.0]) == 2.5
+    with pytest.raises(ValueError):
+        R.median([])
+    assert run("a", 0, [0.3, 0.1, 0.2, 5.0, 0.2]).median_step_s == 0.2
+
+
+def test_run_rejects_empty_or_bad_times():
+    with pytest.raises(ValueError):
+        run("a", 0, [])
+    with pytest.raises(ValueError):
+        run("a", 0, [0.1, 0.0])
+
+
+def test_interleaved_order_rotates_every_config_through_every_slot():
+    order = R.interleaved_order(["a", "b", "c"], 3)
+    assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
+                     (2, "c"), (2, "a"), (2, "b")]
+    firsts = [order[i * 3][1] for i in range(3)]
+    assert sorted(firsts) == ["a", "b", "c"]
+    with pytest.raises(ValueError):
+        R.interleaved_order(["a"], 0)
+
+
+def test_summarize_medians_ratios_and_peaks():
+    runs = [
+        run("no_db", 0, [0.10, 0.10], alloc=1000, resv=4000),
+        run("no_db", 1, [0.12, 0.12], alloc=1100, resv=4000),
+        run("no_db", 2, [0.50, 0.50], alloc=900, resv=4000),  # outlier run: median ignores it
+        run("maxpool", 0, [0.09], alloc=800, resv=3000, pool=300),
+        run("maxpool", 1, [0.09], alloc=850, resv=3000, pool=300),
+        run("maxpool", 2, [0.10], alloc=820, resv=3200, pool=300),
+    ]
+    planned = {"maxpool": {"pool_bytes": 280, "analytic_minimum_bytes": 256}}
+    s = {x.config: x for x in R.summarize(runs, planned=planned)}
+    assert s["no_db"].median_step_s == pytest.approx(0.12)
+    assert s["no_db"].peak_allocated_bytes == 1100  # max over runs
+    assert s["maxpool"].median_step_s == pytest.approx(0.09)
+    assert s["maxpool"].step_time_ratio == pytest.approx(0.09 / 0.12)
+    assert s["maxpool"].tokens_per_s == pytest.approx(4096 / 0.09)
+    assert s["maxpool"].tokens_per_s_ratio == pytest.approx(0.12 / 0.09)
+    assert s["maxpool"].peak_reserved_ratio == pytest.approx(3200 / 4000)
+    assert s["maxpool"].pool_bytes_planned == 280 and s["maxpool"].pool_bytes_measured == 300
+    assert s["no_db"].step_time_ratio == 1.0
+    assert (s["maxpool"].min_run_median_s, s["maxpool"].max_run_median_s) == (0.09, 0.10)
+
+
+def test_summarize_without_baseline_leaves_ratios_empty():
+    (s,) = R.summarize([run("maxpool", 0, [0.1])])
+    assert s.step_time_ratio is None and s.peak_allocated_ratio is None
+
+
+def test_summarize_rejects_inconsistent_tokens():
+    with pytest.raises(ValueError):
+        R.summarize([run("a", 0, [0.1], tokens=1), run("a", 1, [0.1], tokens=2)])
+
+
+def test_table_and_json_roundtrip(tmp_path):
+    runs = [run("no_db", 0, [0.2]), run("fixedpool", 0, [0.1], pool=2 * R.MIB)]
+    summaries = R.summarize(runs)
+    table = R.format_table(summaries)
+    assert table[0].startswith("config") and len(table) == 4
+    cells = table[3].split()
+    assert cells[0] == "fixedpool" and cells[2] == "100.0"  # median step in ms
+    assert cells[5] == "2.000"  # tokens/s ratio vs no_db (half the step time)
+    path = tmp_path / "r.json"
+    R.write_json(str(path), R.to_json(summaries, runs, {"nproc": 2}))
+    doc = json.loads(path.read_text())
+    assert doc["meta"] == {"nproc": 2}
+    assert [x["config"] for x in doc["summary"]] == ["no_db", "fixedpool"]
+    back = [R.run_from_dict(d) for d in doc["runs"]]
+    assert back == runs
+
+
+def test_chart_missing_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ChartUnavailable, match="matplotlib"):
+        write_chart(str(tmp_path / "c.png"), R.summarize([run("no_db", 0, [0.1])]), "t")
+
+
+def test_chart_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = [run("no_db", 0, [0.2]), run("maxpool", 0, [0.1])]
+    out = tmp_path / "c.png"
+    write_chart(str(out), R.summarize(runs), "title")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError):
+        write_chart(str(out), [], "empty")

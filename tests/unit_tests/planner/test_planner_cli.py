@@ -1,0 +1,67 @@
+"""End-to-end planner on a tiny hybrid (real Megatron parser, meta-device model, no GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan")
+pytest.importorskip("megatron.core.models.hybrid.hybrid_local_layer_specs")
+
+from hfsdp.planner import cli  # noqa: E402
+
+TINY = ("--hybrid-layer-pattern M*EM*E --hidden-size 64 --num-attention-heads 4 "
+        "--ffn-hidden-size 128 --num-experts 4 --moe-ffn-hidden-size 48 --moe-router-topk 2 "
+        "--mamba-num-heads 4 --mamba-head-dim 32 --mamba-num-groups 2 "
+        "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --bf16 "
+        "--normalization RMSNorm --no-persist-layer-norm --position-embedding-type none "
+        "--transformer-impl local --disable-mamba-mem-eff-path --no-gradient-accumulation-fusion "
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+        "--use-distributed-optimizer --ckpt-format fsdp_dtensor --tokenizer-type NullTokenizer "
+        "--vocab-size 1000 --mock-data").split()
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    import io
+    from contextlib import redirect_stdout
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert cli.main(TINY + ["--plan-json", str(out)]) == 0
+    return buf.getvalue(), json.loads(out.read_text())
+
+
+def test_units_follow_the_fork_default(planned):
+    _, doc = planned
+    assert [u["cls"] for u in doc["units"]] == [
+        "MambaLayer", "TransformerLayer", "MoETransformerLayer"] * 2
+    moe = [b for b in doc["buckets"] if b["unit_id"] == 2]
+    assert any(b["is_expert"] for b in moe) and any(not b["is_expert"] for b in moe)
+    assert all(b["numel"] % 2 == 0 and b["numel"] >= b["unpadded_numel"] for b in doc["buckets"])
+
+
+def test_pool_ordering_and_fixed_pool_outliers(planned):
+    text, doc = planned
+    for name in ("weight", "grad"):
+        a = doc["allocators"][name]
+        assert a["analytic_minimum_bytes"] <= a["maxpool_pool_bytes"] <= a["rank_matched_pool_bytes"] + 2 * 256 * 4
+        # Three unit shapes, two of each: FixedPool pools one pair, the other four fall out.
+        assert len(a["fixed_pool_pooled_units"]) == 2
+        assert len(a["fixed_pool_outlier_units"]) == 4
+    assert doc["allocators"]["grad"]["maxpool_arena_numel"].keys() == {"torch.float32"}
+    assert "0.18.2 FixedPool" in text and "MoETransformerLayer" in text
+
+
+def test_unit_override_0182():
+    import io
+    from contextlib import redirect_stdout
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        cli.main(TINY + ["--fsdp-unit-modules", "megatron-0.18.2"])
+    text = buf.getvalue()
+    assert "units=4" in text  # attention + MoE layers only; Mamba layers are not units
+    assert "MambaLayer" not in text.split("unit classes:")[1].splitlines()[0]

@@ -1,0 +1,130 @@
+"""The planner's bucket layout and pool choices equal what ParamAndGradBuffer computes.
+
+ParamAndGradBuffer is constructed for real on CPU: a ``fake`` process group of 2 ranks (this
+process is rank 0; collectives are no-ops) gives DP=2, and ``torch.cuda.current_device`` is
+pointed at the CPU while the buffer allocates its temporary buckets. The planner runs the same
+module through ``compute_layout``; every bucket's unit, dtype, chunk factor and padded size, the
+FixedPool's pooled units, and (when the tree has the max-pool patch) the MaxPool allocator's
+plan must match exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pgb = pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
+
+from hfsdp.planner import layout as L  # noqa: E402
+from hfsdp.planner import report as R  # noqa: E402
+
+DP = 2
+
+
+@pytest.fixture()
+def fake_dp_world(monkeypatch):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=DP)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    yield
+    dist.destroy_process_group()
+
+
+class Unit(torch.nn.Module):
+    def __init__(self, d_in: int, d_hidden: int, experts: int = 0):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_in, d_hidden)
+        self.fc2 = torch.nn.Linear(d_hidden, d_in, bias=False)
+        if experts:
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(d_in, 5) for _ in range(experts))
+        self.norm = torch.nn.LayerNorm(d_in).float()  # second dtype inside a unit
+
+
+class Asymmetric(torch.nn.Module):
+    """Embedding (non-unit) + units of three shapes; odd sizes exercise DP padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(37, 12)
+        self.layers = torch.nn.ModuleList(
+            [Unit(12, 33), Unit(12, 7), Unit(12, 33), Unit(12, 19, experts=2), Unit(12, 33)])
+        self.head = torch.nn.Linear(12, 11)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = Asymmetric()
+    for name, p in m.named_parameters():
+        if not name.endswith(("norm.weight", "norm.bias")):
+            p.data = p.data.to(torch.bfloat16)
+    return m
+
+
+def _runtime_buffer(model: torch.nn.Module, **ddp_kwargs):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import FSDPDistributedIndex
+
+    mesh = init_device_mesh("cpu", (DP, 1), mesh_dim_names=("dp", "tp"))
+    index = FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
+                                 expt_device_mesh=mesh)
+    cfg = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params", use_distributed_optimizer=True,
+        fsdp_double_buffer=True, **ddp_kwargs)
+    return pgb.ParamAndGradBuffer(cfg, model, pgb.BucketingPolicy(fsdp_unit_modules=[Unit]),
+                                  index, device=torch.device("cpu"))
+
+
+def test_layout_equals_runtime_buckets(fake_dp_world):
+    planned = L.compute_layout(_model(), unit_classes=[Unit], strategy="optim_grads_params",
+                               dp_size=DP, expert_dp_size=DP)
+    buf = _runtime_buffer(_model())
+    assert len(planned.buckets) == len(buf.parameter_groups)
+    for row, group in zip(planned.buckets, buf.parameter_groups):
+        wbuf = group.model_weight_buffer
+        assert (row.unit_id, row.dtype, row.is_expert, row.chunk_size_factor) == (
+            group.fsdp_unit_id, str(group.dtype), group.is_expert_param, group.chunk_size_factor)
+        assert row.numel == wbuf.bucket_index.size, (row, wbuf.bucket_index)
+        assert row.numel == group.main_grad_buffer.bucket_index.size
+        assert row.unpadded_numel == sum(p.numel() for p in group.params)
+    # Padding is real here (odd sizes, DP=2), so the test would catch unpadded planning.
+    assert any(r.numel != r.unpadded_numel for r in planned.buckets)
+    assert [u.cls for u in planned.units] == ["Unit"] * 5
+    assert [u.name for u in planned.units] == [f"layers.{i}" for i in range(5)]
+
+
+def test_fixed_pool_choice_equals_runtime(fake_dp_world):
+    pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan")
+    planned = L.compute_layout(_model(), unit_classes=[Unit], strategy="optim_grads_params",
+                               dp_size=DP, expert_dp_size=DP)
+    buf = _runtime_buffer(_model())
+    alloc = buf.weight_alloc
+    if type(alloc).__name__ != "FixedPoolAllocator":
+        pytest.skip(f"tree builds {type(alloc).__name__} by default")
+    fixed = R.plan_allocator(planned, "weight")["fixed_pool"]
+    assert sorted(alloc.fsdp_double_buffer_units) == list(fixed.pooled_unit_ids) == [0, 2, 4]
+    assert fixed.outlier_unit_ids == (1, 3)
+
+
+def test_maxpool_plan_equals_runtime_allocator(fake_dp_world):
+    pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan")
+    planned = L.compute_layout(_model(), unit_classes=[Unit], strategy="optim_grads_params",
+                               dp_size=DP, expert_dp_size=DP)
+    try:
+        buf = _runtime_buffer(_model(), megatron_fsdp_max_pool_double_buffer=True)
+    except TypeError:
+        pytest.skip("tree has no max-pool double buffer (megatron_fsdp_max_pool_double_buffer)")
+    for alloc_name, kind in (("weight_alloc", "weight"), ("main_grad_alloc", "grad")):
+        alloc = getattr(buf, alloc_name)
+        runtime_plan = getattr(alloc, "plan", None)
+        assert runtime_plan is not None, f"{alloc_name} ({type(alloc).__name__}) exposes no .plan"
+        mine = R.plan_allocator(planned, kind, align_bytes=runtime_plan.align_bytes,
+                                main_grads_dtype=buf.mp_policy.main_grads_dtype,
+                                grad_comm_dtype=buf.mp_policy.grad_comm_dtype)["maxpool"]
+        assert mine.arena_numel == runtime_plan.arena_numel, alloc_name
+        assert mine.offsets == runtime_plan.offsets, alloc_name
+        assert mine.unit_ids == runtime_plan.unit_ids, alloc_name
+        assert mine.pool_bytes() == runtime_plan.pool_bytes(), alloc_name

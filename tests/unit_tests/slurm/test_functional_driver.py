@@ -1,0 +1,114 @@
+"""The functional-test driver's pieces: recipes, log parsing, golden comparison, resume prep.
+
+(Lives with the SLURM tests because the driver is what each sbatch job runs.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hfsdp.functional import golden, logparse
+from hfsdp.functional.recipe import RecipeError, args_to_argv, load_recipe, merged_args
+from hfsdp.functional.run_case import Launch, build_command, prepare_resume
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CASES = REPO_ROOT / "tests/functional_tests/test_cases"
+
+LOG = """\
+ [2026-11-21 10:00:00.1] iteration        1/       3 | consumed samples:            8 | elapsed time per iteration (ms): 912.3 | learning rate: 1.500000E-04 | global batch size:     8 | lm loss: 9.123457E+00 | loss scale: 1.0 | grad norm: 3.210 | num zeros: 12 | number of skipped iterations:   0 | number of nan iterations:   0 |
+[Rank 0] (after 1 iterations) memory (MB) | allocated: 100.50 | max allocated: 200.25 | reserved: 300.00 | max reserved: 300.00
+[Rank 1] (after 1 iterations) memory (MB) | allocated: 999.00 | max allocated: 999.00 | reserved: 999.00 | max reserved: 999.00
+ [2026-11-21 10:00:00.2] iteration        2/       3 | consumed samples:           16 | elapsed time per iteration (ms): 80.0 | lm loss: 8.000001E+00 | num zeros: 0 |
+ [2026-11-21 10:00:00.3] iteration        3/       3 | consumed samples:           24 | elapsed time per iteration (ms): 82.0 | lm loss: 7.5E+00 | num zeros: 1 |
+"""
+
+
+def test_parse_megatron_stdout() -> None:
+    m = logparse.parse_log(LOG.splitlines())
+    assert m["lm loss"] == {1: 9.123457, 2: 8.000001, 3: 7.5}
+    assert m["iteration-time"][1] == pytest.approx(0.9123)
+    assert m["num-zeros"] == {1: 12.0, 2: 0.0, 3: 1.0}
+    assert m["mem-allocated-bytes"] == {1: 100.5 * 2**20}  # rank 0 only
+    assert m["mem-max-allocated-bytes"][1] == 200.25 * 2**20
+    assert m["grad-norm"] == {1: 3.21}
+
+
+def test_golden_roundtrip_and_thresholds(tmp_path: Path) -> None:
+    m = logparse.parse_log(LOG.splitlines())
+    path = tmp_path / "golden_values_dev_dgx_h200.json"
+    golden.save(path, m, ["lm loss", "mem-allocated-bytes"])
+    g = golden.load(path)
+    assert golden.compare(g, m, ["lm loss", "mem-allocated-bytes"]) == []
+    worse = {k: dict(v) for k, v in m.items()}
+    worse["lm loss"][2] = 8.000002  # last printed digit differs -> must fail (exact)
+    worse["mem-allocated-bytes"][1] *= 1.04  # inside rtol 0.05
+    problems = golden.compare(g, worse, ["lm loss", "mem-allocated-bytes"])
+    assert [(p.metric, p.step) for p in problems] == [("lm loss", 2)]
+    worse["mem-allocated-bytes"][1] = m["mem-allocated-bytes"][1] * 1.06
+    assert any(p.metric == "mem-allocated-bytes" for p in golden.compare(g, worse, ["mem-allocated-bytes"]))
+    assert golden.compare(g, m, ["num-zeros"])[0].why == "metric missing from golden"
+
+
+def test_iteration_time_uses_post_warmup_median() -> None:
+    exp = {"iteration-time": {i: 0.100 for i in range(1, 11)}}
+    act = {"iteration-time": {i: 0.100 for i in range(1, 11)}}
+    act["iteration-time"][1] = 5.0  # warm-up outlier is ignored
+    assert golden.compare(exp, act, ["iteration-time"]) == []
+    slow = {"iteration-time": {i: 0.2 for i in range(1, 11)}}
+    assert golden.compare(exp, slow, ["iteration-time"])[0].metric == "iteration-time"
+
+
+def test_all_recipes_load_and_follow_conventions() -> None:
+    recipes = [load_recipe(p.parent) for p in sorted(CASES.glob("*/*/model_config.yaml"))]
+    names = {f"{r.model}/{r.name}" for r in recipes}
+    assert {"hybrid/hybrid_mcore_local_fsdp_maxpool_db", "hybrid/hybrid_mcore_local_fsdp_no_db",
+            "moe/moe_mcore_local_fsdp_ep2", "smoke/cpu_gloo_smoke"} <= names
+    for r in recipes:
+        if r.model == "smoke":
+            continue
+        assert r.nproc == 2 and r.model_args.get("--deterministic-mode") is True, r.name
+        assert r.env_vars.get("NCCL_NVLS_ENABLE") == "0", r.name
+        assert r.model_args.get("--transformer-impl") == "local", r.name
+        assert "lm loss" in r.metrics
+        if r.compare_to:
+            assert (r.case_dir / r.compare_to / "model_config.yaml").is_file()
+    resumes = [r for r in recipes if r.test_type == "ckpt-resume"]
+    assert len(resumes) >= 3
+    for r in resumes:
+        assert int(r.model_args["--save-interval"]) * 2 == r.train_iters, r.name
+
+
+def test_args_to_argv_conventions() -> None:
+    argv = args_to_argv({"--a": True, "--b": False, "--c": None, "--d": 3, "--e": ["x", "${OUTPUT_PATH}"],
+                         "--save": "${CHECKPOINT_SAVE_PATH}"},
+                        {"OUTPUT_PATH": "/o", "CHECKPOINT_SAVE_PATH": "/o/ckpt"})
+    assert argv == ["--a", "--d", "3", "--e", "x", "/o", "--save", "/o/ckpt"]
+    assert merged_args({"--a": True, "--b": 1}, {"--a": False, "--c": 2}) == {"--a": False, "--b": 1, "--c": 2}
+
+
+def test_bad_recipe_is_rejected(tmp_path: Path) -> None:
+    case = tmp_path / "gpt" / "bad"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text("TEST_TYPE: ckpt-resume\nMODEL_ARGS: {--train-iters: 4}\n")
+    with pytest.raises(RecipeError, match="needs --save"):
+        load_recipe(case)
+    (case / "model_config.yaml").write_text("MODLE_ARGS: {}\n")
+    with pytest.raises(RecipeError, match="unknown keys"):
+        load_recipe(case)
+
+
+def test_build_command_and_resume_prep(tmp_path: Path) -> None:
+    r = load_recipe(CASES / "hybrid/hybrid_mcore_local_fsdp_no_db")
+    cmd = build_command(r, ["--x"], Launch(nproc=2, master_port=1234, exit_duration_in_mins=7.5))
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"]
+    assert cmd[-3:] == ["--x", "--exit-duration-in-mins", "7.5"]
+    assert cmd[cmd.index("--master-port") + 1] == "1234" and cmd[-4] == str(REPO_ROOT / "pretrain_gpt.py")
+    for it in (10, 20):
+        (tmp_path / f"iter_{it:07d}").mkdir()
+    prepare_resume(tmp_path, 10, 20)
+    assert not (tmp_path / "iter_0000020").exists() and (tmp_path / "iter_0000010").is_dir()
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "10"
+    with pytest.raises(FileNotFoundError):
+        prepare_resume(tmp_path, 5, 20)
