@@ -22,7 +22,7 @@ _VERSION = re.compile(r"^\d+\.\d+\.\d+\S*$")
 @dataclass(frozen=True)
 class CheckResult:
     patch: str
-    state: str  # "applies" | "upstream" | "conflicts"
+    state: str  # "applies" | "upstream" | "declared" | "conflicts"
     files: tuple[str, ...] = ()
     note: str = ""
 
@@ -71,13 +71,32 @@ def check_against(project: Project, target: str) -> list[CheckResult]:
                 continue
             except PatchDoesNotApply:
                 pass
+            declared = _declared_upstream(expected, other.version)
             try:
                 gitops.apply_patch(repo, patch.name, patch.diff)
                 gitops.commit_all(repo, patch.stem + "\n")
-                results.append(CheckResult(patch.name, "applies"))
+                results.append(CheckResult(patch.name, "applies", note="declared upstream" if declared else ""))
             except PatchDoesNotApply as exc:
-                results.append(CheckResult(patch.name, "conflicts", tuple(exc.files)))
+                if declared:
+                    # A clean-room backport is a rewrite of the upstream change, so it rarely
+                    # reverse-applies; its header says the release has it. Verify, then drop.
+                    results.append(CheckResult(patch.name, "declared", tuple(exc.files),
+                                               note=f"Applied-Upstream: {expected}"))
+                else:
+                    results.append(CheckResult(patch.name, "conflicts", tuple(exc.files)))
     return results
+
+
+def _version_tuple(text: str) -> tuple[int, ...] | None:
+    match = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", text.strip())
+    return tuple(int(g or 0) for g in match.groups()) if match else None
+
+
+def _declared_upstream(applied_upstream: str, target_version: str) -> bool:
+    """True when the header's Applied-Upstream names a release at or before ``target_version``."""
+    first = applied_upstream.split(",", 1)[0]
+    have, target = _version_tuple(first), _version_tuple(target_version)
+    return have is not None and target is not None and have <= target
 
 
 def _download_unpinned(other: BasePin) -> Path:

@@ -66,11 +66,11 @@ def _cmd_check(project: Project, args: argparse.Namespace) -> int:
     for r in results:
         extra = f" ({', '.join(r.files)})" if r.files else (f" [{r.note}]" if r.note else "")
         print(f"  {r.state:9} {r.patch}{extra}")
-    upstream = [r.patch for r in results if r.state == "upstream"]
-    conflicts = [r.patch for r in results if r.state == "conflicts"]
-    print(f"patchset: against {args.against}: {len(upstream)} already upstream (drop them), "
-          f"{len(conflicts)} conflict, {len(results) - len(upstream) - len(conflicts)} apply")
-    return 1 if conflicts else 0
+    count = {state: sum(r.state == state for r in results) for state in ("upstream", "declared", "conflicts", "applies")}
+    print(f"patchset: against {args.against}: {count['upstream']} already upstream (reverse-apply; drop them), "
+          f"{count['declared']} declared upstream by Applied-Upstream (verify, then drop), "
+          f"{count['conflicts']} conflict (rebase them), {count['applies']} apply")
+    return 1 if count["conflicts"] else 0
 
 
 def _cmd_refresh(project: Project, args: argparse.Namespace) -> int:

@@ -167,3 +167,19 @@ def test_scripts_patchset_shim_runs(fake: Env) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "materialized megatron/" in proc.stdout
+
+
+def test_check_against_reports_declared_backports_that_do_not_reverse_apply(fake: Env, tmp_path: Path) -> None:
+    # A clean-room backport rarely reverse-applies; its Applied-Upstream header still tells.
+    header = patch_text("Fork training", TRAIN_PATCH).replace("Applied-Upstream: no", "Applied-Upstream: 0.19.0, commit:abc123")
+    fake.write_series({"alloc.patch": patch_text("Add maxpool flag", ALLOC_PATCH), "train.patch": header})
+    newer = dict(BASE_FILES)
+    newer["megatron/training/train.py"] = "def train():\n    return 'upstream rewrote it'\n"
+    sdist = make_sdist(tmp_path, version="0.19.0", files=newer)
+    results = {r.patch: r for r in check_against(fake.project, str(sdist))}
+    assert results["train.patch"].state == "declared"
+    assert "0.19.0" in results["train.patch"].note
+    assert results["alloc.patch"].state == "applies"
+    (tmp_path / "old").mkdir()
+    older = make_sdist(tmp_path / "old", version="0.18.9", files=newer)  # predates the backport
+    assert {r.patch: r.state for r in check_against(fake.project, str(older))}["train.patch"] == "conflicts"
