@@ -6,9 +6,8 @@ runtime gets them from ``megatron.training.training.get_model``: model provider,
 We reproduce the first two steps on the meta device, so no memory and no GPU is touched.
 
 Model choice mirrors pretrain_gpt.py / pretrain_hybrid.py: a hybrid layer pattern builds a
-``HybridModel``, otherwise a ``GPTModel``; both with local (non-TE) specs, because the fork runs
-without Transformer Engine. When helper modules of the fork exist (``hfsdp.training`` model
-builder) it is preferred, so planner and training build the same model.
+``HybridModel``, otherwise a ``GPTModel``. The model comes from the training entry's own provider
+(``hfsdp.training.model_provider``), so planner and training build the same model.
 """
 
 from __future__ import annotations
@@ -20,68 +19,6 @@ import types
 from typing import Iterator
 
 import torch
-
-
-def local_hybrid_stack_spec(args: argparse.Namespace):
-    """The fork's non-TE HybridStack spec (added by the patch series; 0.18.2 has TE-only specs)."""
-    try:
-        from megatron.core.models.hybrid.hybrid_local_layer_specs import (  # type: ignore
-            hybrid_local_stack_spec,
-        )
-    except ImportError as exc:
-        raise SystemExit(
-            "memory planner: hybrid models need megatron.core.models.hybrid."
-            "hybrid_local_layer_specs (fork patch series); materialize the fork first") from exc
-    return hybrid_local_stack_spec
-
-
-def build_model_provider(args: argparse.Namespace):
-    """Return ``model_provider(pre_process, post_process, config, pg_collection, vp_stage)``.
-
-    The provider follows pretrain_gpt/pretrain_hybrid argument plumbing for the fields the
-    bucket layout depends on (shapes, tied embeddings, position embeddings).
-    """
-
-    def provider(pre_process=True, post_process=True, config=None, pg_collection=None, vp_stage=None):
-        from megatron.training.argument_utils import core_transformer_config_from_args
-
-        if config is None:
-            config = core_transformer_config_from_args(args)
-        common = dict(
-            config=config,
-            vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=pre_process,
-            post_process=post_process,
-            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-            parallel_output=True,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=args.rotary_percent,
-            rotary_base=args.rotary_base,
-            pg_collection=pg_collection,
-            vp_stage=vp_stage,
-        )
-        if getattr(args, "hybrid_layer_pattern", None):
-            from megatron.core.models.hybrid.hybrid_model import HybridModel
-
-            return HybridModel(
-                hybrid_stack_spec=local_hybrid_stack_spec(args),
-                hybrid_layer_pattern=args.hybrid_layer_pattern,
-                **common,
-            )
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        spec = get_gpt_layer_local_spec(
-            num_experts=args.num_experts,
-            moe_grouped_gemm=args.moe_grouped_gemm,
-            qk_layernorm=args.qk_layernorm,
-            normalization=args.normalization,
-        )
-        return GPTModel(transformer_layer_spec=spec, **common)
-
-    return provider
 
 
 class _MetaRMSNormGated(torch.nn.Module):
@@ -136,12 +73,10 @@ def cpu_meta_build_context() -> Iterator[None]:
 
 
 def training_model_provider(args: argparse.Namespace):
-    """The training entry's provider (``hfsdp.training``), so planner and training agree."""
-    try:
-        from hfsdp.training import model_provider as mp
-        from hfsdp.training import specs
-    except ImportError:
-        return None
+    """The training entry's provider (``hfsdp.training``), so planner and training build one model."""
+    from hfsdp.training import model_provider as mp
+    from hfsdp.training import specs
+
     family = specs.resolve_family(args)
 
     def provider(**kwargs):
@@ -157,7 +92,7 @@ def build_meta_model(args: argparse.Namespace) -> torch.nn.Module:
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
-    provider = training_model_provider(args) or build_model_provider(args)
+    provider = training_model_provider(args)
     with cpu_meta_build_context():
         model = provider(
             pre_process=True,

@@ -29,22 +29,10 @@ def build_gpt(args: Namespace, config: Any, pre_process: bool, post_process: boo
 
     layer_spec = specs.gpt_layer_spec(args, config, vp_stage=vp_stage)
     return GPTModel(
-        config=config,
         transformer_layer_spec=layer_spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
         mtp_block_spec=specs.gpt_mtp_block_spec(args, config, layer_spec, vp_stage=vp_stage),
-        vp_stage=vp_stage,
-        pg_collection=pg_collection,
+        **_language_model_kwargs(args, config, pre_process, post_process, vp_stage, pg_collection),
     )
 
 
@@ -54,11 +42,20 @@ def build_hybrid(args: Namespace, config: Any, pre_process: bool, post_process: 
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     return HybridModel(
-        config=config,
         hybrid_stack_spec=specs.hybrid_stack_spec(args),
+        hybrid_layer_pattern=args.hybrid_layer_pattern,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        **_language_model_kwargs(args, config, pre_process, post_process, vp_stage, pg_collection),
+    )
+
+
+def _language_model_kwargs(args: Namespace, config: Any, pre_process: bool, post_process: bool,
+                           vp_stage: int | None, pg_collection: Any) -> dict[str, Any]:
+    """Constructor arguments GPTModel and HybridModel share, from Megatron's args."""
+    return dict(
+        config=config,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
-        hybrid_layer_pattern=args.hybrid_layer_pattern,
         pre_process=pre_process,
         post_process=post_process,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
@@ -67,7 +64,6 @@ def build_hybrid(args: Namespace, config: Any, pre_process: bool, post_process: 
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
-        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
