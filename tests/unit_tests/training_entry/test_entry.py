@@ -61,7 +61,8 @@ def test_help_lists_megatron_flags() -> None:
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         for flag in ("--use-megatron-fsdp", "--hybrid-layer-pattern", "--mock-data",
-                     "--num-experts", "--transformer-impl", "--moe-paged-stash-buffer-size-factor-cuda"):
+                     "--num-experts", "--transformer-impl", "--moe-paged-stash-buffer-size-factor-cuda",
+                     *sorted(FORK_FLAGS)):  # the fork's flags, added to Megatron's parser by the series
             assert flag in proc.stdout, f"{script} --help lacks {flag}"
 
 
