@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 from typing import Optional, Sequence
 
@@ -29,7 +28,9 @@ CONFIGS = {
     "maxpool_ub": BenchConfig("maxpool_ub", ("--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub"),
                               "max-pool + NCCL user buffers (NVLS off)", "maxpool"),
 }
-DEFAULT_CONFIGS = ("no_db", "fixedpool", "maxpool", "maxpool_ub")
+# maxpool_ub is opt-in (--configs ...,maxpool_ub): --use-nccl-ub JIT-builds megatron's NCCL
+# allocator extension (load_inline, needs nvcc, nccl.h and libnccl.so), unproven on the GPU box.
+DEFAULT_CONFIGS = ("no_db", "fixedpool", "maxpool")
 
 # "Fills most of an H200": ~6B-param hybrid (24 layers, hidden 4096, 16 experts), seq 4096.
 # Peak use depends on the tree; check peak reserved in the first run and adjust with --set.
@@ -75,20 +76,33 @@ def parser_has_flag(flag: str) -> bool:
 
 
 def nccl_allocator_respects_nvls_env() -> bool:
-    """True when ``nccl_allocator.init`` keeps an explicit ``NCCL_NVLS_ENABLE`` (the NVLS patch).
+    """True when ``nccl_allocator.init`` keeps an explicit ``NCCL_NVLS_ENABLE=0`` (the NVLS patch).
 
-    0.18.2 assigns ``os.environ["NCCL_NVLS_ENABLE"] = "1"`` unconditionally. This reads
-    ``init``'s source for that assignment (calling ``init`` would build the NCCL allocator);
-    the worker additionally asserts after model setup that the variable is still "0".
+    0.18.2 assigns ``NCCL_NVLS_ENABLE=1`` unconditionally; the patch keeps an explicit value
+    (its source still contains the assignment, under ``if ... is None``, so a text search
+    cannot tell the two apart). This runs the real ``init`` with the extension build stubbed
+    out and the environment restored afterwards; the worker additionally asserts after model
+    setup that the variable is still "0".
     """
     try:
         from megatron.core import nccl_allocator
     except ImportError:
         return False
-    src = inspect.getsource(nccl_allocator.init)
-    unconditional = 'os.environ["NCCL_NVLS_ENABLE"] = "1"' in src or \
-        "os.environ['NCCL_NVLS_ENABLE'] = '1'" in src
-    return "NCCL_NVLS_ENABLE" in src and not unconditional
+    keys = ("NCCL_NVLS_ENABLE", "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK")
+    saved_env = {k: os.environ.get(k) for k in keys}
+    saved_build = nccl_allocator._build_nccl_allocator
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    nccl_allocator._build_nccl_allocator = lambda: None  # no C++ build, no CUDA needed
+    try:
+        nccl_allocator.init()
+        return os.environ.get("NCCL_NVLS_ENABLE") == "0"
+    finally:
+        nccl_allocator._build_nccl_allocator = saved_build
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def availability(name: str) -> Optional[str]:

@@ -26,6 +26,8 @@ class RunResult:
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     pool_bytes_measured: Optional[int] = None  # bytes held by double-buffer pools at the end
+    lm_loss: tuple[Optional[float], ...] = ()  # every step incl. warm-up; configs should agree
+    maxpool_stats: Optional[dict[str, int]] = None  # summed MaxPoolAllocator.stats()
 
     def __post_init__(self) -> None:
         if not self.step_times_s:
@@ -172,4 +174,6 @@ def run_from_dict(d: dict[str, Any]) -> RunResult:
         peak_reserved_bytes=int(d["peak_reserved_bytes"]),
         pool_bytes_measured=(None if d.get("pool_bytes_measured") is None
                              else int(d["pool_bytes_measured"])),
+        lm_loss=tuple(None if x is None else float(x) for x in d.get("lm_loss") or ()),
+        maxpool_stats=d.get("maxpool_stats"),
     )

@@ -74,6 +74,18 @@ def planned_pools(flags: Sequence[str], nproc: int) -> dict[str, dict[str, int]]
     }
 
 
+# Every GPU run keeps NVLink multicast off (GPU README); pinned here, not only by bootstrap.sh.
+NVLS_GUARDS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+               "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def pin_nvls_guards() -> list[str]:
+    """Set the NVLS guards in this process (inherited by every torchrun); returns changed keys."""
+    changed = [k for k, v in NVLS_GUARDS.items() if os.environ.get(k) != v]
+    os.environ.update(NVLS_GUARDS)
+    return changed
+
+
 def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: argparse.Namespace,
            workdir: str) -> tuple[Optional[res.RunResult], str]:
     result = os.path.join(workdir, f"{config.name}-{repeat}.json")
@@ -110,6 +122,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f"{doc['meta'].get('preset')} model, {doc['meta'].get('nproc')} GPUs")
         print(f"wrote {opts.out_png}")
         return 0
+    changed = pin_nvls_guards()
+    if changed:
+        print(f"note: pinned {', '.join(f'{k}={NVLS_GUARDS[k]}' for k in changed)} (NVLS off)")
     flags = cfgs.model_flags(opts.preset, extra)
     wanted = [c.strip() for c in opts.configs.split(",") if c.strip()]
     if "no_db" not in wanted:

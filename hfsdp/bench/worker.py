@@ -45,6 +45,24 @@ def pool_bytes_held() -> int:
     return total
 
 
+def maxpool_stats(model: Any) -> dict[str, int] | None:
+    """Summed ``MaxPoolAllocator.stats()`` (home misses, pool bytes), None without max-pool."""
+    try:
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator import (
+            model_max_pool_allocators,
+        )
+    except ImportError:
+        return None
+    allocators = model_max_pool_allocators(model)
+    if not allocators:
+        return None
+    total: dict[str, int] = {}
+    for alloc in allocators:
+        for key, value in alloc.stats().items():
+            total[key] = total.get(key, 0) + int(value)
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
@@ -94,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     fwd_bwd = get_forward_backward_func()
     data = synthetic_batches(args)
     times: list[float] = []
+    losses: list[float | None] = []
+    # Training peaks only: model init (full-size init before sharding) is not a step.
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     prof = None
     for it in range(total_steps):
         if opts.profile_dir and it == opts.warmup_steps:
@@ -105,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         if it == opts.warmup_steps:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        train_step(forward_step.forward_step, data, model, optimizer, scheduler, config,
-                   fwd_bwd, iteration=it)
+        loss_dict = train_step(forward_step.forward_step, data, model, optimizer, scheduler,
+                               config, fwd_bwd, iteration=it)[0]
         torch.cuda.synchronize()
         if it == 0 and getattr(args, "nccl_ub", False) and getattr(
                 args, "fsdp_manual_registration", False):
@@ -117,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                     buf.manual_buffer_registration()
         if it >= opts.warmup_steps:
             times.append(time.perf_counter() - t0)
+        # Outside the timed window: the .item() sync must not count. Configs should agree.
+        loss = loss_dict.get("lm loss") if isinstance(loss_dict, dict) else None
+        losses.append(None if loss is None else float(loss))
     if prof is not None:
         prof.__exit__(None, None, None)
         os.makedirs(opts.profile_dir, exist_ok=True)
@@ -136,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         "num_microbatches": num_micro,
         "world_size": args.world_size,
         "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+        "lm_loss": losses,
+        "maxpool_stats": maxpool_stats(model),
     }
     # Peak memory is per rank; report the max over ranks.
     peaks = torch.tensor([record["peak_allocated_bytes"], record["peak_reserved_bytes"]],

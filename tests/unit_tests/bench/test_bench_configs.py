@@ -45,14 +45,43 @@ def test_nccl_ub_needs_pinned_nvls(monkeypatch):
     assert C.availability("unknown").startswith("unknown")
 
 
-def test_upstream_nccl_allocator_is_detected_as_unpatched():
+def test_nvls_detection_runs_real_init_and_restores_env(monkeypatch):
     pytest.importorskip("megatron.core.nccl_allocator")
-    import inspect
+    import os
 
     from megatron.core import nccl_allocator
 
-    src = inspect.getsource(nccl_allocator.init)
-    if 'os.environ["NCCL_NVLS_ENABLE"] = "1"' in src:
-        assert C.nccl_allocator_respects_nvls_env() is False
-    else:
-        assert C.nccl_allocator_respects_nvls_env() is True
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "7")
+    monkeypatch.delenv("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", raising=False)
+    build = nccl_allocator._build_nccl_allocator
+    patched = C.nccl_allocator_respects_nvls_env()
+    # The environment and the builder are restored whatever init did.
+    assert os.environ["NCCL_NVLS_ENABLE"] == "7"
+    assert "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK" not in os.environ
+    assert nccl_allocator._build_nccl_allocator is build
+    stamp = os.path.join(os.path.dirname(nccl_allocator.__file__), "..", ".patchset-stamp.json")
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            applied = "nccl-allocator-respect-nvls-env.patch" in f.read()
+        assert patched is applied
+
+
+def test_nvls_detection_rejects_unconditional_overwrite(monkeypatch):
+    pytest.importorskip("megatron.core.nccl_allocator")
+    import os
+
+    from megatron.core import nccl_allocator
+
+    def upstream_init():  # 0.18.2 behaviour
+        os.environ["NCCL_NVLS_ENABLE"] = "1"
+        nccl_allocator._build_nccl_allocator()
+
+    monkeypatch.setattr(nccl_allocator, "init", upstream_init)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    assert C.nccl_allocator_respects_nvls_env() is False
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_default_configs_exclude_nccl_ub():
+    assert C.DEFAULT_CONFIGS == ("no_db", "fixedpool", "maxpool")
+    assert "maxpool_ub" in C.CONFIGS

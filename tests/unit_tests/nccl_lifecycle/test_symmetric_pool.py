@@ -208,15 +208,15 @@ def test_plan_check_and_rendezvous_precede_registration_and_first_use(events):
     sym.stage_symmetric_max_pool(buf)
     log = events.log
     allocs = [i for i, e in enumerate(log) if e.startswith("alloc:")]
-    assert log[:5] == [
+    assert log[:4] == [
         "plan-check:dp",
         "plan-check:dp_outer",
         "barrier:dp",
         "barrier:dp_outer",
-        "barrier:world",
     ]
-    assert log[5] == "pool:enter" and allocs == list(range(6, 12))
-    assert log[12:] == ["pool:exit-register", "barrier:dp", "barrier:dp_outer", "barrier:world"]
+    # UBR groups only: a world barrier would hang when ranks stage different buffer counts.
+    assert log[4] == "pool:enter" and allocs == list(range(5, 11))
+    assert log[11:] == ["pool:exit-register", "barrier:dp", "barrier:dp_outer"]
     # First use after staging touches no pool memory management and no collective.
     n = len(log)
     groups = buf.parameter_groups
@@ -244,7 +244,6 @@ def test_manual_registration_rendezvous_follows_registration(events, monkeypatch
         "register:dp_outer:True",
         "barrier:dp",
         "barrier:dp_outer",
-        "barrier:world",
     ]
 
 
