@@ -75,34 +75,31 @@ def parser_has_flag(flag: str) -> bool:
     return flag in parser._option_string_actions
 
 
-def nccl_allocator_respects_nvls_env() -> bool:
+_NVLS_PROBE = """
+import os, sys, importlib
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+module = importlib.import_module(sys.argv[1])
+module._build_nccl_allocator = lambda: None  # no C++ build, no CUDA needed
+module.init()
+print("NVLS=" + os.environ.get("NCCL_NVLS_ENABLE", "<unset>"))
+"""
+
+
+def nccl_allocator_respects_nvls_env(module: str = "megatron.core.nccl_allocator") -> bool:
     """True when ``nccl_allocator.init`` keeps an explicit ``NCCL_NVLS_ENABLE=0`` (the NVLS patch).
 
-    0.18.2 assigns ``NCCL_NVLS_ENABLE=1`` unconditionally; the patch keeps an explicit value
-    (its source still contains the assignment, under ``if ... is None``, so a text search
-    cannot tell the two apart). This runs the real ``init`` with the extension build stubbed
-    out and the environment restored afterwards; the worker additionally asserts after model
-    setup that the variable is still "0".
+    0.18.2 overwrites the variable unconditionally; the patch keeps an explicit value (its source
+    still contains the assignment, under ``if ... is None``, so a text search cannot tell the two
+    apart). The real ``init`` runs in a throw-away interpreter with the extension build stubbed
+    out, so whatever it does to the environment never touches this process (which launches GPU
+    jobs). The worker additionally asserts after model setup that the variable is still "0".
     """
-    try:
-        from megatron.core import nccl_allocator
-    except ImportError:
-        return False
-    keys = ("NCCL_NVLS_ENABLE", "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK")
-    saved_env = {k: os.environ.get(k) for k in keys}
-    saved_build = nccl_allocator._build_nccl_allocator
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-    nccl_allocator._build_nccl_allocator = lambda: None  # no C++ build, no CUDA needed
-    try:
-        nccl_allocator.init()
-        return os.environ.get("NCCL_NVLS_ENABLE") == "0"
-    finally:
-        nccl_allocator._build_nccl_allocator = saved_build
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _NVLS_PROBE, module], capture_output=True, text=True,
+                          env={**os.environ, "NCCL_NVLS_ENABLE": "0"}, timeout=300)
+    return proc.returncode == 0 and "NVLS=0" in proc.stdout.splitlines()
 
 
 def availability(name: str) -> Optional[str]:
@@ -115,6 +112,6 @@ def availability(name: str) -> Optional[str]:
         if os.environ.get("NCCL_NVLS_ENABLE") != "0":
             return "NCCL_NVLS_ENABLE is not pinned to 0 (source .devtools/bootstrap.sh)"
         if not nccl_allocator_respects_nvls_env():
-            return ("megatron/core/nccl_allocator.py overwrites NCCL_NVLS_ENABLE=1 (NVLS patch "
-                    "missing); NCCL user buffers would turn NVLink multicast on")
+            return ("megatron/core/nccl_allocator.py forces NVLink multicast on (NVLS patch "
+                    "missing), so NCCL user buffers cannot run here")
     return None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from hfsdp.bench import configs as C
@@ -45,41 +48,28 @@ def test_nccl_ub_needs_pinned_nvls(monkeypatch):
     assert C.availability("unknown").startswith("unknown")
 
 
-def test_nvls_detection_runs_real_init_and_restores_env(monkeypatch):
+def test_nvls_detection_runs_real_init_in_a_subprocess(monkeypatch):
     pytest.importorskip("megatron.core.nccl_allocator")
-    import os
-
-    from megatron.core import nccl_allocator
-
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "7")
-    monkeypatch.delenv("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", raising=False)
-    build = nccl_allocator._build_nccl_allocator
     patched = C.nccl_allocator_respects_nvls_env()
-    # The environment and the builder are restored whatever init did.
-    assert os.environ["NCCL_NVLS_ENABLE"] == "7"
-    assert "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK" not in os.environ
-    assert nccl_allocator._build_nccl_allocator is build
-    stamp = os.path.join(os.path.dirname(nccl_allocator.__file__), "..", ".patchset-stamp.json")
-    if os.path.exists(stamp):
-        with open(stamp) as f:
-            applied = "nccl-allocator-respect-nvls-env.patch" in f.read()
-        assert patched is applied
+    assert os.environ["NCCL_NVLS_ENABLE"] == "7"  # the probe never touches this process
+    stamp = Path(C.__file__).resolve().parents[2] / "megatron" / ".patchset-stamp.json"
+    if stamp.exists():
+        assert patched is ("nccl-allocator-respect-nvls-env.patch" in stamp.read_text())
 
 
-def test_nvls_detection_rejects_unconditional_overwrite(monkeypatch):
-    pytest.importorskip("megatron.core.nccl_allocator")
-    import os
-
-    from megatron.core import nccl_allocator
-
-    def upstream_init():  # 0.18.2 behaviour
-        os.environ["NCCL_NVLS_ENABLE"] = "1"
-        nccl_allocator._build_nccl_allocator()
-
-    monkeypatch.setattr(nccl_allocator, "init", upstream_init)
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-    assert C.nccl_allocator_respects_nvls_env() is False
-    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+def test_nvls_detection_rejects_unconditional_overwrite(tmp_path, monkeypatch):
+    # A stand-in with 0.18.2's init(): it forces the variable on whatever the caller set.
+    upstream_value = "1"
+    (tmp_path / "upstream_nccl_allocator.py").write_text(
+        "import os\n"
+        "def _build_nccl_allocator():\n    pass\n"
+        "def init():\n"
+        f"    os.environ['NCCL_NVLS_ENABLE'] = {upstream_value!r}\n"
+        "    _build_nccl_allocator()\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert C.nccl_allocator_respects_nvls_env("upstream_nccl_allocator") is False
 
 
 def test_default_configs_exclude_nccl_ub():
