@@ -276,18 +276,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         # Megatron prints the loss on the last rank only; other nodes report their exit status.
         (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
         return result
-    if record:
-        if result.status == "PASS":
-            golden.save(golden_path, metrics, list(recipe.metrics))
-            print(f"recorded {golden_path}")
-        else:
-            result.fail("not recording goldens from a failing run")
-    elif golden_path.is_file():
-        for p in golden.compare(golden.load(golden_path), metrics, list(recipe.metrics)):
-            result.fail(f"golden: {p}")
-    elif recipe.require_golden:
-        result.fail(f"no golden {golden_path.name}; record one with --record on {platform}")
-
+    # Cross-case checks come first: a golden is recorded only from a run that passed them all.
     other = compare_to or (recipe.case_dir / recipe.compare_to if recipe.compare_to else None)
     if other is not None:
         other_recipe = load_recipe(other)
@@ -301,6 +290,18 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         if other_metrics_path.is_file():
             compare_curves(f"vs {other_recipe.model}/{other_recipe.name}",
                            golden.load(other_metrics_path), metrics, None, result)
+
+    if record:
+        if result.status == "PASS":
+            golden.save(golden_path, metrics, list(recipe.metrics))
+            print(f"recorded {golden_path}")
+        else:
+            result.fail("not recording goldens from a failing run")
+    elif golden_path.is_file():
+        for p in golden.compare(golden.load(golden_path), metrics, list(recipe.metrics)):
+            result.fail(f"golden: {p}")
+    elif recipe.require_golden:
+        result.fail(f"no golden {golden_path.name}; record one with --record on {platform}")
 
     (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result

@@ -112,3 +112,32 @@ def test_build_command_and_resume_prep(tmp_path: Path) -> None:
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "10"
     with pytest.raises(FileNotFoundError):
         prepare_resume(tmp_path, 5, 20)
+
+
+def _case(root: Path, name: str, compare_to: str | None) -> Path:
+    case = root / "hybrid" / name
+    case.mkdir(parents=True)
+    lines = ["TEST_TYPE: regular", "METRICS:", "  - lm loss", "CHECKS:", "  min_iterations: 3",
+             "MODEL_ARGS:", "  --train-iters: 3"]
+    if compare_to:
+        lines.insert(1, f"COMPARE_TO: {compare_to}")
+    (case / "model_config.yaml").write_text("\n".join(lines) + "\n")
+    return case
+
+
+def test_record_writes_no_golden_when_the_cross_case_check_fails(tmp_path: Path) -> None:
+    from hfsdp.functional.run_case import run_case
+
+    cases, out = tmp_path / "cases", tmp_path / "out"
+    base = _case(cases, "base", None)
+    other = _case(cases, "other", "../base")
+    base_log, other_log = tmp_path / "base.log", tmp_path / "other.log"
+    base_log.write_text(LOG)
+    other_log.write_text(LOG.replace("lm loss: 7.5E+00", "lm loss: 7.500001E+00"))  # drifts at it 3
+    assert run_case(base, record=True, output_root=out, evaluate_log=base_log).status == "PASS"
+    assert list(base.glob("golden_values_*.json"))
+    result = run_case(other, record=True, output_root=out, evaluate_log=other_log)
+    assert result.status == "FAIL"
+    assert any("lm loss @ step 3" in r for r in result.reasons), result.reasons
+    assert "not recording goldens from a failing run" in result.reasons
+    assert not list(other.glob("golden_values_*.json"))
