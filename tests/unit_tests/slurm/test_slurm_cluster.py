@@ -2,7 +2,8 @@
 
 Opt-in (installs packages, starts daemons): ``HFSDP_SLURM_CI=1``, as root, with apt-get.
 Submits the CPU smoke case (must PASS) and its designed-to-fail twin (rank 1 raises: must end
-with a non-zero ExitCode in scontrol and FAIL in our summary). Daemons are always stopped.
+with a non-zero ExitCode in scontrol and FAIL in our summary), then the smoke case again with the
+srun-per-GPU launcher (must PASS). Daemons are always stopped.
 """
 
 from __future__ import annotations
@@ -68,3 +69,21 @@ def test_sbatch_jobs_pass_and_fail_on_real_slurm(tmp_path: Path) -> None:
         bad = infos["cpu_gloo_smoke_rank_failure"]
         assert bad.state == "FAILED" and bad.exit_code != "0:0", context
         assert summary.returncode == 1, context  # any FAIL -> non-zero summary
+
+        # srun-per-GPU launch style: Slurm starts one task per rank (RANK from SLURM_PROCID).
+        srun_dir = tmp_path / "jobs-srun"
+        submit = subprocess.run(
+            [sys.executable, "-m", "hfsdp.slurm.submit", str(CASES / "cpu_gloo_smoke"),
+             "--log-dir", str(srun_dir), "--cpu", "--gpus-per-node", "2", "--time", "10",
+             "--exit-buffer-min", "2", "--launcher", "srun"],
+            env=env, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
+        )
+        assert submit.returncode == 0, submit.stderr
+        summary = subprocess.run(
+            [sys.executable, "-m", "hfsdp.slurm.summary", "--log-dir", str(srun_dir), "--wait", "240"],
+            env=env, capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+        )
+        print(summary.stdout)
+        assert summary.returncode == 0 and " smoke/cpu_gloo_smoke " in summary.stdout, (
+            f"{summary.stdout}\n{[p.read_text(errors='replace')[-3000:] for p in srun_dir.glob('*.out')]}"
+        )
