@@ -8,17 +8,14 @@ fake of the global memory buffer and mocked collectives.
 import functools
 import json
 import operator
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List
 
 import pytest
 import torch
+from nccl_harness import run_ranks
 import torch.distributed as dist
 
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
@@ -400,36 +397,7 @@ def _worker(scenario: str, rank: int, world: int, out_dir: str, port: int) -> No
 
 
 def _run_job(scenario: str, tmp_path: Path) -> List[Dict[str, Any]]:
-    import megatron.core  # the child must import the same megatron tree as this process
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    tree = str(Path(megatron.core.__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH", "")) if p)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, scenario, str(r), "2", str(tmp_path), str(port)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{scenario} job exceeded {JOB_TIMEOUT_S} s (hang)")
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{log[-4000:]}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_ranks(scenario, tmp_path, n_ports=1, worker=Path(__file__), timeout_s=JOB_TIMEOUT_S)
 
 
 def test_two_rank_equal_plans_pass_and_stage(tmp_path):

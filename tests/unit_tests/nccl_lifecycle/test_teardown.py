@@ -1,6 +1,5 @@
 """Distributed teardown at the end of pretrain() (megatron/training/teardown.py), on CPU/gloo."""
 
-import os
 import subprocess
 import sys
 import threading
@@ -11,7 +10,7 @@ from typing import Any, List
 import pytest
 import torch.distributed as dist
 
-from conftest import WORKER, child_env, free_ports
+from nccl_harness import WORKER, child_env, free_ports
 from megatron.training import teardown
 
 FAIL_JOB_TIMEOUT_S = 240  # whole torchrun job, imports included

@@ -1,0 +1,74 @@
+"""Bounded multi-process harness for the NCCL-lifecycle CPU tests (gloo, 2 ranks).
+
+A plain module with a unique name (not conftest) so test files can import it whatever other
+conftest.py files the same pytest run loads.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest  # pytest.fail on a hung job
+
+WORKER = Path(__file__).with_name("_dist_worker.py")
+WORLD_SIZE = 2
+JOB_TIMEOUT_S = 240  # hard bound per job; a normal run takes ~20-40 s, imports dominate
+
+
+def free_ports(n: int) -> List[int]:
+    """Distinct free TCP ports (bound together so they cannot collide with each other)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def child_env() -> Dict[str, str]:
+    """Environment whose PYTHONPATH finds the same megatron tree as this pytest process."""
+    import megatron.core  # `megatron` itself is a namespace package (no __file__)
+
+    tree = str(Path(megatron.core.__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def run_ranks(scenario: str, out_dir: Path, n_ports: int, worker: Path = WORKER,
+              timeout_s: float = JOB_TIMEOUT_S) -> List[Dict[str, Any]]:
+    """Start WORLD_SIZE ``worker`` processes (argv: scenario rank world out_dir ports...), wait at
+    most ``timeout_s``, return each rank's ``rank<r>.json`` from out_dir."""
+    ports = [str(p) for p in free_ports(n_ports)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), scenario, str(r), str(WORLD_SIZE), str(out_dir), *ports],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD_SIZE)
+    ]
+    deadline = time.monotonic() + timeout_s
+    logs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            logs.append(out)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{scenario} job exceeded {timeout_s} s (hang)")
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{log[-4000:]}"
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
