@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 from hfsdp.bench import configs as cfgs
 from hfsdp.bench import results as res
+from hfsdp.safety import NVLS_SAFE_ENV
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -75,8 +76,7 @@ def planned_pools(flags: Sequence[str], nproc: int) -> dict[str, dict[str, int]]
 
 
 # Every GPU run keeps NVLink multicast off (GPU README); pinned here, not only by bootstrap.sh.
-NVLS_GUARDS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-               "NVSHMEM_DISABLE_NVLS": "1"}
+NVLS_GUARDS = NVLS_SAFE_ENV
 
 
 def pin_nvls_guards() -> list[str]:

@@ -36,15 +36,11 @@ from typing import Sequence
 
 from hfsdp.functional import golden, logparse
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
+from hfsdp.safety import NVLS_SAFE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULT_MARK = "HFSDP-FUNCTIONAL RESULT"
-# Required on every GPU run of this project (see HELPERS.md): NVLS/multicast stay off.
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+SAFE_ENV = NVLS_SAFE_ENV  # every GPU run keeps NVLink multicast off
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,10 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hfsdp.safety import NVLS_SAFE_ENV
+
 LAUNCHERS = ("torchrun", "srun")
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+SAFE_ENV = NVLS_SAFE_ENV  # exported by every job
 
 
 @dataclass(frozen=True)
