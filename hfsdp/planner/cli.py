@@ -15,18 +15,15 @@ from typing import Any, Optional, Sequence
 from hfsdp.planner import layout as layout_mod
 from hfsdp.planner import model as model_mod
 from hfsdp.planner import report, setup
+from hfsdp.training import fsdp_units
 
 
-def resolve_unit_classes(value: Optional[str]) -> list[type]:
-    if value is None or not value.strip():
-        paths = layout_mod.DEFAULT_UNIT_CLASSES
-    elif value.strip() == "megatron-0.18.2":
-        paths = layout_mod.UPSTREAM_0182_UNIT_CLASSES
-    elif value.strip() == "none":
-        paths = ()
-    else:
-        paths = tuple(p.strip() for p in value.split(",") if p.strip())
-    return [layout_mod.import_class(p) for p in paths]
+def resolve_unit_classes(value: Optional[str], strategy: str = "optim_grads_params") -> list[type]:
+    """Unit classes for ``--fsdp-unit-modules`` (same specs as HFSDP_FSDP_UNIT_MODULES)."""
+    resolve = fsdp_units.unit_resolver(value)
+    if resolve is None:
+        return [fsdp_units.import_unit_class(p) for p in fsdp_units.DEFAULT_UNIT_CLASSES]
+    return resolve(strategy)
 
 
 def grad_dtypes(args: Any) -> tuple[Any, Any]:
@@ -58,7 +55,7 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
         model = model_mod.build_meta_model(args)
         lay = layout_mod.compute_layout(
             model,
-            unit_classes=resolve_unit_classes(args.fsdp_unit_modules),
+            unit_classes=resolve_unit_classes(args.fsdp_unit_modules, args.data_parallel_sharding_strategy),
             strategy=args.data_parallel_sharding_strategy,
             dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
             expert_dp_size=ps.get_expert_data_parallel_world_size(),

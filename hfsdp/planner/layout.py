@@ -14,29 +14,10 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from hfsdp.training import fsdp_units
+
 MFSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp"
-DEFAULT_UNIT_CLASSES = (
-    "megatron.core.transformer.transformer_layer.TransformerLayer",
-    "megatron.core.transformer.transformer_layer.MoETransformerLayer",
-    "megatron.core.ssm.mamba_layer.MambaLayer",
-)
-UPSTREAM_0182_UNIT_CLASSES = ("megatron.core.transformer.transformer_layer.TransformerLayer",)
-
-
-def import_class(path: str) -> type:
-    """Import ``pkg.module.Class``; short names resolve against the default unit classes."""
-    import importlib
-
-    if "." not in path:
-        matches = [p for p in DEFAULT_UNIT_CLASSES if p.rsplit(".", 1)[1] == path]
-        if not matches:
-            raise ValueError(f"unknown unit class {path!r}; give a dotted path")
-        path = matches[0]
-    module, _, name = path.rpartition(".")
-    cls = getattr(importlib.import_module(module), name, None)
-    if not isinstance(cls, type):
-        raise ValueError(f"{path!r} does not name a class")
-    return cls
+DEFAULT_UNIT_CLASSES = fsdp_units.DEFAULT_UNIT_CLASSES  # the fork's default units
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,12 +27,22 @@ from typing import Any, Callable
 ENV = "HFSDP_FSDP_UNIT_MODULES"
 PRESET_0182 = "megatron-0.18.2"
 _TRANSFORMER_LAYER = "megatron.core.transformer.transformer_layer.TransformerLayer"
+# The fork's default units for optim_grads_params (the mfsdp-default-hybrid-units patch).
+DEFAULT_UNIT_CLASSES = (
+    _TRANSFORMER_LAYER,
+    "megatron.core.transformer.transformer_layer.MoETransformerLayer",
+    "megatron.core.ssm.mamba_layer.MambaLayer",
+)
 
 
-def _import_class(path: str) -> type:
+def import_unit_class(path: str) -> type:
+    """Import ``pkg.module.Class``; a bare name resolves against DEFAULT_UNIT_CLASSES."""
+    if "." not in path:
+        matches = [p for p in DEFAULT_UNIT_CLASSES if p.rsplit(".", 1)[1] == path]
+        if not matches:
+            raise ValueError(f"{ENV}: unknown unit class {path!r}; give a dotted class path")
+        path = matches[0]
     module, _, name = path.rpartition(".")
-    if not module:
-        raise ValueError(f"{ENV}: {path!r} is not a dotted class path")
     cls = getattr(importlib.import_module(module), name, None)
     if not isinstance(cls, type):
         raise ValueError(f"{ENV}: {path!r} does not name a class")
@@ -40,17 +50,20 @@ def _import_class(path: str) -> type:
 
 
 def unit_resolver(value: str | None) -> Callable[[str], list[type]] | None:
-    """Turn the env value into ``sharding_strategy -> unit classes``; None means no override."""
+    """Turn a unit-list spec into ``sharding_strategy -> unit classes``; None means no override.
+
+    Specs: ``megatron-0.18.2`` (0.18.2's rule), ``none``, or comma-separated class names.
+    """
     if value is None or not value.strip():
         return None
     value = value.strip()
     if value == PRESET_0182:
         return lambda strategy: (
-            [_import_class(_TRANSFORMER_LAYER)] if strategy == "optim_grads_params" else []
+            [import_unit_class(_TRANSFORMER_LAYER)] if strategy == "optim_grads_params" else []
         )
     if value == "none":
         return lambda strategy: []
-    classes = [_import_class(p.strip()) for p in value.split(",") if p.strip()]
+    classes = [import_unit_class(p.strip()) for p in value.split(",") if p.strip()]
     return lambda strategy: list(classes)
 
 
