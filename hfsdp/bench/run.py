@@ -39,6 +39,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--no-plan", action="store_true", help="Skip the planner subprocess.")
     p.add_argument("--profile-dir", default=None,
                    help="Chrome traces of the timed steps (profiling distorts step times).")
+    p.add_argument("--pyprofile-dir", default=None,
+                   help="cProfile tables of the timed steps (host Python time; distorts timings).")
     p.add_argument("--run-timeout", type=int, default=300, help="Seconds per torchrun.")
     p.add_argument("--chart-from", default=None,
                    help="Only (re)draw --out-png from an existing results JSON (no GPU).")
@@ -95,6 +97,7 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
            "--result", result, "--config", config.name, "--repeat", str(repeat),
            "--warmup-steps", str(opts.warmup_steps), "--timed-steps", str(opts.timed_steps),
            *(["--profile-dir", opts.profile_dir] if opts.profile_dir else []),
+           *(["--pyprofile-dir", opts.pyprofile_dir] if opts.pyprofile_dir else []),
            "--", *flags, *config.flags]
     with open(log, "w") as f:
         try:

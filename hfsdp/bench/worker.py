@@ -63,6 +63,21 @@ def maxpool_stats(model: Any) -> dict[str, int] | None:
     return total
 
 
+def write_pyprofile(profile: Any, path: str, steps: int) -> None:
+    """Host Python time of the timed steps: top functions by own time and by cumulative time."""
+    import io
+    import pstats
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out)
+    out.write(f"cProfile over {steps} timed steps (times include profiler overhead)\n")
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats("megatron_fsdp", 40)
+    with open(path, "w") as f:
+        f.write(out.getvalue())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
@@ -73,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     own.add_argument("--warmup-steps", type=int, default=3)
     own.add_argument("--timed-steps", type=int, default=10)
     own.add_argument("--profile-dir", default=None,
-                     help="Write a torch.profiler Chrome trace of the timed steps per rank.")
+                     help="Write a torch.profiler Chrome trace (gzip) and an op table of the "
+                          "timed steps per rank.")
+    own.add_argument("--pyprofile-dir", default=None,
+                     help="Write cProfile tables (host Python time) of the timed steps per rank.")
     opts = own.parse_args(argv[:split])
     mflags = argv[split + 1:]
     total_steps = opts.warmup_steps + opts.timed_steps
@@ -117,7 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     prof = None
+    pyprof = None
     for it in range(total_steps):
+        if opts.pyprofile_dir and it == opts.warmup_steps:
+            import cProfile
+
+            pyprof = cProfile.Profile()
+            pyprof.enable()
         if opts.profile_dir and it == opts.warmup_steps:
             prof = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU,
@@ -142,12 +166,19 @@ def main(argv: list[str] | None = None) -> int:
         # Outside the timed window: the .item() sync must not count. Configs should agree.
         loss = loss_dict.get("lm loss") if isinstance(loss_dict, dict) else None
         losses.append(None if loss is None else float(loss))
+    stem = f"{opts.config}-r{opts.repeat}-rank{torch.distributed.get_rank()}"
+    if pyprof is not None:
+        pyprof.disable()
+        write_pyprofile(pyprof, os.path.join(opts.pyprofile_dir, stem + ".pstats.txt"),
+                        opts.timed_steps)
     if prof is not None:
         prof.__exit__(None, None, None)
         os.makedirs(opts.profile_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(
-            opts.profile_dir,
-            f"{opts.config}-r{opts.repeat}-rank{torch.distributed.get_rank()}.json"))
+        prof.export_chrome_trace(os.path.join(opts.profile_dir, stem + ".json.gz"))
+        with open(os.path.join(opts.profile_dir, stem + ".ops.txt"), "w") as f:
+            averages = prof.key_averages()
+            f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+            f.write(averages.table(sort_by="self_device_time_total", row_limit=25) + "\n")
     dp = args.data_parallel_size
     num_micro = args.global_batch_size // (args.micro_batch_size * dp)
     record = {

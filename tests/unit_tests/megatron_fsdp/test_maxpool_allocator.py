@@ -290,3 +290,35 @@ def test_install_hook_plans_padded_sizes_per_pool(gmb):
     assert set(buffer.main_grad_alloc.plan.arena_numel) == {"torch.float32"}
     assert buffer.transpose_weight_alloc.plan is None
     assert set(buffer.hsdp_grad_comm_alloc.plan.offsets) == {3}
+
+
+def test_reads_of_a_live_bucket_reuse_one_view(gmb, monkeypatch):
+    """The main_grad getter asks once per parameter: no new view, no arena checks."""
+    groups = hybrid_groups()
+    units = units_of(groups)
+    alloc = make(groups)
+    first = alloc.allocate(1, padded(groups[1]), torch.bfloat16, CPU)
+    arena_calls = []
+    real_arena = alloc._arena
+    monkeypatch.setattr(alloc, "_arena", lambda *a: arena_calls.append(a) or real_arena(*a))
+    for _ in range(5):
+        assert alloc.allocate(1, padded(groups[1]), torch.bfloat16, CPU) is first
+    assert arena_calls == [] and alloc.stats()["allocations"] == 1
+    # A smaller request (HSDP shard-sized) is its own validated view, still at the offset.
+    small = alloc.allocate(1, 10, torch.bfloat16, CPU)
+    assert small is not first and small.data.data_ptr() == first.data.data_ptr()
+    assert len(arena_calls) == 1
+    # A new life in the same home group reuses the view (arenas never move) ...
+    free_unit(alloc, units[0])
+    assert alloc.allocate(1, padded(groups[1]), torch.bfloat16, CPU) is first
+    # ... but is a fresh acquisition: the arena invariant is checked again.
+    assert len(arena_calls) == 2 and alloc.stats()["allocations"] == 2
+    # A life in the other group gets that group's view.
+    free_unit(alloc, units[0])
+    alloc_unit(alloc, groups, units[1])  # unit 1 takes g0 (unit 0's home is free)
+    other = alloc.allocate(1, padded(groups[1]), torch.bfloat16, CPU)
+    assert alloc.unit_group[0] == 1
+    assert other.data.data_ptr() == alloc.arenas[(1, "torch.bfloat16")].data_ptr()
+    # Bad requests still fail on a live bucket (they miss the cache and are validated).
+    with pytest.raises(ValueError, match="requested 1025 x torch.bfloat16"):
+        alloc.allocate(1, 1025, torch.bfloat16, CPU)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Double-buffer benchmark + host/device profiles on a 2-GPU machine, from the repo root:
+#   . .devtools/bootstrap.sh && bash tests/gpu/run_benchmark.sh [preset] [extra benchmark args]
+# 1. the timed benchmark (interleaved fresh runs, medians; JSON + PNG)  -> $OUT/bench-<preset>.*
+# 2. if BUDGET_S leaves room: one cProfile run and one torch.profiler run of no_db and maxpool
+#    (3 timed steps each; they distort step times and are only for attribution) -> $OUT/prof.tgz
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# Deterministic Triton kernel choice across the fresh processes of one invocation.
+export TRITON_CACHE_AUTOTUNING=1
+preset=${1:-default}; shift || true
+out=${OUT:-/tmp/hfsdp_bench}; mkdir -p "$out"
+t0=$(date +%s)
+python scripts/benchmark_double_buffer.py --preset "$preset" --run-timeout "${RUN_TIMEOUT:-150}" \
+  --out-json "$out/bench-$preset.json" --out-png "$out/bench-$preset.png" "$@" 2>&1 | tee "$out/bench-$preset.log"
+rc=${PIPESTATUS[0]}
+left=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
+prof=/tmp/hfsdp_prof; rm -rf "$prof"; mkdir -p "$prof"
+if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
+  python scripts/benchmark_double_buffer.py --preset "$preset" --configs no_db,maxpool --repeats 1 \
+    --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --run-timeout 120 \
+    --pyprofile-dir "$prof" --out-json "$prof/pyprofile-run.json" "$@" > "$prof/pyprofile.log" 2>&1
+fi
+left=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
+if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
+  python scripts/benchmark_double_buffer.py --preset "$preset" --configs no_db,maxpool --repeats 1 \
+    --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --run-timeout 120 \
+    --profile-dir "$prof" --out-json "$prof/torchprofile-run.json" "$@" > "$prof/torchprofile.log" 2>&1
+fi
+# Rank 1 traces are redundant for attribution; keep rank 0 to stay under the 16 MiB file limit.
+rm -f "$prof"/*rank1.json.gz
+tar czf "$out/prof-$preset.tgz" -C "$prof" . 2>/dev/null
+echo "run_benchmark: benchmark rc=$rc, $(( $(date +%s) - t0 ))s"
+exit "$rc"
