@@ -33,6 +33,14 @@ def synthetic_batches(args: Any) -> Iterator[dict[str, Any]]:
                "loss_mask": torch.ones(b, s), "attention_mask": mask, "position_ids": pos}
 
 
+def data_iterator(args: Any) -> Any:
+    """``synthetic_batches`` wrapped the way ``pretrain`` wraps its loaders: ``train_step``'s
+    rerun state machine asserts every data iterator is a ``RerunDataIterator``."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    return RerunDataIterator(synthetic_batches(args))
+
+
 def pool_bytes_held() -> int:
     """Bytes of Megatron-FSDP's named global buffers that belong to double-buffer pools."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
@@ -128,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in model:
         m.train()
     fwd_bwd = get_forward_backward_func()
-    data = synthetic_batches(args)
+    data = data_iterator(args)
     times: list[float] = []
     losses: list[float | None] = []
     # Training peaks only: model init (full-size init before sharding) is not a step.

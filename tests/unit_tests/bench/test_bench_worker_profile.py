@@ -22,3 +22,25 @@ def test_pyprofile_names_the_hot_function(tmp_path):
     text = out.read_text()
     assert text.startswith("cProfile over 3 timed steps")
     assert "_busy_grad_getter" in text and "tottime" in text
+
+
+def test_data_iterator_is_accepted_by_train_steps_rerun_check():
+    """train_step's rerun state machine rejects a bare generator (it failed on GPU once)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from megatron.core.rerun_state_machine import RerunMode, RerunStateMachine
+
+    from hfsdp.bench.worker import data_iterator, synthetic_batches
+
+    args = SimpleNamespace(micro_batch_size=2, seq_length=8, padded_vocab_size=32)
+    it = data_iterator(args)
+    # Megatron's default mode (validate_results) runs the check that raised on the GPU.
+    machine = RerunStateMachine(mode=RerunMode.VALIDATE_RESULTS)
+    assert machine._sanitize_data_iterators(it) == [it]
+    with pytest.raises(AssertionError, match="not wrapped with RerunDataIterator"):
+        machine._sanitize_data_iterators(synthetic_batches(args))
+    batch = next(it)
+    assert batch["tokens"].shape == (2, 8) and batch["labels"].shape == (2, 8)
+    assert batch["attention_mask"].shape == (1, 1, 8, 8)
