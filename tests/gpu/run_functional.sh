@@ -14,6 +14,8 @@ fi
 work=${HFSDP_FUNCTIONAL_OUT:-/tmp/hfsdp_functional}
 export HFSDP_FUNCTIONAL_OUT=$work
 mkdir -p "$work"
+# $OUT may name a subfolder that does not exist yet (a lost run taught us: mkdir it).
+[ -n "${OUT:-}" ] && mkdir -p "$OUT"
 summary="${OUT:-$work}/functional_summary.txt"
 : > "$summary"
 t0=$(date +%s)

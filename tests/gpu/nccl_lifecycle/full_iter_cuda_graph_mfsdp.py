@@ -73,6 +73,7 @@ def child(result_path: str) -> None:
     dist.init_process_group("nccl")
     from megatron.core import full_cuda_graph as fcg
     from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
     handler = _ListHandler()
@@ -92,6 +93,9 @@ def child(result_path: str) -> None:
     losses, phase = [], "setup"
     try:
         ps.initialize_model_parallel(1, 1)
+        # The capture registers the model-parallel RNG tracker's generators with the graph;
+        # pretrain() seeds it in initialize_megatron (first GPU run failed without this).
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
         torch.manual_seed(0)
         module = torch.nn.Sequential(*[Block() for _ in range(NUM_BLOCKS)]).cuda()
         model = FullyShardedDataParallel(config=transformer_config(), ddp_config=ddp_config(),
@@ -115,6 +119,9 @@ def child(result_path: str) -> None:
             torch.cuda.synchronize()
             losses.append(float(loss))
         res["capture_ok"] = True
+        # No optimizer step: every eager, captured and replayed iteration sees the same
+        # params and input, so a correct replay reproduces the eager loss bit for bit.
+        res["replay_matches_eager"] = all(v == losses[0] for v in losses)
     except Exception as exc:
         res["capture_ok"] = False
         res["failed_phase"] = phase

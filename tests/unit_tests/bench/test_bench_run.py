@@ -1,0 +1,50 @@
+"""Orchestration of scripts/benchmark_double_buffer.py with the GPU runs faked out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hfsdp.bench import results as R
+from hfsdp.bench import run as B
+
+
+@pytest.fixture
+def fake_launch(monkeypatch):
+    calls = []
+
+    def launch(config, repeat, flags, opts, workdir, timeout_s=None):
+        calls.append((config.name, repeat, timeout_s))
+        base = {"no_db": 0.100, "maxpool": 0.095}[config.name]
+        return R.RunResult(config=config.name, repeat=repeat,
+                           step_times_s=(base, base + 0.001, base - 0.001),
+                           tokens_per_step=4096, peak_allocated_bytes=2**30,
+                           peak_reserved_bytes=2**31), "log"
+
+    monkeypatch.setattr(B, "launch", launch)
+    for key in B.NVLS_GUARDS:
+        monkeypatch.delenv(key, raising=False)
+    return calls
+
+
+def test_prime_run_is_discarded_and_timed_runs_interleave(fake_launch, tmp_path):
+    out = tmp_path / "r.json"
+    rc = B.main(["--configs", "no_db,maxpool", "--repeats", "3", "--no-plan", "--no-chart",
+                 "--run-timeout", "100", "--out-json", str(out)])
+    assert rc == 0
+    # One priming run (repeat -1, longer timeout) before the 3 x 2 interleaved timed runs.
+    assert fake_launch[0] == ("no_db", -1, 300)
+    timed = fake_launch[1:]
+    assert sorted(timed) == sorted((c, r, None) for r in range(3) for c in ("no_db", "maxpool"))
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["primed"]["config"] == "no_db" and doc["meta"]["primed"]["ok"]
+    assert {r["repeat"] for r in doc["runs"]} == {0, 1, 2}  # the priming run is not a result
+    maxpool = next(s for s in doc["summary"] if s["config"] == "maxpool")
+    assert maxpool["runs"] == 3 and maxpool["step_time_ratio"] == pytest.approx(0.95)
+
+
+def test_no_prime(fake_launch, tmp_path):
+    B.main(["--configs", "no_db", "--repeats", "1", "--no-plan", "--no-chart", "--no-prime",
+            "--out-json", str(tmp_path / "r.json")])
+    assert [c[1] for c in fake_launch] == [0]
