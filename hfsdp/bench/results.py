@@ -124,6 +124,45 @@ def summarize(runs: Sequence[RunResult], *, planned: Optional[dict[str, dict[str
     ) for s in out]
 
 
+def loss_agreement(runs: Sequence[RunResult], baseline: str = BASELINE) -> dict[str, Any]:
+    """Per run: is its lm-loss sequence bit-identical to the baseline's reference sequence?
+
+    Every run uses the same seed and data, so double buffering must not change a single bit.
+    The reference is the most common baseline sequence (ties: first seen); a run that differs
+    reports the first differing step (1-based). Runs without losses are left out.
+    """
+    seqs = [r.lm_loss for r in runs if r.config == baseline and r.lm_loss]
+    if not seqs:
+        return {"reference": None, "runs": []}
+    counts: dict[tuple[Optional[float], ...], int] = {}
+    for seq in seqs:
+        counts[seq] = counts.get(seq, 0) + 1
+    reference = max(counts, key=lambda seq: (counts[seq], -seqs.index(seq)))
+    out = []
+    for r in runs:
+        if not r.lm_loss:
+            continue
+        first = next((i + 1 for i, (a, b) in enumerate(zip(r.lm_loss, reference)) if a != b), None)
+        if first is None and len(r.lm_loss) != len(reference):
+            first = min(len(r.lm_loss), len(reference)) + 1
+        out.append({"config": r.config, "repeat": r.repeat, "identical": first is None,
+                    "first_divergent_step": first})
+    return {"reference": list(reference), "baseline_runs": len(seqs),
+            "baseline_distinct_sequences": len(counts), "runs": out}
+
+
+def format_loss_agreement(agreement: dict[str, Any]) -> list[str]:
+    if agreement.get("reference") is None:
+        return ["loss agreement: no baseline losses"]
+    lines = [f"loss agreement vs {agreement['baseline_runs']} baseline run(s) "
+             f"({agreement['baseline_distinct_sequences']} distinct sequence(s)):"]
+    for r in agreement["runs"]:
+        verdict = ("bit-identical" if r["identical"]
+                   else f"DIFFERS from step {r['first_divergent_step']}")
+        lines.append(f"  {r['config']:<12} repeat {r['repeat']}: {verdict}")
+    return lines
+
+
 def _fmt_ratio(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -153,6 +192,7 @@ def to_json(summaries: Sequence[ConfigSummary], runs: Sequence[RunResult],
             meta: dict[str, Any]) -> dict[str, Any]:
     return {
         "meta": meta,
+        "loss_agreement": loss_agreement(runs),
         "summary": [dataclasses.asdict(s) for s in summaries],
         "runs": [dict(dataclasses.asdict(r), median_step_s=r.median_step_s) for r in runs],
     }

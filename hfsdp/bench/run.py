@@ -178,6 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"total {time.time() - start:.0f}s)", flush=True)
     summaries = res.summarize(runs, planned=planned)
     print("\n".join(res.format_table(summaries)))
+    print("\n".join(res.format_loss_agreement(res.loss_agreement(runs))))
     meta = {
         "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc,
         "repeats": opts.repeats, "warmup_steps": opts.warmup_steps,

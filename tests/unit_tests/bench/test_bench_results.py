@@ -104,3 +104,42 @@ def test_chart_writes_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError):
         write_chart(str(out), [], "empty")
+
+
+def _run(config, repeat, losses):
+    return R.RunResult(config=config, repeat=repeat, step_times_s=(0.1,), tokens_per_step=8,
+                       peak_allocated_bytes=1, peak_reserved_bytes=1, lm_loss=tuple(losses))
+
+
+def test_loss_agreement_flags_the_first_divergent_step():
+    ref = (11.0, 10.5, 10.25, 10.0)
+    runs = [_run("no_db", 0, ref), _run("maxpool", 0, ref),
+            _run("maxpool", 1, (11.0, 10.5, 10.250001, 10.0)), _run("no_db", 1, ref),
+            _run("fixedpool", 0, ref[:3])]
+    agreement = R.loss_agreement(runs)
+    assert agreement["reference"] == list(ref) and agreement["baseline_distinct_sequences"] == 1
+    verdicts = {(r["config"], r["repeat"]): r["first_divergent_step"] for r in agreement["runs"]}
+    assert verdicts == {("no_db", 0): None, ("maxpool", 0): None, ("maxpool", 1): 3,
+                        ("no_db", 1): None, ("fixedpool", 0): 4}
+    text = "\n".join(R.format_loss_agreement(agreement))
+    assert "maxpool      repeat 1: DIFFERS from step 3" in text
+    assert "maxpool      repeat 0: bit-identical" in text
+
+
+def test_loss_agreement_reference_is_the_majority_baseline():
+    a, b = (1.0, 2.0), (1.0, 2.5)
+    agreement = R.loss_agreement([_run("no_db", 0, b), _run("no_db", 1, a), _run("no_db", 2, a)])
+    assert agreement["reference"] == list(a) and agreement["baseline_distinct_sequences"] == 2
+    assert R.loss_agreement([_run("maxpool", 0, a)])["reference"] is None
+
+
+def test_loss_agreement_on_the_2026_11_22_gpu_run():
+    """The recorded 2xH200 benchmark: two double-buffered runs diverged mid-run."""
+    import pathlib
+
+    doc = json.loads((pathlib.Path(__file__).parents[3] / "docs" / "benchmark-results.json")
+                     .read_text())
+    runs = [R.run_from_dict(r) for r in doc["runs"]]
+    diverged = {(r["config"], r["repeat"]): r["first_divergent_step"]
+                for r in R.loss_agreement(runs)["runs"] if not r["identical"]}
+    assert diverged == {("fixedpool", 0): 4, ("maxpool", 1): 7}
