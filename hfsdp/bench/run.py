@@ -183,8 +183,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc,
         "repeats": opts.repeats, "warmup_steps": opts.warmup_steps,
         "timed_steps": opts.timed_steps, "order": order, "skipped": skipped,
-        "failures": failures, "primed": primed, "configs": {n: cfgs.CONFIGS[n].description for n in wanted
-                                          if n in cfgs.CONFIGS},
+        "failures": failures, "primed": primed,
+        "configs": {n: cfgs.CONFIGS[n].description for n in wanted if n in cfgs.CONFIGS},
         "torch": _torch_version(), "wall_s": round(time.time() - start, 1),
     }
     os.makedirs(os.path.dirname(os.path.abspath(opts.out_json)), exist_ok=True)

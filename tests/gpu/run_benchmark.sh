@@ -18,13 +18,13 @@ left=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
 prof=/tmp/hfsdp_prof; rm -rf "$prof"; mkdir -p "$prof"
 if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
   python scripts/benchmark_double_buffer.py --preset "$preset" --configs no_db,maxpool --repeats 1 \
-    --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --run-timeout 120 \
+    --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --no-prime --run-timeout 120 \
     --pyprofile-dir "$prof" --out-json "$prof/pyprofile-run.json" "$@" > "$prof/pyprofile.log" 2>&1
 fi
 left=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
 if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
   python scripts/benchmark_double_buffer.py --preset "$preset" --configs no_db,maxpool --repeats 1 \
-    --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --run-timeout 120 \
+    --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --no-prime --run-timeout 120 \
     --profile-dir "$prof" --out-json "$prof/torchprofile-run.json" "$@" > "$prof/torchprofile.log" 2>&1
 fi
 # Rank 1 traces are redundant for attribution; keep rank 0 to stay under the 16 MiB file limit.
