@@ -1,4 +1,4 @@
-"""The worker's host-profile writer (used to find host overhead in double buffering)."""
+"""CPU tests of the benchmark worker: host-profile writer and the data iterator train_step needs."""
 
 from __future__ import annotations
 
