@@ -322,3 +322,46 @@ def test_reads_of_a_live_bucket_reuse_one_view(gmb, monkeypatch):
     # Bad requests still fail on a live bucket (they miss the cache and are validated).
     with pytest.raises(ValueError, match="requested 1025 x torch.bfloat16"):
         alloc.allocate(1, 1025, torch.bfloat16, CPU)
+
+
+def test_poison_fills_a_slot_each_time_a_bucket_takes_it(gmb, monkeypatch):
+    """HFSDP_MAXPOOL_POISON=1: a read of pool memory not written in this life shows as NaN."""
+    groups = hybrid_groups()
+    units = units_of(groups)
+    monkeypatch.setenv(mpa.POISON_ENV, "1")
+    alloc = make(groups)
+    n1 = padded(groups[1])
+    first = alloc.allocate(1, n1, torch.bfloat16, CPU).data
+    assert torch.isnan(first).all()
+    fp32 = alloc.allocate(2, padded(groups[2]), torch.float32, CPU).data
+    assert torch.isnan(fp32).all()
+    first.fill_(3.0)
+    # Further reads of the live bucket (the grad getter) must not re-poison written data.
+    assert (alloc.allocate(1, n1, torch.bfloat16, CPU).data == 3.0).all()
+    # Another unit in the other group is poisoned; the live unit's slot is untouched.
+    other = alloc_unit(alloc, groups, units[1])
+    assert all(torch.isnan(t).all() for t in other.values())
+    assert (first == 3.0).all()
+    # A new life of the same bucket (same home group, same memory) is poisoned again.
+    free_unit(alloc, units[0])
+    again = alloc.allocate(1, n1, torch.bfloat16, CPU).data
+    assert again.data_ptr() == first.data_ptr() and torch.isnan(again).all()
+    # Integer slots (float8 is planned as uint8) get the all-ones byte.
+    u8 = [ParameterGroup(params=[torch.nn.Parameter(torch.zeros(200, dtype=torch.uint8),
+                                                    requires_grad=False)],
+                         dtype=torch.uint8, fsdp_unit_id=0)]
+    fp8_alloc = MaxPoolAllocator("fsdp_params", u8, numel_fn=padded,
+                                 dtype_fn=lambda g: torch.uint8)
+    assert fp8_alloc.allocate(0, 256, torch.uint8, CPU).data.tolist() == [255] * 256
+
+
+def test_no_poison_by_default(gmb, monkeypatch):
+    monkeypatch.delenv(mpa.POISON_ENV, raising=False)
+    groups = hybrid_groups()
+    units = units_of(groups)
+    alloc = make(groups)
+    assert not alloc.poison
+    view = alloc.allocate(1, padded(groups[1]), torch.bfloat16, CPU).data
+    view.fill_(7.0)
+    free_unit(alloc, units[0])
+    assert (alloc.allocate(1, padded(groups[1]), torch.bfloat16, CPU).data == 7.0).all()
