@@ -116,10 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import setup_model_and_optimizer, train_step
 
+    from hfsdp.determinism import pin_triton_autotune_from_env
     from hfsdp.training import entry, forward_step, fsdp_units, model_provider
 
     _, family = entry.parse_args(mflags)
     fsdp_units.install_unit_override()
+    pin_triton_autotune_from_env()  # determinism checks only (run_determinism.sh)
     initialize_megatron()
     args = get_args()
     model, optimizer, scheduler = setup_model_and_optimizer(

@@ -9,7 +9,9 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export NCCL_ALGO=Ring CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONHASHSEED=0
+# Same Triton (Mamba) kernel configs in every process: hfsdp/determinism.py.
+export HFSDP_TRITON_PIN_AUTOTUNE=1
 out=${OUT:-/tmp/hfsdp_determinism}; mkdir -p "$out"
-python scripts/benchmark_double_buffer.py --configs no_db,fixedpool,maxpool --repeats "${1:-3}" \
+python scripts/benchmark_double_buffer.py --configs "${CONFIGS:-no_db,fixedpool,maxpool}" --repeats "${1:-3}" \
   --warmup-steps 0 --timed-steps 20 --no-plan --no-chart --run-timeout "${RUN_TIMEOUT:-150}" \
   --out-json "$out/determinism.json" -- --deterministic-mode 2>&1 | tee "$out/determinism.log"

@@ -1,0 +1,83 @@
+"""Cross-process reproducibility of Triton-autotuned kernels (mamba_ssm's SSD kernels).
+
+Triton's autotuner times every candidate config on a kernel's first call and keeps the fastest.
+Timing noise, and NCCL traffic on another stream, can make another process pick another config;
+configs differ in block sizes and so in summation order, so two processes fed identical inputs
+return different bits. Megatron's ``--deterministic-mode`` does not cover this, and it is enough to
+make a double-buffered run and its no-double-buffer twin disagree in the last bit.
+
+``HFSDP_TRITON_PIN_AUTOTUNE=1`` keeps the autotuner's machinery (the kernel's own pruning, the
+compile of every candidate, dropping candidates that cannot run here) but replaces each measured
+time by the candidate's position in the pruned list: the first candidate that runs wins, in every
+process and on every machine of one kind. Kernels may run slower, so this is for functional
+(golden) runs and determinism checks, never for benchmarks (those use ``TRITON_CACHE_AUTOTUNING=1``
+to share one timed choice).
+Standard library only at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Mapping
+
+ENV = "HFSDP_TRITON_PIN_AUTOTUNE"
+_MARK = "_hfsdp_pinned_first_config"
+
+logger = logging.getLogger(__name__)
+
+
+def pin_autotuner_class(autotuner_cls: Any) -> bool:
+    """Make ``autotuner_cls`` choose by candidate order instead of by measured time.
+
+    Wraps ``prune_configs`` (remembers the pruned order) and ``_bench`` (a runnable candidate's
+    "time" becomes its index; an unrunnable one keeps Triton's ``inf``). Returns True when it
+    patched, False when the class was already pinned (idempotent).
+    """
+    if getattr(autotuner_cls.prune_configs, _MARK, False):
+        return False
+    original_prune, original_bench = autotuner_cls.prune_configs, autotuner_cls._bench
+
+    def prune_configs(self: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        configs = list(original_prune(self, *args, **kwargs))
+        self._hfsdp_config_order = configs  # why: _bench sees one config, not the list
+        self.cache_results = False  # a TRITON_CACHE_AUTOTUNING entry holds real, unpinned timings
+        return configs
+
+    def _bench(self: Any, *args: Any, config: Any, **kwargs: Any) -> list[float]:
+        timings = original_bench(self, *args, config=config, **kwargs)
+        if not all(math.isfinite(t) for t in timings):
+            return timings  # cannot run on this GPU (out of resources, ptxas error)
+        order = getattr(self, "_hfsdp_config_order", None) or list(self.configs)
+        rank = next((i for i, c in enumerate(order) if c is config), len(order))
+        return [float(rank)] * len(timings)
+
+    for name, fn, orig in (("prune_configs", prune_configs, original_prune),
+                           ("_bench", _bench, original_bench)):
+        setattr(fn, _MARK, True)
+        fn.__doc__ = orig.__doc__
+        setattr(autotuner_cls, name, fn)
+    return True
+
+
+def pin_triton_autotune_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Pin Triton autotuning when ``HFSDP_TRITON_PIN_AUTOTUNE=1``; True when pinning is active.
+
+    Any other value than ``0``/``1`` is a clear error. Without Triton there is nothing to pin
+    (no Triton kernels can run), which is logged, not an error.
+    """
+    value = (os.environ if environ is None else environ).get(ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: expected '0' or '1'")
+    if value == "0":
+        return False
+    try:
+        from triton.runtime import autotuner
+    except ImportError:
+        logger.warning("%s=1 but triton is not installed: no Triton kernels to pin", ENV)
+        return False
+    if pin_autotuner_class(autotuner.Autotuner):
+        logger.warning("%s=1: every Triton autotuner uses its first valid config "
+                       "(reproducible across processes; kernels may be slower)", ENV)
+    return True

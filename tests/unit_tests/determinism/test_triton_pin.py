@@ -1,0 +1,90 @@
+"""CPU tests of HFSDP_TRITON_PIN_AUTOTUNE (hfsdp/determinism.py)."""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+
+from hfsdp import determinism
+
+INF = float("inf")
+
+
+class FakeAutotuner:
+    """Triton's Autotuner as far as the pin touches it: prune, then time each candidate."""
+
+    def __init__(self, configs, times, reject=()):
+        self.configs, self.times, self.reject = configs, times, set(reject)
+
+    def prune_configs(self, kwargs):
+        return [c for c in self.configs if c not in self.reject]
+
+    def _bench(self, *args, config, **meta):
+        return [self.times[config]] * 3
+
+    def choose(self):
+        """What Autotuner.run does with the timings: the fastest candidate wins."""
+        timings = {c: self._bench(config=c) for c in self.prune_configs({})}
+        return min(timings, key=timings.get)
+
+
+def fresh_class():
+    return type("Autotuner", (FakeAutotuner,), {})
+
+
+def test_unpinned_choice_follows_the_clock():
+    tuner = fresh_class()(["a", "b", "c"], {"a": 3.0, "b": 1.0, "c": 2.0})
+    assert tuner.choose() == "b"
+
+
+def test_pinned_choice_follows_candidate_order_not_the_clock():
+    cls = fresh_class()
+    assert determinism.pin_autotuner_class(cls) is True
+    assert determinism.pin_autotuner_class(cls) is False  # idempotent: no double wrap
+    for times in ({"a": 3.0, "b": 1.0, "c": 2.0}, {"a": 1.0, "b": 3.0, "c": 0.5}):
+        assert cls(["a", "b", "c"], times).choose() == "a"
+
+
+def test_pinned_choice_skips_unrunnable_and_pruned_candidates():
+    cls = fresh_class()
+    determinism.pin_autotuner_class(cls)
+    # 'a' is out of resources on this GPU (Triton reports inf): the next runnable one wins.
+    assert cls(["a", "b", "c"], {"a": INF, "b": 9.0, "c": 1.0}).choose() == "b"
+    # The kernel's own pruning runs first: a pruned candidate is never chosen.
+    assert cls(["a", "b", "c"], {"a": 1.0, "b": 9.0, "c": 1.0}, reject={"a"}).choose() == "b"
+
+
+def test_env_off_by_default_and_rejects_bad_values():
+    assert determinism.pin_triton_autotune_from_env({}) is False
+    assert determinism.pin_triton_autotune_from_env({determinism.ENV: "0"}) is False
+    with pytest.raises(ValueError, match="HFSDP_TRITON_PIN_AUTOTUNE='yes'"):
+        determinism.pin_triton_autotune_from_env({determinism.ENV: "yes"})
+
+
+def test_missing_triton_is_logged_not_fatal(monkeypatch, caplog):
+    real_import = builtins.__import__
+
+    def no_triton(name, *args, **kwargs):
+        if name.startswith("triton"):
+            raise ImportError("no triton here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    assert determinism.pin_triton_autotune_from_env({determinism.ENV: "1"}) is False
+    assert "triton is not installed" in caplog.text
+
+
+def test_real_triton_autotuner_class_is_pinned(monkeypatch):
+    autotuner = pytest.importorskip("triton.runtime.autotuner")
+    configs = [autotuner.Config({"BLOCK": b}) for b in (64, 128, 256)]
+    clock = {id(configs[0]): 5.0, id(configs[1]): 1.0, id(configs[2]): INF}
+    # Stand in for the GPU timing; monkeypatch restores the real methods after the test.
+    monkeypatch.setattr(autotuner.Autotuner, "_bench",
+                        lambda self, *a, config, **k: [clock[id(config)]] * 3)
+    monkeypatch.setattr(autotuner.Autotuner, "prune_configs", autotuner.Autotuner.prune_configs)
+    assert determinism.pin_triton_autotune_from_env({determinism.ENV: "1"}) is True
+    tuner = object.__new__(autotuner.Autotuner)  # no kernel needed for prune + choose
+    tuner.configs, tuner.early_config_prune, tuner.perf_model, tuner.nargs = configs, None, None, {}
+    timings = {c: tuner._bench(config=c) for c in tuner.prune_configs({})}
+    assert min(timings, key=timings.get) is configs[0]
