@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             averages = prof.key_averages()
             f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
             f.write(averages.table(sort_by="self_device_time_total", row_limit=25) + "\n")
+        from hfsdp.bench.kernels import count_nccl_kernels
+
+        nccl_kernels = count_nccl_kernels(prof.events())
     dp = args.data_parallel_size
     num_micro = args.global_batch_size // (args.micro_batch_size * dp)
     record = {
@@ -205,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         "lm_loss": losses,
         "maxpool_stats": maxpool_stats(model),
     }
+    if prof is not None:
+        record["nccl_kernels"] = nccl_kernels  # ncclSymk* vs other, profiled steps, rank 0
     # Peak memory is per rank; report the max over ranks.
     peaks = torch.tensor([record["peak_allocated_bytes"], record["peak_reserved_bytes"]],
                          device="cuda", dtype=torch.int64)

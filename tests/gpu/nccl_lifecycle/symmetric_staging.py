@@ -28,38 +28,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _launch  # noqa: E402
 
+sys.path.insert(0, str(_launch.REPO_ROOT))
+from hfsdp.bench.kernels import count_nccl_kernels  # noqa: E402
+
 CHILD_TIMEOUT_S = {"plain": 60, "ub": 110}  # ub compiles the NCCL allocator extension once
 HIDDEN = 1024  # fc1 + fc2 = 8.4 M params = 16 MiB bf16 per unit
 BLOCKS = 4
 WARMUP_STEPS = 2
 PROFILED_STEPS = 2
 TIMED_STEPS = 6
-
-
-def _kernel_kind(name: str) -> str:
-    low = name.lower()
-    if "allgather" in low or "all_gather" in low:
-        return "all_gather"
-    if "reducescatter" in low or "reduce_scatter" in low:
-        return "reduce_scatter"
-    return "other"
-
-
-def count_nccl_kernels(prof) -> dict:
-    """{symk|other_nccl: {all_gather, reduce_scatter, other}} over CUDA kernel events."""
-    counts = {k: {"all_gather": 0, "reduce_scatter": 0, "other": 0} for k in ("symk", "other_nccl")}
-    names = set()
-    for evt in prof.events():
-        if not str(getattr(evt, "device_type", "")).endswith("CUDA"):
-            continue
-        name = evt.name
-        if not name.lower().startswith("nccl"):
-            continue
-        names.add(name[:80])
-        bucket = "symk" if name.startswith("ncclSymk") else "other_nccl"
-        counts[bucket][_kernel_kind(name)] += 1
-    counts["kernel_names"] = sorted(names)[:20]
-    return counts
 
 
 def child(mode: str, result_path: str) -> None:
@@ -142,7 +119,7 @@ def child(mode: str, result_path: str) -> None:
             for _ in range(PROFILED_STEPS):
                 losses.append(float(step()))
             torch.cuda.synchronize()
-        res["kernels"] = count_nccl_kernels(prof)
+        res["kernels"] = count_nccl_kernels(prof.events())
         times = []
         for _ in range(TIMED_STEPS):
             torch.cuda.synchronize()
