@@ -30,10 +30,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from hfsdp.diagnostics import STACK_DUMP_SIGNAL, child_pids
 from hfsdp.functional import golden, logparse
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.safety import NVLS_SAFE_ENV
@@ -134,6 +136,9 @@ def run_env(env_vars: dict[str, str | None]) -> dict[str, str]:
     return env
 
 
+STACK_DUMP_GRACE_S = 5.0  # time the ranks get to write their stacks before SIGTERM
+
+
 def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float | None) -> RunRecord:
     """Run ``cmd`` in its own process group, tee output to ``log``; kill the group on timeout."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -147,6 +152,13 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float 
 
         def on_timeout() -> None:
             timed_out.set()
+            # Ask each rank for its Python stacks first (hfsdp.diagnostics): a hang's evidence.
+            for pid in child_pids(proc.pid):
+                try:
+                    os.kill(pid, STACK_DUMP_SIGNAL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(STACK_DUMP_GRACE_S)
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
             except ProcessLookupError:

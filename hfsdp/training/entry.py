@@ -15,6 +15,7 @@ import time
 import warnings
 from typing import Sequence
 
+from hfsdp.diagnostics import install_stack_dump_signal
 from hfsdp.patchset.guard import ensure_fork
 
 # Tokenizer default matches upstream's GPT entry point; mock-data runs pass
@@ -54,6 +55,7 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
 def main(argv: Sequence[str] | None = None, forced_family: str | None = None) -> None:
     """Run pretraining; ``forced_family='hybrid'`` is ``pretrain_hybrid.py``."""
     program_start = time.time()
+    install_stack_dump_signal()  # `kill -USR1 <pid>` prints this rank's stacks (hung jobs)
     ensure_fork()
     from megatron.core.enums import ModelType
     from megatron.training import print_rank_0

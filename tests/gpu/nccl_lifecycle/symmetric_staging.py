@@ -74,9 +74,10 @@ def child(mode: str, result_path: str) -> None:
 
         torch.manual_seed(0)
         module = torch.nn.Sequential(*[Block() for _ in range(BLOCKS)]).to("cuda", torch.bfloat16)
-        mesh = init_device_mesh("cuda", (2,), mesh_dim_names=("dp",))
+        # 0.18.2's fully_shard needs a TP mesh dim even at TP=1 (get_submesh(None) raises).
+        mesh = init_device_mesh("cuda", (2, 1), mesh_dim_names=("dp", "tp"))
         model = fully_shard_model(
-            module, device_mesh=mesh, dp_shard_dim="dp", fsdp_unit_modules=[Block],
+            module, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", fsdp_unit_modules=[Block],
             zero_dp_strategy=3, device=torch.device("cuda", local),
             nccl_ub=(mode == "ub"), fsdp_double_buffer=True, maxpool_double_buffer=True,
         )

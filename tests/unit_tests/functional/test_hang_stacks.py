@@ -1,0 +1,52 @@
+"""A timed-out functional run leaves every rank's Python stacks in its log (hfsdp.diagnostics)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+from hfsdp import diagnostics
+from hfsdp.functional import run_case
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+# Stands in for torchrun: a parent that starts one "rank", which hangs in a named function.
+LAUNCHER = textwrap.dedent("""
+    import subprocess, sys
+    rank = '''
+    import sys, time
+    sys.path.insert(0, %r)
+    from hfsdp.diagnostics import install_stack_dump_signal
+    install_stack_dump_signal()
+    def waiting_in_a_collective_nobody_else_joined():
+        print("rank ready", flush=True)
+        time.sleep(600)
+    waiting_in_a_collective_nobody_else_joined()
+    '''
+    subprocess.run([sys.executable, "-c", rank])
+""")
+
+
+def test_timeout_dumps_each_rank_stack_before_killing(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_case, "STACK_DUMP_GRACE_S", 1.0)
+    log = tmp_path / "run1.log"
+    rec = run_case.run_logged([sys.executable, "-c", LAUNCHER % str(REPO_ROOT)],
+                              dict(os.environ), log, timeout_s=5.0)
+    text = log.read_text()
+    assert rec.timed_out and rec.returncode != 0
+    assert "rank ready" in text
+    assert "waiting_in_a_collective_nobody_else_joined" in text, text[-2000:]
+
+
+def test_child_pids_finds_direct_children_only():
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in diagnostics.child_pids(os.getpid())
+        assert child.pid not in diagnostics.child_pids(child.pid)
+    finally:
+        child.kill()
+        child.wait()
