@@ -11,16 +11,43 @@ import faulthandler
 import os
 import signal
 import sys
+from typing import Mapping
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
-def install_stack_dump_signal() -> bool:
-    """Dump all threads' Python stacks to stderr on SIGUSR1; the process keeps running."""
+AFTER_ENV = "HFSDP_STACK_DUMP_AFTER_S"
+
+
+def install_stack_dump_signal(environ: Mapping[str, str] | None = None) -> bool:
+    """Dump all threads' Python stacks to stderr on SIGUSR1; the process keeps running.
+
+    With ``HFSDP_STACK_DUMP_AFTER_S=T`` (the functional driver sets it a little under its
+    timeout) the stacks are also dumped once after T seconds by faulthandler's own watchdog
+    thread: evidence even where a signal cannot reach the rank.
+    """
     if not hasattr(faulthandler, "register"):  # not on Windows
         return False
     faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    after = (os.environ if environ is None else environ).get(AFTER_ENV, "")
+    if after:
+        try:
+            seconds = float(after)
+        except ValueError:
+            raise ValueError(f"{AFTER_ENV}={after!r}: expected seconds") from None
+        if seconds > 0:
+            faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.stderr, exit=False)
     return True
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every process below ``pid`` (ranks may sit under a launcher layer), children first."""
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for p in frontier for c in child_pids(p)]
+        found += kids
+        frontier = kids
+    return found
 
 
 def child_pids(pid: int) -> list[int]:

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from hfsdp.diagnostics import STACK_DUMP_SIGNAL, child_pids
+from hfsdp.diagnostics import AFTER_ENV, STACK_DUMP_SIGNAL, descendant_pids
 from hfsdp.functional import golden, logparse
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.safety import NVLS_SAFE_ENV
@@ -146,6 +146,8 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float 
     with open(log, "w") as sink:
         sink.write("$ " + " ".join(cmd) + "\n")
         sink.flush()
+        if timeout_s:  # ranks also dump their stacks on their own just before the kill
+            env = {**env, AFTER_ENV: str(max(timeout_s - 2 * STACK_DUMP_GRACE_S, 1.0))}
         proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace",
                                 start_new_session=True)
@@ -153,7 +155,7 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float 
         def on_timeout() -> None:
             timed_out.set()
             # Ask each rank for its Python stacks first (hfsdp.diagnostics): a hang's evidence.
-            for pid in child_pids(proc.pid):
+            for pid in descendant_pids(proc.pid):
                 try:
                     os.kill(pid, STACK_DUMP_SIGNAL)
                 except ProcessLookupError:

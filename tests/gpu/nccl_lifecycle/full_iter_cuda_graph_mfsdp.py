@@ -93,9 +93,11 @@ def child(result_path: str) -> None:
     losses, phase = [], "setup"
     try:
         ps.initialize_model_parallel(1, 1)
-        # The capture registers the model-parallel RNG tracker's generators with the graph;
-        # pretrain() seeds it in initialize_megatron (first GPU run failed without this).
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        # The capture registers the model-parallel RNG tracker's generators with the graph, so
+        # they must be graph-safe: pretrain() seeds with use_cudagraphable_rng when
+        # --cuda-graph-impl is set (runs 1 and 2 failed without the seed, then without this flag).
+        tensor_parallel.model_parallel_cuda_manual_seed(0, use_cudagraphable_rng=True,
+                                                        force_reset_rng=True)
         torch.manual_seed(0)
         module = torch.nn.Sequential(*[Block() for _ in range(NUM_BLOCKS)]).cuda()
         model = FullyShardedDataParallel(config=transformer_config(), ddp_config=ddp_config(),

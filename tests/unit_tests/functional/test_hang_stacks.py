@@ -50,3 +50,44 @@ def test_child_pids_finds_direct_children_only():
     finally:
         child.kill()
         child.wait()
+
+
+def test_stack_dump_after_env_dumps_without_any_signal():
+    import subprocess
+
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO_ROOT)!r})
+        from hfsdp.diagnostics import install_stack_dump_signal
+        install_stack_dump_signal()
+        def still_saving_the_checkpoint():
+            time.sleep(3)
+        still_saving_the_checkpoint()
+    """)
+    env = dict(os.environ, **{diagnostics.AFTER_ENV: "1"})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0  # the dump does not end the process
+    assert "still_saving_the_checkpoint" in out.stderr
+
+
+def test_descendants_include_grandchildren():
+    import subprocess
+
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                               "'import time; time.sleep(30)'])"])
+    try:
+        import time
+
+        for _ in range(50):
+            below = diagnostics.descendant_pids(os.getpid())
+            if len(below) >= 2:
+                break
+            time.sleep(0.1)
+        assert parent.pid in below and len(below) >= 2
+    finally:
+        for pid in diagnostics.descendant_pids(parent.pid):
+            os.kill(pid, 9)
+        parent.kill()
+        parent.wait()
