@@ -31,7 +31,9 @@ def count_nccl_kernels(events: Iterable[Any]) -> dict:
         if not str(getattr(evt, "device_type", "")).endswith("CUDA"):
             continue  # CPU-side op records share names with their kernels
         name = evt.name
-        if not name.lower().startswith("nccl"):
+        # "nccl:all_gather_into_tensor_coalesced" is c10d's GPU-side annotation of the op, not a
+        # kernel; counting it would pair every symmetric kernel with a phantom "other" one.
+        if not name.lower().startswith("nccl") or name.startswith("nccl:"):
             continue
         names.add(name[:80])
         bucket = "symk" if name.startswith("ncclSymk") else "other_nccl"
