@@ -41,6 +41,9 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="Chrome traces of the timed steps (profiling distorts step times).")
     p.add_argument("--pyprofile-dir", default=None,
                    help="cProfile tables of the timed steps (host Python time; distorts timings).")
+    p.add_argument("--memory-trace-dir", default=None,
+                   help="Record the CUDA allocator's history and write what was live at the "
+                        "peak, by allocator (hfsdp/bench/memtrace.py; distorts timings).")
     p.add_argument("--run-timeout", type=int, default=300, help="Seconds per torchrun.")
     p.add_argument("--no-prime", action="store_true",
                    help="Skip the discarded priming run (it fills the Triton compile/autotune "
@@ -101,6 +104,7 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
            "--warmup-steps", str(opts.warmup_steps), "--timed-steps", str(opts.timed_steps),
            *(["--profile-dir", opts.profile_dir] if opts.profile_dir else []),
            *(["--pyprofile-dir", opts.pyprofile_dir] if opts.pyprofile_dir else []),
+           *(["--memory-trace-dir", opts.memory_trace_dir] if opts.memory_trace_dir else []),
            "--", *flags, *config.flags]
     with open(log, "w") as f:
         try:

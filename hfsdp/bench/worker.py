@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                           "timed steps per rank.")
     own.add_argument("--pyprofile-dir", default=None,
                      help="Write cProfile tables (host Python time) of the timed steps per rank.")
+    own.add_argument("--memory-trace-dir", default=None,
+                     help="Record allocator history over all steps; write what was live at the "
+                          "peak, by allocator, per rank (memtrace.py).")
     opts = own.parse_args(argv[:split])
     mflags = argv[split + 1:]
     total_steps = opts.warmup_steps + opts.timed_steps
@@ -146,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.reset_peak_memory_stats()
     prof = None
     pyprof = None
+    mem_baseline = None
+    if opts.memory_trace_dir:
+        from hfsdp.bench import memtrace
+
+        mem_baseline = memtrace.start_recording()  # from step 1: pools are allocated lazily
     for it in range(total_steps):
         if opts.pyprofile_dir and it == opts.warmup_steps:
             import cProfile
@@ -177,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         loss = loss_dict.get("lm loss") if isinstance(loss_dict, dict) else None
         losses.append(None if loss is None else float(loss))
     stem = f"{opts.config}-r{opts.repeat}-rank{torch.distributed.get_rank()}"
+    memory_peak = None
+    if mem_baseline is not None:
+        memory_peak = memtrace.stop_and_summarize(mem_baseline)
+        os.makedirs(opts.memory_trace_dir, exist_ok=True)
+        with open(os.path.join(opts.memory_trace_dir, stem + ".memtrace.txt"), "w") as f:
+            f.write(memtrace.format_summary(memory_peak) + "\n")
     if pyprof is not None:
         pyprof.disable()
         write_pyprofile(pyprof, os.path.join(opts.pyprofile_dir, stem + ".pstats.txt"),
@@ -208,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         "lm_loss": losses,
         "maxpool_stats": maxpool_stats(model),
     }
+    if memory_peak is not None:
+        record["memory_peak"] = memory_peak  # rank 0's live set at its peak, by allocator
     if prof is not None:
         record["nccl_kernels"] = nccl_kernels  # ncclSymk* vs other, profiled steps, rank 0
     # Peak memory is per rank; report the max over ranks.

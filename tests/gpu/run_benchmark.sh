@@ -2,8 +2,9 @@
 # Double-buffer benchmark + host/device profiles on a 2-GPU machine, from the repo root:
 #   . .devtools/bootstrap.sh && bash tests/gpu/run_benchmark.sh [preset] [extra benchmark args]
 # 1. the timed benchmark (interleaved fresh runs, medians; JSON + PNG)  -> $OUT/bench-<preset>.*
-# 2. if BUDGET_S leaves room: one cProfile run and one torch.profiler run of no_db and maxpool
-#    (3 timed steps each; they distort step times and are only for attribution) -> $OUT/prof.tgz
+# 2. if BUDGET_S leaves room: one cProfile run, one allocator-trace run (what is live at the
+#    peak, by allocator) and one torch.profiler run of no_db and maxpool (3 timed steps each;
+#    they distort step times and are only for attribution) -> $OUT/prof-<preset>.tgz
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # Deterministic Triton kernel choice across the fresh processes of one invocation.
@@ -20,6 +21,13 @@ if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
   python scripts/benchmark_double_buffer.py --preset "$preset" --configs no_db,maxpool --repeats 1 \
     --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --no-prime --run-timeout 120 \
     --pyprofile-dir "$prof" --out-json "$prof/pyprofile-run.json" "$@" > "$prof/pyprofile.log" 2>&1
+fi
+left=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
+if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
+  python scripts/benchmark_double_buffer.py --preset "$preset" --configs no_db,maxpool --repeats 1 \
+    --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --no-prime --run-timeout 120 \
+    --memory-trace-dir "$prof" --out-json "$prof/memtrace-run.json" "$@" > "$prof/memtrace.log" 2>&1
+  cat "$prof"/*rank0.memtrace.txt 2>/dev/null
 fi
 left=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
 if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then

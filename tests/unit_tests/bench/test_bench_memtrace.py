@@ -1,0 +1,50 @@
+"""CPU tests of the peak live-set replay (hfsdp/bench/memtrace.py)."""
+
+from hfsdp.bench.memtrace import MIB, categorize, format_summary, peak_live_set
+
+POOL = [{"filename": "/x/megatron_fsdp/maxpool_allocator.py", "name": "_arena"},
+        {"filename": "/x/megatron_fsdp/param_and_grad_buffer.py", "name": "fetch_bucket"}]
+TEMP = [{"filename": "/x/megatron_fsdp/param_and_grad_buffer.py", "name": "allocate"}]
+ACT = [{"filename": "/usr/lib/torch/nn/functional.py", "name": "linear"},
+       {"filename": "/x/megatron/core/ssm/mamba_mixer.py", "name": "forward"}]
+
+
+def alloc(addr, mib, frames):
+    return {"action": "alloc", "addr": addr, "size": mib * MIB, "frames": frames}
+
+
+def free(addr, completed=False):
+    return {"action": "free_completed" if completed else "free_requested", "addr": addr}
+
+
+def test_categories_prefer_the_pool_and_name_megatron_frames():
+    assert categorize(POOL) == "max-pool arena"
+    assert categorize(TEMP) == "FSDP bucket (non-pooled)"
+    assert categorize(ACT) == "mamba_mixer.py:forward"
+    assert categorize([]) == "other (no Megatron frame)"
+
+
+def test_replay_finds_the_peak_and_its_live_set():
+    trace = [
+        alloc(1, 100, POOL),       # pool arena, lives forever
+        alloc(2, 50, ACT),         # activation
+        alloc(3, 30, TEMP),        # temp bucket
+        free(3),                   # 150 live
+        alloc(4, 80, ACT),         # peak: 100 + 50 + 80 = 230
+        free(4), free(4, completed=True),  # completion of an already-requested free: no change
+        alloc(5, 60, TEMP),        # 210 < peak
+    ]
+    s = peak_live_set(trace, baseline_bytes=10 * MIB)
+    assert s["peak_bytes"] == 240 * MIB and s["peak_index"] == 4 and s["entries"] == 8
+    cats = dict(s["categories"])
+    assert cats == {"max-pool arena": 100 * MIB, "mamba_mixer.py:forward": 130 * MIB,
+                    "allocated before recording (params, optimizer, ...)": 10 * MIB}
+    assert s["categories"][0][0] == "mamba_mixer.py:forward"  # largest first
+    assert "240.0 MiB" in format_summary(s)
+
+
+def test_frees_of_blocks_allocated_before_recording_shrink_the_baseline():
+    pre_free = {"action": "free_requested", "addr": 99, "size": 4 * MIB}
+    s = peak_live_set([pre_free, alloc(1, 5, ACT)], baseline_bytes=10 * MIB)
+    assert s["peak_bytes"] == 11 * MIB
+    assert dict(s["categories"])["allocated before recording (params, optimizer, ...)"] == 6 * MIB
