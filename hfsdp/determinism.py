@@ -47,11 +47,12 @@ def pin_autotuner_class(autotuner_cls: Any) -> bool:
 
     def _bench(self: Any, *args: Any, config: Any, **kwargs: Any) -> list[float]:
         timings = original_bench(self, *args, config=config, **kwargs)
-        if not all(math.isfinite(t) for t in timings):
+        values = list(timings) if isinstance(timings, (list, tuple)) else [timings]
+        if not all(math.isfinite(t) for t in values):
             return timings  # cannot run on this GPU (out of resources, ptxas error)
         order = getattr(self, "_hfsdp_config_order", None) or list(self.configs)
-        rank = next((i for i, c in enumerate(order) if c is config), len(order))
-        return [float(rank)] * len(timings)
+        rank = float(next((i for i, c in enumerate(order) if c is config), len(order)))
+        return [rank] * len(values) if isinstance(timings, (list, tuple)) else rank
 
     for name, fn, orig in (("prune_configs", prune_configs, original_prune),
                            ("_bench", _bench, original_bench)):

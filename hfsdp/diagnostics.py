@@ -40,6 +40,18 @@ def install_stack_dump_signal(environ: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+def handles_signal(pid: int, signum: int = STACK_DUMP_SIGNAL) -> bool:
+    """Whether ``pid`` catches ``signum`` (/proc SigCgt), so sending it cannot kill the process."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(signum) - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def descendant_pids(pid: int) -> list[int]:
     """Every process below ``pid`` (ranks may sit under a launcher layer), children first."""
     found, frontier = [], [pid]

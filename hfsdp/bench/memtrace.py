@@ -4,8 +4,10 @@ The benchmark compares ``torch.cuda.max_memory_allocated()`` across configuratio
 says *what was live* at that peak, grouped by who allocated it. The worker records the allocator's
 history (``--memory-trace-dir``) from the first training step to the end, then
 :func:`peak_live_set` replays the trace: ``alloc`` adds a block, ``free_requested`` removes it
-(the allocator's allocated-bytes statistic drops at the request, so the replayed peak is the one
-``max_memory_allocated`` reports, less what was allocated before recording started).
+(the allocator's statistics drop at the request). Trace sizes are requested bytes, so the
+baseline is taken in requested bytes too; ``max_memory_allocated`` counts rounded blocks and reads
+a little higher. If the trace outgrew ``max_entries`` its oldest entries are gone and the result
+is marked ``truncated``.
 Pure Python over plain dicts, so it is tested on CPU with synthetic traces.
 """
 
@@ -14,8 +16,8 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Sequence
 
-# First matching rule wins, checked innermost frame first, so a pooled bucket reads "max-pool"
-# even though param_and_grad_buffer.py called the allocator.
+# Rules in priority order (the first whose file appears anywhere in the stack wins), so a pooled
+# bucket reads "max-pool" even though param_and_grad_buffer.py called the allocator.
 CATEGORY_RULES: Sequence[tuple[str, str]] = (
     ("maxpool_allocator.py", "max-pool arena"),
     ("param_and_grad_buffer.py", "FSDP bucket (non-pooled)"),
@@ -37,7 +39,8 @@ def categorize(frames: Sequence[dict]) -> str:
     return "other (no Megatron frame)"
 
 
-def peak_live_set(trace: Iterable[dict], baseline_bytes: int = 0) -> dict:
+def peak_live_set(trace: Iterable[dict], baseline_bytes: int = 0,
+                  max_entries: int | None = None) -> dict:
     """Replay ``trace`` (one device's TraceEntry dicts); the live bytes per category at the peak.
 
     ``baseline_bytes`` is what was allocated before recording began (model, optimizer state);
@@ -74,29 +77,36 @@ def peak_live_set(trace: Iterable[dict], baseline_bytes: int = 0) -> dict:
         "peak_bytes": best,
         "peak_index": best_index,
         "entries": entries,
+        "truncated": max_entries is not None and entries >= max_entries,
         "categories": sorted(by_cat.items(), key=lambda kv: -kv[1]),
     }
 
 
 def format_summary(summary: dict, top: int = 15) -> str:
-    lines = [f"peak allocated {summary['peak_bytes'] / MIB:,.1f} MiB at trace entry "
-             f"{summary['peak_index']} of {summary['entries']}; live then, by allocator:"]
+    lines = [f"peak allocated {summary['peak_bytes'] / MIB:,.1f} MiB (requested bytes) at trace "
+             f"entry {summary['peak_index']} of {summary['entries']}; live then, by allocator:"]
+    if summary.get("truncated"):
+        lines.insert(0, "WARNING: trace truncated at max_entries; the oldest allocations are missing")
     for cat, size in summary["categories"][:top]:
         lines.append(f"  {size / MIB:12,.1f} MiB  {cat}")
     return "\n".join(lines)
 
 
-def start_recording(max_entries: int = 2_000_000) -> int:
-    """Begin recording (Python stacks); returns the bytes already allocated (the baseline)."""
+MAX_ENTRIES = 2_000_000
+
+
+def start_recording(max_entries: int = MAX_ENTRIES) -> int:
+    """Begin recording (Python stacks); returns the requested bytes already allocated."""
     import torch
 
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                              max_entries=max_entries)
-    return int(torch.cuda.memory_allocated())
+    stats = torch.cuda.memory_stats()
+    return int(stats.get("requested_bytes.all.current", torch.cuda.memory_allocated()))
 
 
-def stop_and_summarize(baseline_bytes: int) -> dict[str, Any]:
+def stop_and_summarize(baseline_bytes: int, max_entries: int = MAX_ENTRIES) -> dict[str, Any]:
     """Stop recording and summarize this device's trace."""
     import torch
 
@@ -105,4 +115,4 @@ def stop_and_summarize(baseline_bytes: int) -> dict[str, Any]:
     torch.cuda.memory._record_memory_history(enabled=None)
     traces = snap.get("device_traces") or [[]]
     trace = traces[torch.cuda.current_device()] if len(traces) > 1 else traces[0]
-    return peak_live_set(trace, baseline_bytes)
+    return peak_live_set(trace, baseline_bytes, max_entries)

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from hfsdp.diagnostics import AFTER_ENV, STACK_DUMP_SIGNAL, descendant_pids
+from hfsdp.diagnostics import AFTER_ENV, STACK_DUMP_SIGNAL, descendant_pids, handles_signal
 from hfsdp.functional import golden, logparse
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.safety import NVLS_SAFE_ENV
@@ -155,7 +155,8 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float 
         def on_timeout() -> None:
             timed_out.set()
             # Ask each rank for its Python stacks first (hfsdp.diagnostics): a hang's evidence.
-            for pid in descendant_pids(proc.pid):
+            # Only processes that catch it: the default action of SIGUSR1 is to terminate.
+            for pid in filter(handles_signal, descendant_pids(proc.pid)):
                 try:
                     os.kill(pid, STACK_DUMP_SIGNAL)
                 except ProcessLookupError:

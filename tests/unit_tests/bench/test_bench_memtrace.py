@@ -48,3 +48,9 @@ def test_frees_of_blocks_allocated_before_recording_shrink_the_baseline():
     s = peak_live_set([pre_free, alloc(1, 5, ACT)], baseline_bytes=10 * MIB)
     assert s["peak_bytes"] == 11 * MIB
     assert dict(s["categories"])["allocated before recording (params, optimizer, ...)"] == 6 * MIB
+
+
+def test_a_full_trace_buffer_is_flagged():
+    s = peak_live_set([alloc(1, 1, ACT), alloc(2, 1, ACT)], max_entries=2)
+    assert s["truncated"] and format_summary(s).startswith("WARNING: trace truncated")
+    assert not peak_live_set([alloc(1, 1, ACT)], max_entries=2)["truncated"]

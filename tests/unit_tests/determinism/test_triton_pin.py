@@ -75,16 +75,40 @@ def test_missing_triton_is_logged_not_fatal(monkeypatch, caplog):
     assert "triton is not installed" in caplog.text
 
 
-def test_real_triton_autotuner_class_is_pinned(monkeypatch):
+def _real_tuner(autotuner, clock, cache_results=False):
+    """A real triton Autotuner around a stub kernel; do_bench reads a fake clock per config."""
+
+    def kernel(x, BLOCK):  # Autotuner walks .fn down to a plain function
+        pass
+
+    class StubKernel:
+        arg_names, fn, last = ["x"], staticmethod(kernel), None
+
+        def run(self, *args, BLOCK, **kwargs):
+            StubKernel.last = BLOCK
+            return BLOCK
+
+    def do_bench(kernel_call, quantiles):
+        kernel_call()
+        return [clock[StubKernel.last]] * 3
+
+    configs = [autotuner.Config({"BLOCK": b}) for b in clock]
+    return autotuner.Autotuner(StubKernel(), ["x"], configs, ["x"], None, None, do_bench=do_bench,
+                               cache_results=cache_results)
+
+
+def test_real_triton_autotuner_run_is_pinned(monkeypatch):
     autotuner = pytest.importorskip("triton.runtime.autotuner")
-    configs = [autotuner.Config({"BLOCK": b}) for b in (64, 128, 256)]
-    clock = {id(configs[0]): 5.0, id(configs[1]): 1.0, id(configs[2]): INF}
-    # Stand in for the GPU timing; monkeypatch restores the real methods after the test.
-    monkeypatch.setattr(autotuner.Autotuner, "_bench",
-                        lambda self, *a, config, **k: [clock[id(config)]] * 3)
-    monkeypatch.setattr(autotuner.Autotuner, "prune_configs", autotuner.Autotuner.prune_configs)
+    # monkeypatch restores the real methods after the test (other tests may use Triton).
+    for name in ("prune_configs", "_bench"):
+        monkeypatch.setattr(autotuner.Autotuner, name, getattr(autotuner.Autotuner, name))
+    clock = {64: 5.0, 128: 1.0, 256: INF}  # 256 cannot run on this "GPU"
+    assert _real_tuner(autotuner, clock).run(7) == 128  # unpinned: the fastest wins
     assert determinism.pin_triton_autotune_from_env({determinism.ENV: "1"}) is True
-    tuner = object.__new__(autotuner.Autotuner)  # no kernel needed for prune + choose
-    tuner.configs, tuner.early_config_prune, tuner.perf_model, tuner.nargs = configs, None, None, {}
-    timings = {c: tuner._bench(config=c) for c in tuner.prune_configs({})}
-    assert min(timings, key=timings.get) is configs[0]
+    assert _real_tuner(autotuner, clock).run(7) == 64  # pinned: the first runnable wins
+    assert _real_tuner(autotuner, {64: INF, 128: 9.0, 256: 1.0}).run(7) == 128
+    # A TRITON_CACHE_AUTOTUNING entry holds real timings: the pinned tuner must not read it.
+    cached = _real_tuner(autotuner, clock, cache_results=True)
+    monkeypatch.setattr(cached, "check_disk_cache",
+                        lambda *a, **k: pytest.fail("pinned autotuner read the disk cache"))
+    assert cached.run(7) == 64

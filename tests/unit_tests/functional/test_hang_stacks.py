@@ -19,7 +19,7 @@ LAUNCHER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, %r)
     from hfsdp.diagnostics import install_stack_dump_signal
-    install_stack_dump_signal()
+    install_stack_dump_signal({})  # SIGUSR1 only: the watchdog path has its own test
     def waiting_in_a_collective_nobody_else_joined():
         print("rank ready", flush=True)
         time.sleep(600)
@@ -91,3 +91,22 @@ def test_descendants_include_grandchildren():
             os.kill(pid, 9)
         parent.kill()
         parent.wait()
+
+
+def test_handles_signal_reads_the_caught_mask():
+    import signal
+    import subprocess
+
+    code = ("import sys, time; sys.path.insert(0, %r); from hfsdp.diagnostics import "
+            "install_stack_dump_signal; install_stack_dump_signal({}); print('ok', flush=True); "
+            "time.sleep(30)" % str(REPO_ROOT))
+    catcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert catcher.stdout.readline().strip() == "ok"
+        assert diagnostics.handles_signal(catcher.pid, signal.SIGUSR1)
+        assert not diagnostics.handles_signal(plain.pid, signal.SIGUSR1)
+    finally:
+        for p in (catcher, plain):
+            p.kill()
+            p.wait()

@@ -86,3 +86,11 @@ def test_distributed_optimizer_fsdp_dtensor_state_dict_has_every_param(mesh):
     sd = DistributedOptimizer.sharded_param_state_fsdp_dtensor(fake, is_loading=False)
     assert sorted(sd["state"]) == sorted(names.values())
     assert sorted(sd["state"]["decoder.final_norm.weight"]) == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def test_plain_tensor_state_is_refused_not_copied_under_another_name(mesh):
+    full = dparam(mesh, (8, 4), torch.randn(8, 4))
+    empty = dparam(mesh, (256,), torch.empty(0))
+    state = {full: {"step": torch.tensor(1.0), "exp_avg": torch.ones(8, 4)}}  # not a DTensor
+    with pytest.raises(TypeError, match="'exp_avg' is a plain \\(8, 4\\) tensor"):
+        empty_shard_states(state, [full, empty])
