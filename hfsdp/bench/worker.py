@@ -198,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     if prof is not None:
         prof.__exit__(None, None, None)
         os.makedirs(opts.profile_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(opts.profile_dir, stem + ".json.gz"))
+        trace_path = os.path.join(opts.profile_dir, stem + ".json.gz")
+        prof.export_chrome_trace(trace_path)
+        from hfsdp.bench import timeline
+
+        step_timeline = timeline.summarize(timeline.load_events(trace_path), opts.timed_steps)
+        with open(os.path.join(opts.profile_dir, stem + ".timeline.txt"), "w") as f:
+            f.write(timeline.format_summary(step_timeline) + "\n")
         with open(os.path.join(opts.profile_dir, stem + ".ops.txt"), "w") as f:
             averages = prof.key_averages()
             f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
@@ -225,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     if memory_peak is not None:
         record["memory_peak"] = memory_peak  # rank 0's live set at its peak, by allocator
     if prof is not None:
-        record["nccl_kernels"] = nccl_kernels  # ncclSymk* vs other, profiled steps, rank 0
+        record["nccl_kernels"] = nccl_kernels
+        record["timeline"] = step_timeline  # per profiled step: exposed NCCL, idle, host syncs  # ncclSymk* vs other, profiled steps, rank 0
     # Peak memory is per rank; report the max over ranks.
     peaks = torch.tensor([record["peak_allocated_bytes"], record["peak_reserved_bytes"]],
                          device="cuda", dtype=torch.int64)

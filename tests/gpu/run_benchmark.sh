@@ -34,6 +34,7 @@ if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
   python scripts/benchmark_double_buffer.py --preset "$preset" --configs no_db,maxpool --repeats 1 \
     --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --no-prime --run-timeout 120 \
     --profile-dir "$prof" --out-json "$prof/torchprofile-run.json" "$@" > "$prof/torchprofile.log" 2>&1
+  for f in "$prof"/*rank0.timeline.txt; do [ -f "$f" ] && echo "$(basename "$f"): $(cat "$f")"; done
 fi
 # Rank 1 traces are redundant for attribution; keep rank 0 to stay under the 16 MiB file limit.
 rm -f "$prof"/*rank1.json.gz

@@ -1,0 +1,112 @@
+"""Where the step time goes, from a torch.profiler Chrome trace: compute, exposed NCCL, idle, syncs.
+
+The benchmark's profiling pass (``--profile-dir``) writes one trace per rank; this module reduces
+it to a few numbers that decide between the explanations in docs/benchmark.md:
+
+* ``gpu_idle_ms``: time in the kernel window with no kernel on any stream (host-bound gaps);
+* ``exposed_nccl_ms``: NCCL kernel time not overlapped by any compute kernel (prefetch too shallow);
+* ``host_sync_ms``: host time blocked in CUDA synchronize calls (a sync in a hot path).
+
+Per profiled step when ``steps`` is given. Standard library only; CLI:
+``python -m hfsdp.bench.timeline TRACE.json[.gz] [--steps N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from typing import Iterable, Sequence
+
+# Host calls that block until the device catches up.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+
+# Device activity; copies and memsets are not idle time.
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+Interval = tuple[float, float]
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Merge overlapping [start, end) intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def length(intervals: Sequence[Interval]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def intersection_length(a: Sequence[Interval], b: Sequence[Interval]) -> float:
+    """Total overlap of two merged interval lists (two-pointer sweep)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(events: Iterable[dict], steps: int | None = None) -> dict:
+    """Reduce Chrome-trace events (``traceEvents``; times in us) to ms totals or per-step ms."""
+    nccl, compute, syncs = [], [], {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        if e.get("cat") in DEVICE_CATEGORIES:
+            (nccl if e.get("name", "").lower().startswith("nccl") else compute).append(span)
+        elif e.get("cat") == "cuda_runtime" and e.get("name") in SYNC_CALLS:
+            count, us = syncs.get(e["name"], (0, 0.0))
+            syncs[e["name"]] = (count + 1, us + span[1] - span[0])
+    nccl_u, compute_u = union(nccl), union(compute)
+    everything = union(nccl_u + compute_u)
+    window = (everything[-1][1] - everything[0][0]) if everything else 0.0
+    div = 1000.0 * (steps or 1)  # us -> ms, per step
+    return {
+        "per_step": steps is not None,
+        "kernel_window_ms": window / div,
+        "compute_busy_ms": length(compute_u) / div,
+        "nccl_busy_ms": length(nccl_u) / div,
+        "exposed_nccl_ms": (length(nccl_u) - intersection_length(nccl_u, compute_u)) / div,
+        "gpu_idle_ms": (window - length(everything)) / div,
+        "host_sync_ms": sum(us for _, us in syncs.values()) / div,
+        "host_sync_calls": {name: count for name, (count, _) in sorted(syncs.items())},
+    }
+
+
+def load_events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        doc = json.load(f)
+    return doc["traceEvents"] if isinstance(doc, dict) else doc
+
+
+def format_summary(s: dict) -> str:
+    unit = "ms/step" if s["per_step"] else "ms"
+    keys = ("kernel_window_ms", "compute_busy_ms", "nccl_busy_ms", "exposed_nccl_ms",
+            "gpu_idle_ms", "host_sync_ms")
+    return "  ".join(f"{k[:-3]}={s[k]:.2f}" for k in keys) + f" ({unit}); syncs {s['host_sync_calls']}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
+    opts = p.parse_args(argv)
+    print(format_summary(summarize(load_events(opts.trace), opts.steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""CPU tests of the step-timeline reduction (hfsdp/bench/timeline.py)."""
+
+import gzip
+import json
+
+from hfsdp.bench import timeline
+
+
+def k(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+EVENTS = [
+    k("ampere_bf16_gemm", 0, 100),                      # compute 0-100
+    k("ncclDevKernel_AllGather_RING_LL", 50, 100),      # nccl 50-150: 50 hidden, 50 exposed
+    k("Memcpy DtoD", 160, 10, cat="gpu_memcpy"),        # device work, not idle
+    k("triton_ssd_chunk_scan", 200, 100),               # compute 200-300; idle 150-160, 170-200
+    k("cudaStreamSynchronize", 120, 70, cat="cuda_runtime"),
+    k("cudaLaunchKernel", 0, 5, cat="cuda_runtime"),    # not a sync
+    {"ph": "i", "name": "marker", "ts": 10},            # not a span
+]
+
+
+def test_exposed_nccl_idle_and_syncs():
+    s = timeline.summarize(EVENTS)
+    assert s["kernel_window_ms"] == 0.300
+    assert s["compute_busy_ms"] == 0.210
+    assert s["nccl_busy_ms"] == 0.100
+    assert s["exposed_nccl_ms"] == 0.050
+    assert s["gpu_idle_ms"] == 0.040
+    assert s["host_sync_ms"] == 0.070 and s["host_sync_calls"] == {"cudaStreamSynchronize": 1}
+
+
+def test_per_step_division_and_gz_loading(tmp_path):
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": EVENTS}, f)
+    s = timeline.summarize(timeline.load_events(str(path)), steps=2)
+    assert s["per_step"] and s["exposed_nccl_ms"] == 0.025
+    assert "ms/step" in timeline.format_summary(s)
+
+
+def test_union_and_intersection():
+    assert timeline.union([(5, 6), (0, 2), (1, 3)]) == [(0, 3), (5, 6)]
+    assert timeline.intersection_length([(0, 3), (5, 6)], [(2, 5.5)]) == 1.5
