@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     if memory_peak is not None:
         record["memory_peak"] = memory_peak  # rank 0's live set at its peak, by allocator
     if prof is not None:
-        record["nccl_kernels"] = nccl_kernels
-        record["timeline"] = step_timeline  # per profiled step: exposed NCCL, idle, host syncs  # ncclSymk* vs other, profiled steps, rank 0
+        record["nccl_kernels"] = nccl_kernels  # ncclSymk* vs other, profiled steps, rank 0
+        record["timeline"] = step_timeline  # per profiled step: exposed NCCL, idle, host syncs
     # Peak memory is per rank; report the max over ranks.
     peaks = torch.tensor([record["peak_allocated_bytes"], record["peak_reserved_bytes"]],
                          device="cuda", dtype=torch.int64)
