@@ -75,8 +75,13 @@ def test_missing_triton_is_logged_not_fatal(monkeypatch, caplog):
     assert "triton is not installed" in caplog.text
 
 
-def _real_tuner(autotuner, clock, cache_results=False):
-    """A real triton Autotuner around a stub kernel; do_bench reads a fake clock per config."""
+def _real_tuner(autotuner, clock, cache_results=False, unrunnable=(), bench_calls=None):
+    """A real triton Autotuner around a stub kernel; do_bench reads a fake clock per config.
+
+    A config in ``unrunnable`` raises Triton's OutOfResources at launch, as a too-large block
+    does on a real GPU; ``bench_calls`` (a list) records each do_bench call.
+    """
+    from triton.runtime.errors import OutOfResources
 
     def kernel(x, BLOCK):  # Autotuner walks .fn down to a plain function
         pass
@@ -85,10 +90,14 @@ def _real_tuner(autotuner, clock, cache_results=False):
         arg_names, fn, last = ["x"], staticmethod(kernel), None
 
         def run(self, *args, BLOCK, **kwargs):
+            if BLOCK in unrunnable:
+                raise OutOfResources(BLOCK * 1024, 228 * 1024, "shared memory")
             StubKernel.last = BLOCK
             return BLOCK
 
     def do_bench(kernel_call, quantiles):
+        if bench_calls is not None:
+            bench_calls.append(1)
         kernel_call()
         return [clock[StubKernel.last]] * 3
 
@@ -102,11 +111,20 @@ def test_real_triton_autotuner_run_is_pinned(monkeypatch):
     # monkeypatch restores the real methods after the test (other tests may use Triton).
     for name in ("prune_configs", "_bench"):
         monkeypatch.setattr(autotuner.Autotuner, name, getattr(autotuner.Autotuner, name))
-    clock = {64: 5.0, 128: 1.0, 256: INF}  # 256 cannot run on this "GPU"
-    assert _real_tuner(autotuner, clock).run(7) == 128  # unpinned: the fastest wins
+    clock = {64: 5.0, 128: 1.0, 256: 0.5}
+    calls: list[int] = []
+    # Unpinned: every runnable candidate is timed by do_bench, the fastest runnable one wins.
+    assert _real_tuner(autotuner, clock, unrunnable={256}, bench_calls=calls).run(7) == 128
+    assert len(calls) == 3
     assert determinism.pin_triton_autotune_from_env({determinism.ENV: "1"}) is True
-    assert _real_tuner(autotuner, clock).run(7) == 64  # pinned: the first runnable wins
-    assert _real_tuner(autotuner, {64: INF, 128: 9.0, 256: 1.0}).run(7) == 128
+    calls.clear()
+    assert _real_tuner(autotuner, clock, unrunnable={256}, bench_calls=calls).run(7) == 64
+    # Pinned: the first runnable candidate wins, and nothing is timed (one launch each).
+    assert calls == []
+    assert _real_tuner(autotuner, clock, unrunnable={64}).run(7) == 128
+    tuner = _real_tuner(autotuner, clock, unrunnable={64})
+    tuner.run(7)
+    assert tuner.do_bench is not determinism._launch_once  # the tuner's own bench is restored
     # A TRITON_CACHE_AUTOTUNING entry holds real timings: the pinned tuner must not read it.
     cached = _real_tuner(autotuner, clock, cache_results=True)
     monkeypatch.setattr(cached, "check_disk_cache",
