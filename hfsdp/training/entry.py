@@ -63,11 +63,14 @@ def main(argv: Sequence[str] | None = None, forced_family: str | None = None) ->
     from megatron.training.training import pretrain, set_startup_timestamps
 
     from hfsdp.determinism import ENV as PIN_ENV, pin_triton_autotune_from_env
+    from hfsdp.digest import ENV as DIGEST_ENV, install_from_env as install_digest_from_env
     from hfsdp.training import data, fsdp_units, forward_step, model_provider
 
     set_startup_timestamps(program_start=program_start, main_entry=time.time())
     args, family = parse_args(argv, forced_family)
     units = fsdp_units.install_unit_override()
+    if install_digest_from_env() is not None:
+        print_rank_0(f"> hfsdp entry: {DIGEST_ENV} set, weight/optimizer digests are logged")
     if pin_triton_autotune_from_env():  # before any Triton kernel runs
         print_rank_0(f"> hfsdp entry: {PIN_ENV}=1, Triton autotuners use their first valid config")
     print_rank_0(f"> hfsdp entry: model family={family}, transformer_impl={args.transformer_impl}"

@@ -1,0 +1,69 @@
+"""CPU tests of HFSDP_DIGEST_STEPS (hfsdp/digest.py): which records, when, and their values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfsdp import digest
+
+
+def test_parse_steps():
+    assert digest.parse_steps("11,12") == {11, 12}
+    assert digest.parse_steps("11-13, 20") == {11, 12, 13, 20}
+    for bad in ("x", "13-11", "-1"):
+        with pytest.raises(ValueError, match=digest.ENV):
+            digest.parse_steps(bad)
+
+
+def _run(steps, rank=0, n_steps=3, microbatches=2):
+    """Train a 2-layer model for n_steps through the digest's hooks; return the emitted lines."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    lines: list[str] = []
+    state = {"step": 0}
+    d = digest.Digest(frozenset(steps), lambda: state["step"], rank, emit=lines.append)
+    handles = digest.install_hooks(d)
+    try:
+        for step in range(1, n_steps + 1):
+            state["step"] = step
+            for _ in range(microbatches):
+                model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        for h in handles:
+            h.remove()
+    return lines, model
+
+
+def test_records_only_listed_steps_once_per_module():
+    lines, _ = _run({2})
+    fwd = [line for line in lines if " fwd " in line]
+    # Sequential + 2 Linears run twice (2 micro-batches); only the Linears have parameters,
+    # and each is recorded once: weight and bias of each, in call order.
+    assert [line.split()[5] for line in fwd] == ["Linear.weight", "Linear.bias"] * 2
+    assert [line.split()[4] for line in fwd] == ["idx=0", "idx=1", "idx=2", "idx=3"]
+    assert all("step=2" in line for line in lines)
+    opt = [line for line in lines if " opt " in line]
+    assert [line.split()[4] for line in opt] == ["when=pre", "when=post"]
+    assert "steps=[1.0]" in opt[0] and "steps=[2.0]" in opt[1]  # Adam's count, before/after
+
+
+def test_forward_values_are_the_weights_in_use():
+    lines, _ = _run({3})
+    first = next(line for line in lines if "idx=0" in line)
+    # Step 3's forward sees the weights after two optimizer steps (the current ones).
+    _, after_two = _run(set(), n_steps=2)
+    w = after_two[0].weight.detach().double()
+    assert f"sum={float(w.sum())!r}" in first
+
+
+def test_other_ranks_record_optimizer_state_only():
+    lines, _ = _run({1}, rank=1)
+    assert lines and all(" opt " in line and "rank=1" in line for line in lines)
+
+
+def test_install_from_env_is_off_by_default():
+    assert digest.install_from_env({}) is None
