@@ -28,6 +28,11 @@ class RunResult:
     pool_bytes_measured: Optional[int] = None  # bytes held by double-buffer pools at the end
     lm_loss: tuple[Optional[float], ...] = ()  # every step incl. warm-up; configs should agree
     maxpool_stats: Optional[dict[str, int]] = None  # summed MaxPoolAllocator.stats()
+    # Profiling passes only (rank 0): ncclSymk*/other kernel counts, per-step timeline, the
+    # live set at the allocator peak. Kept as the worker wrote them.
+    nccl_kernels: Optional[dict[str, Any]] = None
+    timeline: Optional[Any] = None
+    memory_peak: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if not self.step_times_s:
@@ -216,4 +221,7 @@ def run_from_dict(d: dict[str, Any]) -> RunResult:
                              else int(d["pool_bytes_measured"])),
         lm_loss=tuple(None if x is None else float(x) for x in d.get("lm_loss") or ()),
         maxpool_stats=d.get("maxpool_stats"),
+        nccl_kernels=d.get("nccl_kernels"),
+        timeline=d.get("timeline"),
+        memory_peak=d.get("memory_peak"),
     )

@@ -143,3 +143,18 @@ def test_loss_agreement_on_the_2026_11_22_gpu_run():
     diverged = {(r["config"], r["repeat"]): r["first_divergent_step"]
                 for r in R.loss_agreement(runs)["runs"] if not r["identical"]}
     assert diverged == {("fixedpool", 0): 4, ("maxpool", 1): 7}
+
+
+def test_profiling_fields_survive_the_worker_record_roundtrip(tmp_path):
+    # The worker writes these only in profiling passes; the runner used to drop them on read.
+    record = {"config": "maxpool_ub", "repeat": 0, "step_times_s": [0.3], "tokens_per_step": 4096,
+              "peak_allocated_bytes": 1, "peak_reserved_bytes": 2,
+              "nccl_kernels": {"symmetric": {"ncclSymkDevKernel_AllGather_ST": 16}, "other": {}},
+              "timeline": [{"step": 0, "exposed_nccl_ms": 1.5}],
+              "memory_peak": {"peak_bytes": 7}}
+    got = R.run_from_dict(record)
+    assert got.nccl_kernels == record["nccl_kernels"]
+    assert got.timeline == record["timeline"] and got.memory_peak == record["memory_peak"]
+    doc = R.to_json(R.summarize([got]), [got], {})
+    assert doc["runs"][0]["nccl_kernels"] == record["nccl_kernels"]
+    assert doc["runs"][0]["timeline"] == record["timeline"]
