@@ -2,9 +2,10 @@
 # Double-buffer benchmark + host/device profiles on a 2-GPU machine, from the repo root:
 #   . .devtools/bootstrap.sh && bash tests/gpu/run_benchmark.sh [preset] [extra benchmark args]
 # 1. the timed benchmark (interleaved fresh runs, medians; JSON + PNG)  -> $OUT/bench-<preset>.*
-# 2. if BUDGET_S leaves room: one cProfile run, one allocator-trace run (what is live at the
-#    peak, by allocator) and one torch.profiler run of no_db and maxpool (3 timed steps each;
-#    they distort step times and are only for attribution) -> $OUT/prof-<preset>.tgz
+# 2. if BUDGET_S leaves room, in this order: one torch.profiler run (per-step timeline), one
+#    allocator-trace run (what is live at the peak, by allocator) and one cProfile run, each of
+#    no_db and maxpool (3 timed steps; they distort step times and are only for attribution)
+#    -> $OUT/prof-<preset>.tgz (timelines, op tables, memory and cProfile summaries)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # Deterministic Triton kernel choice across the fresh processes of one invocation.
@@ -20,7 +21,8 @@ prof=/tmp/hfsdp_prof; rm -rf "$prof"; mkdir -p "$prof"
 if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
   python scripts/benchmark_double_buffer.py --preset "$preset" --configs no_db,maxpool --repeats 1 \
     --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --no-prime --run-timeout 120 \
-    --pyprofile-dir "$prof" --out-json "$prof/pyprofile-run.json" "$@" > "$prof/pyprofile.log" 2>&1
+    --profile-dir "$prof" --out-json "$prof/torchprofile-run.json" "$@" > "$prof/torchprofile.log" 2>&1
+  for f in "$prof"/*rank0.timeline.txt; do [ -f "$f" ] && echo "$(basename "$f"): $(cat "$f")"; done
 fi
 left=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
 if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
@@ -33,11 +35,11 @@ left=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
 if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
   python scripts/benchmark_double_buffer.py --preset "$preset" --configs no_db,maxpool --repeats 1 \
     --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --no-prime --run-timeout 120 \
-    --profile-dir "$prof" --out-json "$prof/torchprofile-run.json" "$@" > "$prof/torchprofile.log" 2>&1
-  for f in "$prof"/*rank0.timeline.txt; do [ -f "$f" ] && echo "$(basename "$f"): $(cat "$f")"; done
+    --pyprofile-dir "$prof" --out-json "$prof/pyprofile-run.json" "$@" > "$prof/pyprofile.log" 2>&1
 fi
-# Rank 1 traces are redundant for attribution; keep rank 0 to stay under the 16 MiB file limit.
-rm -f "$prof"/*rank1.json.gz
-tar czf "$out/prof-$preset.tgz" -C "$prof" . 2>/dev/null
+# Raw traces stay behind (two ranks x two configs pass $OUT's 16 MiB per-file limit); their
+# reductions (.timeline.txt, .ops.txt) come back. Keep them with PROF_KEEP_TRACES=1.
+tar czf "$out/prof-$preset.tgz" $([ "${PROF_KEEP_TRACES:-0}" = 1 ] || echo "--exclude=*.json.gz") \
+  -C "$prof" . 2>/dev/null
 echo "run_benchmark: benchmark rc=$rc, $(( $(date +%s) - t0 ))s"
 exit "$rc"
