@@ -139,6 +139,16 @@ def run_env(env_vars: dict[str, str | None]) -> dict[str, str]:
 STACK_DUMP_GRACE_S = 5.0  # time the ranks get to write their stacks before SIGTERM
 
 
+def run_problem(rec: "RunRecord", n: int) -> str | None:
+    """Why run ``n`` failed, or None. A run the timer fired on fails even if it then exited 0:
+    it finished only during the kill's grace period, so its exit was not timely."""
+    if rec.returncode != 0:
+        return f"run {n} exited with {rec.returncode}" + (" (timeout)" if rec.timed_out else "")
+    if rec.timed_out:
+        return f"run {n} exceeded its timeout (exited 0 only during the kill's grace period)"
+    return None
+
+
 def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float | None) -> RunRecord:
     """Run ``cmd`` in its own process group, tee output to ``log``; kill the group on timeout."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -252,8 +262,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     variables = path_variables(out)
     result.runs.append(rec1)
     metrics = logparse.parse_file(rec1.log)
-    if rec1.returncode != 0:
-        result.fail(f"run 1 exited with {rec1.returncode}" + (" (timeout)" if rec1.timed_out else ""))
+    if (problem := run_problem(rec1, 1)) is not None:
+        result.fail(problem)
     apply_checks(recipe, Path(rec1.log), metrics, result)
 
     if recipe.test_type == "ckpt-resume" and rec1.returncode == 0:
@@ -270,8 +280,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
                               out / "run2.log", launch.timeout_s)
             result.runs.append(rec2)
             metrics2 = logparse.parse_file(rec2.log)
-            if rec2.returncode != 0:
-                result.fail(f"run 2 exited with {rec2.returncode}")
+            if (problem := run_problem(rec2, 2)) is not None:
+                result.fail(problem)
             apply_checks(recipe, Path(rec2.log), metrics2, result)
             resumed = set(range(half + 1, final + 1))
             if not resumed <= set(metrics2.get("lm loss", {})):

@@ -110,3 +110,12 @@ def test_handles_signal_reads_the_caught_mask():
         for p in (catcher, plain):
             p.kill()
             p.wait()
+
+
+def test_a_run_the_timer_fired_on_fails_even_with_exit_code_0():
+    from hfsdp.functional.run_case import RunRecord, run_problem
+
+    assert run_problem(RunRecord("l", 0, False), 1) is None
+    assert run_problem(RunRecord("l", 1, False), 2) == "run 2 exited with 1"
+    assert run_problem(RunRecord("l", -15, True), 1) == "run 1 exited with -15 (timeout)"
+    assert "exceeded its timeout" in run_problem(RunRecord("l", 0, True), 1)
