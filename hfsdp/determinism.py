@@ -9,9 +9,9 @@ make a double-buffered run and its no-double-buffer twin disagree in the last bi
 ``HFSDP_TRITON_PIN_AUTOTUNE=1`` keeps the autotuner's machinery (the kernel's own pruning, the
 compile of every candidate, dropping candidates that cannot run here) but launches each candidate
 once instead of timing it, and ranks the runnable ones by their position in the pruned list: the
-first candidate that runs wins, in every process and on every machine of one kind. Kernels may run slower, so this is for functional
-(golden) runs and determinism checks, never for benchmarks (those use ``TRITON_CACHE_AUTOTUNING=1``
-to share one timed choice).
+first candidate that runs wins, in every process and on every machine of one kind. Kernels may
+run slower, so this is for functional (golden) runs and determinism checks, never for benchmarks
+(those use ``TRITON_CACHE_AUTOTUNING=1`` to share one timed choice).
 Standard library only at import time.
 """
 

@@ -10,9 +10,10 @@ each listed step:
   not released them yet (a global *pre*-hook would run before FSDP's unshard hook of a
   non-unit module and read freed memory: an illegal address on the GPU). Printed on rank 0
   only (the unsharded weights are the same on all).
-* ``HFSDP-DIGEST opt step=S rank=R when=pre|post params=... exp_avg=... exp_avg_sq=...
-  steps={...} lr=...`` around every ``torch.optim`` step taken during that step, per rank (each
-  rank holds its own shards of the fp32 main parameters and of Adam's state). Step 0 is the
+* ``HFSDP-DIGEST opt step=S rank=R when=pre|post params_sumsq=... exp_avg=... exp_avg_sq=...
+  steps=[...] lr=[...]`` around every ``torch.optim`` step taken during that step, per rank: the
+  sum of squares of the (fp32 main) parameters, the sums of Adam's moments, the set of step
+  counts and the learning rates (each rank holds its own shards). Step 0 is the
   optimizer steps taken before training (the ``fsdp_dtensor`` loader's dummy step).
 
 Diffing two runs' lines (``grep HFSDP-DIGEST run1.log``) names the first module, or the
@@ -39,14 +40,21 @@ def parse_steps(value: str) -> frozenset[int]:
         if first < 0 or last < first:
             raise ValueError(f"{ENV}={value!r}: bad range {part!r}")
         steps.update(range(first, last + 1))
+    if not steps:
+        raise ValueError(f"{ENV}={value!r}: no steps listed")
     return frozenset(steps)
 
 
 def tensor_stats(t: Any) -> tuple[float, float]:
-    """(sum, sum of squares) in float64 of a tensor or of a DTensor's local shard."""
-    local = getattr(t, "_local_tensor", t)
-    x = local.detach().double()
-    return float(x.sum()), float((x * x).sum())
+    """(sum, sum of squares) in float64 of a tensor or of a DTensor's local shard.
+
+    Accumulates in float64 without a float64 copy of the tensor (an embedding's would be GBs).
+    """
+    import torch
+
+    local = getattr(t, "_local_tensor", t).detach()
+    norm = torch.linalg.vector_norm(local, dtype=torch.float64)
+    return float(local.sum(dtype=torch.float64)), float(norm * norm)
 
 
 class Digest:
@@ -58,6 +66,7 @@ class Digest:
         self._step = -1
         self._seen: set[int] = set()  # id() of modules already digested in this step
         self._order = 0
+        self.handles: list[Any] = []
 
     def _enter(self) -> int | None:
         step = self.current_step()
@@ -83,10 +92,10 @@ class Digest:
         if step is None:
             return
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        totals = {"params": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
+        totals = {"params_sumsq": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
         step_values: set[float] = set()
         for p in params:
-            totals["params"] += tensor_stats(p)[1]
+            totals["params_sumsq"] += tensor_stats(p)[1]  # the sum alone could cancel out
             state = optimizer.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
@@ -119,7 +128,7 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> Digest | None:
 
     rank = int((os.environ if environ is None else environ).get("RANK", "0"))
     digest = Digest(steps, current_step, rank, emit=lambda line: print(line, flush=True))
-    install_hooks(digest)
+    digest.handles = install_hooks(digest)  # global hooks; .remove() each to uninstall
     return digest
 
 

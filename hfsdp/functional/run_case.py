@@ -141,11 +141,12 @@ STACK_DUMP_GRACE_S = 5.0  # time the ranks get to write their stacks before SIGT
 
 def run_problem(rec: "RunRecord", n: int) -> str | None:
     """Why run ``n`` failed, or None. A run the timer fired on fails even if it then exited 0:
-    it finished only during the kill's grace period, so its exit was not timely."""
+    its exit was not timely (it ended during the kill's grace period, or in the moment between
+    its exit and the timer's cancel, or a lingering child held its output open)."""
     if rec.returncode != 0:
         return f"run {n} exited with {rec.returncode}" + (" (timeout)" if rec.timed_out else "")
     if rec.timed_out:
-        return f"run {n} exceeded its timeout (exited 0 only during the kill's grace period)"
+        return f"run {n} exceeded its timeout (then exited 0)"
     return None
 
 

@@ -39,7 +39,7 @@ if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
 fi
 # Raw traces stay behind (two ranks x two configs pass $OUT's 16 MiB per-file limit); their
 # reductions (.timeline.txt, .ops.txt) come back. Keep them with PROF_KEEP_TRACES=1.
-tar czf "$out/prof-$preset.tgz" $([ "${PROF_KEEP_TRACES:-0}" = 1 ] || echo "--exclude=*.json.gz") \
-  -C "$prof" . 2>/dev/null
+excl=(); [ "${PROF_KEEP_TRACES:-0}" = 1 ] || excl=(--exclude='*.json.gz')
+tar czf "$out/prof-$preset.tgz" "${excl[@]}" -C "$prof" . || echo "run_benchmark: tar of $prof failed"
 echo "run_benchmark: benchmark rc=$rc, $(( $(date +%s) - t0 ))s"
 exit "$rc"

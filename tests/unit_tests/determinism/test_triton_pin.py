@@ -130,3 +130,52 @@ def test_real_triton_autotuner_run_is_pinned(monkeypatch):
     monkeypatch.setattr(cached, "check_disk_cache",
                         lambda *a, **k: pytest.fail("pinned autotuner read the disk cache"))
     assert cached.run(7) == 64
+
+
+class _PropertyBenchTuner:
+    """An autotuner whose do_bench is a plain property over _do_bench (no instance override)."""
+
+    configs = ["a", "boom"]
+
+    def __init__(self):
+        self._do_bench = "timed"
+
+    @property
+    def do_bench(self):
+        return self._do_bench
+
+    def prune_configs(self, kwargs):
+        return ["a"]
+
+    def _bench(self, *args, config, **meta):
+        seen.append(self.do_bench)
+        if config == "boom":
+            raise RuntimeError("launch failed")
+        return [1.0] * 3
+
+
+seen: list = []
+
+
+@pytest.mark.parametrize("instance_value", [True, False])
+def test_bench_swap_is_restored_even_when_the_launch_raises(instance_value):
+    cls = type("Autotuner", (FakeAutotuner,), {})
+    determinism.pin_autotuner_class(cls)
+    tuner = cls(["a"], {"a": 1.0})
+    if instance_value:
+        tuner.do_bench = "timed"  # Triton 3.7: a cached_property value in the instance dict
+    tuner._bench(config="a")
+    with pytest.raises(KeyError):
+        tuner._bench(config="missing")  # the wrapped bench raises (FakeAutotuner's clock)
+    assert tuner.__dict__.get("do_bench", None) == ("timed" if instance_value else None)
+
+
+def test_bench_swap_targets_the_backing_field_of_a_property():
+    seen.clear()
+    determinism.pin_autotuner_class(_PropertyBenchTuner)
+    tuner = _PropertyBenchTuner()
+    tuner._bench(config="a")
+    assert seen == [determinism._launch_once] and tuner.do_bench == "timed"
+    with pytest.raises(RuntimeError):
+        tuner._bench(config="boom")
+    assert tuner._do_bench == "timed"

@@ -11,7 +11,7 @@ from hfsdp import digest
 def test_parse_steps():
     assert digest.parse_steps("11,12") == {11, 12}
     assert digest.parse_steps("11-13, 20") == {11, 12, 13, 20}
-    for bad in ("x", "13-11", "-1"):
+    for bad in ("x", "13-11", "-1", ","):
         with pytest.raises(ValueError, match=digest.ENV):
             digest.parse_steps(bad)
 
@@ -57,7 +57,9 @@ def test_forward_values_are_the_weights_in_use():
     # Step 3's forward sees the weights after two optimizer steps (the current ones).
     _, after_two = _run(set(), n_steps=2)
     w = after_two[0].weight.detach().double()
-    assert f"sum={float(w.sum())!r}" in first
+    s, sq = (float(v) for v in first.split("sum=")[1].split(" sumsq="))
+    assert s == pytest.approx(float(w.sum()), rel=1e-12, abs=1e-12)
+    assert sq == pytest.approx(float((w * w).sum()), rel=1e-12)
 
 
 def test_other_ranks_record_optimizer_state_only():
@@ -67,3 +69,22 @@ def test_other_ranks_record_optimizer_state_only():
 
 def test_install_from_env_is_off_by_default():
     assert digest.install_from_env({}) is None
+
+
+def test_install_from_env_maps_megatron_iterations_to_logged_steps(monkeypatch):
+    import types
+
+    import megatron.training
+
+    d = digest.install_from_env({digest.ENV: "2", "RANK": "0"})
+    try:
+        assert d is not None and d.steps == {2} and len(d.handles) == 3
+        # Before training (no curr_iteration) is step 0; curr_iteration counts completed steps.
+        monkeypatch.setattr(megatron.training, "get_args", lambda: types.SimpleNamespace())
+        assert d.current_step() == 0
+        monkeypatch.setattr(megatron.training, "get_args",
+                            lambda: types.SimpleNamespace(curr_iteration=1))
+        assert d.current_step() == 2
+    finally:
+        for h in d.handles:
+            h.remove()
