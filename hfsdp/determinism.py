@@ -6,10 +6,10 @@ configs differ in block sizes and so in summation order, so two processes fed id
 return different bits. Megatron's ``--deterministic-mode`` does not cover this, and it is enough to
 make a double-buffered run and its no-double-buffer twin disagree in the last bit.
 
-``HFSDP_TRITON_PIN_AUTOTUNE=1`` keeps the autotuner's machinery (the kernel's own pruning, the
-compile of every candidate, dropping candidates that cannot run here) but launches each candidate
-once instead of timing it, and ranks the runnable ones by their position in the pruned list: the
-first candidate that runs wins, in every process and on every machine of one kind. Kernels may
+``HFSDP_TRITON_PIN_AUTOTUNE=1`` keeps the autotuner's machinery (the kernel's own pruning, dropping
+candidates that cannot run here) but walks the pruned list in order, compiling and launching each
+candidate once instead of timing it, and stops at the first that runs: that one wins, in every
+process and on every machine of one kind. Later candidates are never compiled. Kernels may
 run slower, so this is for functional (golden) runs and determinism checks, never for benchmarks
 (those use ``TRITON_CACHE_AUTOTUNING=1`` to share one timed choice).
 Standard library only at import time.
@@ -42,7 +42,8 @@ def pin_autotuner_class(autotuner_cls: Any) -> bool:
     """Make ``autotuner_cls`` choose by candidate order instead of by measured time.
 
     Wraps ``prune_configs`` (remembers the pruned order) and ``_bench`` (a runnable candidate's
-    "time" becomes its index; an unrunnable one keeps Triton's ``inf``). Returns True when it
+    "time" becomes its index; an unrunnable one keeps Triton's ``inf``; candidates after the
+    first runnable one are ranked without being compiled or launched). Returns True when it
     patched, False when the class was already pinned (idempotent).
     """
     if getattr(autotuner_cls.prune_configs, _MARK, False):
@@ -52,10 +53,18 @@ def pin_autotuner_class(autotuner_cls: Any) -> bool:
     def prune_configs(self: Any, *args: Any, **kwargs: Any) -> list[Any]:
         configs = list(original_prune(self, *args, **kwargs))
         self._hfsdp_config_order = configs  # why: _bench sees one config, not the list
+        self._hfsdp_found = False  # why: once one candidate ran, later ones cannot win
         self.cache_results = False  # a TRITON_CACHE_AUTOTUNING entry holds real, unpinned timings
         return configs
 
     def _bench(self: Any, *args: Any, config: Any, **kwargs: Any) -> list[float]:
+        order = getattr(self, "_hfsdp_config_order", None) or list(self.configs)
+        rank = float(next((i for i, c in enumerate(order) if c is config), len(order)))
+        if getattr(self, "_hfsdp_found", False):
+            # An earlier candidate (Triton benches them in pruned order) already runs and has a
+            # lower rank: this one can only lose, so neither compile nor launch it. On a fresh
+            # machine most of mamba_ssm's first-step time was compiling such losers.
+            return [rank, rank, rank]
         # Only "can it run" matters here, not its time: one launch instead of do_bench's
         # ~100 ms of repeats per candidate (minutes per process for mamba_ssm's kernels).
         # Triton reports "cannot run" (out of resources, ptxas) as exceptions at compile or
@@ -76,8 +85,7 @@ def pin_autotuner_class(autotuner_cls: Any) -> bool:
         values = list(timings) if isinstance(timings, (list, tuple)) else [timings]
         if not all(math.isfinite(t) for t in values):
             return timings  # cannot run on this GPU (out of resources, ptxas error)
-        order = getattr(self, "_hfsdp_config_order", None) or list(self.configs)
-        rank = float(next((i for i, c in enumerate(order) if c is config), len(order)))
+        self._hfsdp_found = True
         return [rank] * len(values) if isinstance(timings, (list, tuple)) else rank
 
     for name, fn, orig in (("prune_configs", prune_configs, original_prune),

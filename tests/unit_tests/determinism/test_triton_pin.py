@@ -75,11 +75,13 @@ def test_missing_triton_is_logged_not_fatal(monkeypatch, caplog):
     assert "triton is not installed" in caplog.text
 
 
-def _real_tuner(autotuner, clock, cache_results=False, unrunnable=(), bench_calls=None):
+def _real_tuner(autotuner, clock, cache_results=False, unrunnable=(), bench_calls=None,
+                launches=None):
     """A real triton Autotuner around a stub kernel; do_bench reads a fake clock per config.
 
     A config in ``unrunnable`` raises Triton's OutOfResources at launch, as a too-large block
-    does on a real GPU; ``bench_calls`` (a list) records each do_bench call.
+    does on a real GPU; ``bench_calls`` (a list) records each do_bench call and ``launches``
+    each kernel launch (its BLOCK).
     """
     from triton.runtime.errors import OutOfResources
 
@@ -90,6 +92,8 @@ def _real_tuner(autotuner, clock, cache_results=False, unrunnable=(), bench_call
         arg_names, fn, last = ["x"], staticmethod(kernel), None
 
         def run(self, *args, BLOCK, **kwargs):
+            if launches is not None:
+                launches.append(BLOCK)
             if BLOCK in unrunnable:
                 raise OutOfResources(BLOCK * 1024, 228 * 1024, "shared memory")
             StubKernel.last = BLOCK
@@ -164,7 +168,9 @@ def test_bench_swap_is_restored_even_when_the_launch_raises(instance_value):
     tuner = cls(["a"], {"a": 1.0})
     if instance_value:
         tuner.do_bench = "timed"  # Triton 3.7: a cached_property value in the instance dict
+    tuner.prune_configs({})  # starts a round, as Triton's run() does before benching
     tuner._bench(config="a")
+    tuner.prune_configs({})
     with pytest.raises(KeyError):
         tuner._bench(config="missing")  # the wrapped bench raises (FakeAutotuner's clock)
     assert tuner.__dict__.get("do_bench", None) == ("timed" if instance_value else None)
@@ -174,8 +180,26 @@ def test_bench_swap_targets_the_backing_field_of_a_property():
     seen.clear()
     determinism.pin_autotuner_class(_PropertyBenchTuner)
     tuner = _PropertyBenchTuner()
+    tuner.prune_configs({})
     tuner._bench(config="a")
     assert seen == [determinism._launch_once] and tuner.do_bench == "timed"
+    tuner.prune_configs({})
     with pytest.raises(RuntimeError):
         tuner._bench(config="boom")
     assert tuner._do_bench == "timed"
+
+
+def test_pinned_tuner_never_launches_candidates_after_the_first_runnable(monkeypatch):
+    autotuner = pytest.importorskip("triton.runtime.autotuner")
+    for name in ("prune_configs", "_bench"):
+        monkeypatch.setattr(autotuner.Autotuner, name, getattr(autotuner.Autotuner, name))
+    determinism.pin_triton_autotune_from_env({determinism.ENV: "1"})
+    clock = {64: 5.0, 128: 1.0, 256: 0.5, 512: 0.1}
+    launches: list[int] = []
+    # 64 cannot run, 128 runs: 256 and 512 are never launched (nor compiled); then the real call.
+    assert _real_tuner(autotuner, clock, unrunnable={64}, launches=launches).run(7) == 128
+    assert launches == [64, 128, 128]
+    launches.clear()
+    tuner = _real_tuner(autotuner, clock, launches=launches)
+    assert tuner.run(7) == 64 and tuner.run(8) == 64  # a new key is a new round
+    assert launches == [64, 64, 64, 64]
