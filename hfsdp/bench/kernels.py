@@ -19,6 +19,12 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+def is_nccl_kernel(name: str) -> bool:
+    """An NCCL device kernel's name. ``nccl:<op>`` is c10d's GPU-side annotation of the op, not
+    a kernel; counting it would pair every kernel with a phantom one."""
+    return name.lower().startswith("nccl") and not name.startswith("nccl:")
+
+
 def count_nccl_kernels(events: Iterable[Any]) -> dict:
     """{symk|other_nccl: {all_gather, reduce_scatter, other}, kernel_names} over CUDA kernels.
 
@@ -31,9 +37,7 @@ def count_nccl_kernels(events: Iterable[Any]) -> dict:
         if not str(getattr(evt, "device_type", "")).endswith("CUDA"):
             continue  # CPU-side op records share names with their kernels
         name = evt.name
-        # "nccl:all_gather_into_tensor_coalesced" is c10d's GPU-side annotation of the op, not a
-        # kernel; counting it would pair every symmetric kernel with a phantom "other" one.
-        if not name.lower().startswith("nccl") or name.startswith("nccl:"):
+        if not is_nccl_kernel(name):
             continue
         names.add(name[:80])
         bucket = "symk" if name.startswith("ncclSymk") else "other_nccl"

@@ -18,6 +18,8 @@ import gzip
 import json
 from typing import Iterable, Sequence
 
+from hfsdp.bench.kernels import is_nccl_kernel
+
 # Host calls that block until the device catches up.
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 
@@ -65,7 +67,7 @@ def summarize(events: Iterable[dict], steps: int | None = None) -> dict:
             continue
         span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
         if e.get("cat") in DEVICE_CATEGORIES:
-            (nccl if e.get("name", "").lower().startswith("nccl") else compute).append(span)
+            (nccl if is_nccl_kernel(e.get("name", "")) else compute).append(span)
         elif e.get("cat") == "cuda_runtime" and e.get("name") in SYNC_CALLS:
             count, us = syncs.get(e["name"], (0, 0.0))
             syncs[e["name"]] = (count + 1, us + span[1] - span[0])
