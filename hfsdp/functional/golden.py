@@ -77,6 +77,19 @@ def _iter_time_rtol() -> float:
     return float(os.environ.get("HFSDP_ITER_TIME_RTOL", ITER_TIME_RTOL_DEFAULT))
 
 
+def compare_close(expected: Metrics, actual: Metrics, name: str, steps: set[int],
+                  rtol: float) -> list[Mismatch]:
+    """``name`` on ``steps`` within ``rtol`` (relative to expected); a missing step is a mismatch."""
+    exp, act = expected.get(name, {}), actual.get(name, {})
+    problems: list[Mismatch] = []
+    for step in sorted(steps):
+        if step not in exp or step not in act:
+            problems.append(Mismatch(name, step, exp.get(step), act.get(step), "step missing"))
+        elif abs(act[step] - exp[step]) > rtol * abs(exp[step]):
+            problems.append(Mismatch(name, step, exp[step], act[step], f"rtol {rtol}"))
+    return problems
+
+
 def compare(expected: Metrics, actual: Metrics, names: tuple[str, ...] | list[str],
             steps: set[int] | None = None) -> list[Mismatch]:
     """Mismatches of ``actual`` against ``expected`` for ``names``; ``steps`` limits the steps."""

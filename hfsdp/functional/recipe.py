@@ -12,6 +12,11 @@ Keys kept from Megatron (``tests/functional_tests/test_cases/<model>/<case>/mode
 * ``CHECKS``: ``log_absent`` / ``log_present`` regex lists, ``min_iterations``,
   ``loss_decreases`` (bool);
 * ``REQUIRE_GOLDEN``: false for cases whose numbers are machine-specific (CPU smoke).
+* ``RESUME_COMPARE``: how a ckpt-resume case's run 2 is held to run 1 (default: every resumed
+  ``lm loss`` identical). ``exact_steps: N`` keeps the first N resumed steps identical (that
+  proves the loaded state is the saved one) and ``rtol: R`` bounds the later steps. Only for a
+  resume into a different FSDP unit layout, which changes the float summation order of
+  training itself (a straight run in each layout differs from step 4; docs/functional-tests.md).
 
 ``MODEL_ARGS`` values: ``true`` -> bare flag, ``false``/``null`` -> omitted, a list -> spliced,
 anything else -> ``str(value)``. ``${VAR}`` placeholders are filled from the path variables
@@ -48,6 +53,21 @@ class Checks:
 
 
 @dataclass(frozen=True)
+class ResumeCompare:
+    """Run 2 vs run 1 of a ckpt-resume case (see module docstring)."""
+
+    exact_steps: int | None = None  # None: every resumed step must be identical
+    rtol: float = 0.0
+
+    def split(self, resumed: set[int]) -> tuple[set[int], set[int]]:
+        """(steps that must be identical, steps held to ``rtol``)."""
+        if self.exact_steps is None:
+            return set(resumed), set()
+        ordered = sorted(resumed)
+        return set(ordered[: self.exact_steps]), set(ordered[self.exact_steps :])
+
+
+@dataclass(frozen=True)
 class Recipe:
     """One functional-test case."""
 
@@ -65,6 +85,7 @@ class Recipe:
     compare_to: str | None = None
     checks: Checks = field(default_factory=Checks)
     require_golden: bool = True
+    resume_compare: ResumeCompare = field(default_factory=ResumeCompare)
 
     @property
     def train_iters(self) -> int:
@@ -85,6 +106,24 @@ def _env_map(raw: Any, where: str) -> dict[str, str | None]:
     return {str(k): (None if v is None else str(v)) for k, v in raw.items()}
 
 
+def _resume_compare(raw: Any, test_type: str, where: str) -> ResumeCompare:
+    if raw is None:
+        return ResumeCompare()
+    if test_type != "ckpt-resume":
+        raise RecipeError(f"{where} is only for TEST_TYPE ckpt-resume, not {test_type!r}")
+    if not isinstance(raw, Mapping) or set(raw) - {"exact_steps", "rtol"}:
+        raise RecipeError(f"{where} must be a mapping with exact_steps and rtol, got {raw!r}")
+    if "exact_steps" not in raw or "rtol" not in raw:
+        raise RecipeError(f"{where} needs both exact_steps and rtol, got {dict(raw)!r}")
+    exact, rtol = raw["exact_steps"], raw["rtol"]
+    # An exact first step is what proves the checkpoint loaded; 1e-3 would hide a lost optimizer state.
+    if isinstance(exact, bool) or not isinstance(exact, int) or exact < 1:
+        raise RecipeError(f"{where}: exact_steps must be an int >= 1, got {exact!r}")
+    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol <= 1e-3:
+        raise RecipeError(f"{where}: rtol must be a number in [0, 1e-3], got {rtol!r}")
+    return ResumeCompare(exact_steps=exact, rtol=float(rtol))
+
+
 def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
     """Parse ``<case_dir>/model_config.yaml``."""
     case_dir = Path(case_dir).resolve()
@@ -94,7 +133,7 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
     raw = yaml.safe_load(path.read_text()) or {}
     unknown = set(raw) - {
         "ENV_VARS", "MODEL_ARGS", "MODEL_ARGS_2", "ENV_VARS_2", "TEST_TYPE", "METRICS",
-        "TRAINING_SCRIPT", "NPROC", "COMPARE_TO", "CHECKS", "REQUIRE_GOLDEN",
+        "TRAINING_SCRIPT", "NPROC", "COMPARE_TO", "CHECKS", "REQUIRE_GOLDEN", "RESUME_COMPARE",
     }
     if unknown:
         raise RecipeError(f"{path}: unknown keys {sorted(unknown)}")
@@ -111,6 +150,7 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
         min_iterations=int(checks_raw.get("min_iterations", 0)),
         loss_decreases=bool(checks_raw.get("loss_decreases", False)),
     )
+    resume_compare = _resume_compare(raw.get("RESUME_COMPARE"), test_type, f"{path}: RESUME_COMPARE")
     recipe = Recipe(
         case_dir=case_dir,
         model=case_dir.parent.name,
@@ -126,6 +166,7 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
         compare_to=raw.get("COMPARE_TO"),
         checks=checks,
         require_golden=bool(raw.get("REQUIRE_GOLDEN", True)),
+        resume_compare=resume_compare,
     )
     if recipe.test_type == "ckpt-resume":
         _ = recipe.train_iters

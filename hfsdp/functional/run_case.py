@@ -287,7 +287,11 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
             resumed = set(range(half + 1, final + 1))
             if not resumed <= set(metrics2.get("lm loss", {})):
                 result.fail(f"run 2 did not log every step {half + 1}..{final}")
-            compare_curves("resume vs straight run", metrics, metrics2, resumed, result)
+            exact, close = recipe.resume_compare.split(resumed)
+            compare_curves("resume vs straight run", metrics, metrics2, exact, result)
+            for p in golden.compare_close(metrics, metrics2, "lm loss", close,
+                                          recipe.resume_compare.rtol):
+                result.fail(f"resume vs straight run: {p}")
 
     metrics_path = out / "metrics.json"
     golden.save(metrics_path, metrics, list(metrics))

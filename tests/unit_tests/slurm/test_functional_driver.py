@@ -141,3 +141,80 @@ def test_record_writes_no_golden_when_the_cross_case_check_fails(tmp_path: Path)
     assert any("lm loss @ step 3" in r for r in result.reasons), result.reasons
     assert "not recording goldens from a failing run" in result.reasons
     assert not list(other.glob("golden_values_*.json"))
+
+
+# A stand-in for pretrain_gpt.py: saves/loads iter_N dirs and prints Megatron's iteration line.
+# Run 2 adds FAKE_DRIFT * step to every loss after its first step (a layout-change drift).
+FAKE_TRAINER = '''\
+import os, sys
+args = sys.argv[1:]
+def arg(name):
+    return args[args.index(name) + 1] if name in args else None
+if os.environ.get("RANK", "0") != "0":
+    sys.exit(0)
+iters, save, load = int(arg("--train-iters")), arg("--save"), arg("--load")
+interval = int(arg("--save-interval"))
+latest = os.path.join(load, "latest_checkpointed_iteration.txt")
+start = int(open(latest).read()) if os.path.exists(latest) else 0
+drift = float(os.environ.get("FAKE_DRIFT", "0")) if start else 0.0
+for it in range(start + 1, iters + 1):
+    loss = 10.0 - 0.25 * it + (drift * it if it > start + 1 else 0.0)
+    print(f" [t] iteration {it:8d}/{iters:8d} | consumed samples: {8 * it} | "
+          f"elapsed time per iteration (ms): 50.0 | lm loss: {loss:.6E} | num zeros: 0 |", flush=True)
+    if it % interval == 0:
+        os.makedirs(os.path.join(save, f"iter_{it:07d}"), exist_ok=True)
+        open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w").write(str(it))
+'''
+
+
+def _resume_case(root: Path, trainer: Path, compare: str, drift: float) -> Path:
+    case = root / "hybrid" / "resume"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(
+        f"TRAINING_SCRIPT: {trainer}\nNPROC: 1\nTEST_TYPE: ckpt-resume\n{compare}"
+        f"ENV_VARS_2:\n  FAKE_DRIFT: '{drift}'\nMETRICS:\n  - lm loss\nREQUIRE_GOLDEN: false\n"
+        "MODEL_ARGS:\n  --train-iters: 6\n  --save-interval: 3\n"
+        "  --save: ${CHECKPOINT_SAVE_PATH}\n  --load: ${CHECKPOINT_LOAD_PATH}\n")
+    return case
+
+
+@pytest.mark.parametrize(
+    ("compare", "drift", "status", "reason"),
+    [
+        ("", 0.0, "PASS", None),  # default: every resumed step identical
+        ("", 1e-6, "FAIL", "lm loss @ step 5"),  # the default catches the smallest drift
+        ("RESUME_COMPARE: {exact_steps: 1, rtol: 5.0e-5}\n", 1e-6, "PASS", None),
+        ("RESUME_COMPARE: {exact_steps: 1, rtol: 5.0e-5}\n", 1e-3, "FAIL", "rtol 5e-05"),
+        ("RESUME_COMPARE: {exact_steps: 2, rtol: 5.0e-5}\n", 1e-6, "FAIL", "must be identical"),
+    ],
+)
+def test_ckpt_resume_through_the_driver(tmp_path: Path, compare: str, drift: float, status: str,
+                                        reason: str | None) -> None:
+    from hfsdp.functional.run_case import run_case
+
+    trainer = tmp_path / "fake_trainer.py"
+    trainer.write_text(FAKE_TRAINER)
+    case = _resume_case(tmp_path / "cases", trainer, compare, drift)
+    result = run_case(case, launch=Launch(nproc=1, timeout_s=120), output_root=tmp_path / "out")
+    assert result.status == status, result.reasons
+    assert len(result.runs) == 2
+    if reason:
+        assert any(reason in r for r in result.reasons), result.reasons
+
+
+@pytest.mark.parametrize(
+    ("block", "match"),
+    [
+        ("RESUME_COMPARE: {exact_steps: 0, rtol: 1.0e-5}\n", "exact_steps must be an int >= 1"),
+        ("RESUME_COMPARE: {exact_steps: 1, rtol: 0.01}\n", r"rtol must be a number in \[0, 1e-3\]"),
+        ("RESUME_COMPARE: {exact_steps: 1}\n", "needs both exact_steps and rtol"),
+        ("RESUME_COMPARE: {exact_steps: 1, rtol: 0, atol: 1}\n", "must be a mapping with"),
+    ],
+)
+def test_bad_resume_compare_is_rejected(tmp_path: Path, block: str, match: str) -> None:
+    case = _resume_case(tmp_path, tmp_path / "t.py", block, 0.0)
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(case)
+    (case / "model_config.yaml").write_text("TEST_TYPE: regular\n" + block + "MODEL_ARGS: {}\n")
+    with pytest.raises(RecipeError, match="only for TEST_TYPE ckpt-resume"):
+        load_recipe(case)
