@@ -20,6 +20,24 @@ def _plan_mod():
     return importlib.import_module(f"{MFSDP}.maxpool_plan")
 
 
+def adjacent_pair_bytes(plan: Any) -> int:
+    """Bytes of one arena per dtype sized by the largest pair of consecutive units.
+
+    A what-if, not an implemented layout: the max-pool arena keeps two groups of the largest
+    unit each. If only consecutive units (unit ids u, u+1) are ever live together, which is what
+    the <=2-live-unit gate gives in forward and backward order, one arena holding group 0
+    left-aligned and group 1 right-aligned would need max(layout[u] + layout[u+1]) per dtype.
+    Each layout is rounded up to the plan's alignment (a right-aligned start must be aligned).
+    """
+    total = 0
+    for dtype, layout in plan.unit_layout_numel.items():
+        step = max(1, -(-plan.align_bytes // plan.itemsize[dtype]))
+        sizes = [-(-layout.get(u, 0) // step) * step for u in plan.unit_ids]
+        pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
+        total += max(pairs) * plan.itemsize[dtype]
+    return total
+
+
 def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int = 256,
                    main_grads_dtype: Optional[torch.dtype] = None,
                    grad_comm_dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
@@ -76,6 +94,9 @@ def plan_lines(result: dict[str, Any], layout: Layout) -> list[str]:
         f"[{name}] rank-matched (0.19) : {_mib(rm.pool_bytes())}"
         f"  ({rm.pool_bytes() / minimum:.3f} x analytic minimum)",
         f"[{name}] analytic minimum    : {_mib(minimum)}  (2 x largest unit, per dtype)",
+        f"[{name}] adjacent-pair bound : {_mib(adjacent_pair_bytes(mp))}"
+        f"  ({adjacent_pair_bytes(mp) / minimum:.3f} x analytic minimum; what-if, not implemented:"
+        " one arena per dtype sized by the largest pair of consecutive units)",
     ]
     for dtype in sorted(mp.arena_numel):
         setter = mp.setter[dtype]
@@ -133,6 +154,7 @@ def report_dict(layout: Layout, results: list[dict[str, Any]]) -> dict[str, Any]
             "rank_matched_pool_bytes": rm.pool_bytes(),
             "rank_matched_slots": {d: list(s) for d, s in rm.slots.items()},
             "analytic_minimum_bytes": r["analytic_minimum_bytes"],
+            "adjacent_pair_bound_bytes": adjacent_pair_bytes(mp),
             "fixed_pool_pool_bytes": fx.pool_bytes,
             "fixed_pool_pooled_units": list(fx.pooled_unit_ids),
             "fixed_pool_outlier_units": list(fx.outlier_unit_ids),

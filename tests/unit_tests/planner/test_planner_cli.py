@@ -55,6 +55,31 @@ def test_pool_ordering_and_fixed_pool_outliers(planned):
     assert "0.18.2 FixedPool" in text and "MoETransformerLayer" in text
 
 
+def test_adjacent_pair_bound(planned):
+    text, doc = planned
+    for name in ("weight", "grad"):
+        a = doc["allocators"][name]
+        # One arena that fits the largest unit next to its neighbour: more than one largest unit,
+        # less than two (the MoE unit's neighbours are smaller).
+        assert a["maxpool_pool_bytes"] // 2 < a["adjacent_pair_bound_bytes"] < a["maxpool_pool_bytes"]
+    assert "adjacent-pair bound" in text
+
+
+def test_adjacent_pair_bytes_arithmetic():
+    from hfsdp.planner.report import _plan_mod, adjacent_pair_bytes
+
+    pm = _plan_mod()
+    spec = pm.BucketSpec
+    # Units 0..3 of 100, 1000, 300, 50 bf16 elements; alignment 256 B = 128 elements.
+    plan = pm.plan_max_pool([spec(i, i, "torch.bfloat16", n, 2) for i, n in
+                             enumerate((100, 1000, 300, 50))], align_bytes=256)
+    assert plan.pool_bytes() == 2 * 1000 * 2
+    # Largest consecutive pair: units 1 + 2 = 1024 + 384 elements after rounding to 128.
+    assert adjacent_pair_bytes(plan) == (1024 + 384) * 2
+    single = pm.plan_max_pool([spec(0, 0, "torch.bfloat16", 1000, 2)], align_bytes=256)
+    assert adjacent_pair_bytes(single) == 1024 * 2
+
+
 def test_unit_override_0182():
     import io
     from contextlib import redirect_stdout
