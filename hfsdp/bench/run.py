@@ -39,6 +39,9 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--no-plan", action="store_true", help="Skip the planner subprocess.")
     p.add_argument("--profile-dir", default=None,
                    help="Chrome traces of the timed steps (profiling distorts step times).")
+    p.add_argument("--profile-stack", action="store_true",
+                   help="With --profile-dir: record Python frames, so <stem>.idle.txt names the "
+                        "Python code behind each GPU-idle gap (more host overhead).")
     p.add_argument("--pyprofile-dir", default=None,
                    help="cProfile tables of the timed steps (host Python time; distorts timings).")
     p.add_argument("--memory-trace-dir", default=None,
@@ -103,6 +106,7 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
            "--result", result, "--config", config.name, "--repeat", str(repeat),
            "--warmup-steps", str(opts.warmup_steps), "--timed-steps", str(opts.timed_steps),
            *(["--profile-dir", opts.profile_dir] if opts.profile_dir else []),
+           *(["--profile-stack"] if opts.profile_dir and opts.profile_stack else []),
            *(["--pyprofile-dir", opts.pyprofile_dir] if opts.pyprofile_dir else []),
            *(["--memory-trace-dir", opts.memory_trace_dir] if opts.memory_trace_dir else []),
            "--", *flags, *config.flags]

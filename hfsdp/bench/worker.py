@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     own.add_argument("--profile-dir", default=None,
                      help="Write a torch.profiler Chrome trace (gzip) and an op table of the "
                           "timed steps per rank.")
+    own.add_argument("--profile-stack", action="store_true",
+                     help="With --profile-dir: record Python frames too (with_stack), so the "
+                          "idle-gap report (idle.py) names the Python code that kept the GPU "
+                          "waiting. Adds host overhead.")
     own.add_argument("--pyprofile-dir", default=None,
                      help="Write cProfile tables (host Python time) of the timed steps per rank.")
     own.add_argument("--memory-trace-dir", default=None,
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             prof = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU,
                             torch.profiler.ProfilerActivity.CUDA],
-                record_shapes=False, with_stack=False)
+                record_shapes=False, with_stack=opts.profile_stack)
             prof.__enter__()
         if it == opts.warmup_steps:
             torch.cuda.synchronize()
@@ -200,11 +204,16 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(opts.profile_dir, exist_ok=True)
         trace_path = os.path.join(opts.profile_dir, stem + ".json.gz")
         prof.export_chrome_trace(trace_path)
-        from hfsdp.bench import timeline
+        from hfsdp.bench import idle, timeline
 
-        step_timeline = timeline.summarize(timeline.load_events(trace_path), opts.timed_steps)
+        trace_events = timeline.load_events(trace_path)
+        step_timeline = timeline.summarize(trace_events, opts.timed_steps)
         with open(os.path.join(opts.profile_dir, stem + ".timeline.txt"), "w") as f:
             f.write(timeline.format_summary(step_timeline) + "\n")
+        # Which host code each GPU-idle gap waited on (small text; the trace itself may stay behind).
+        with open(os.path.join(opts.profile_dir, stem + ".idle.txt"), "w") as f:
+            f.write(idle.format_report(idle.attribute(trace_events), opts.timed_steps, top=25) + "\n")
+        del trace_events
         with open(os.path.join(opts.profile_dir, stem + ".ops.txt"), "w") as f:
             averages = prof.key_averages()
             f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")

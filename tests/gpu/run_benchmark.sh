@@ -18,11 +18,15 @@ python scripts/benchmark_double_buffer.py --preset "$preset" --run-timeout "${RU
 rc=${PIPESTATUS[0]}
 left=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
 prof=/tmp/hfsdp_prof; rm -rf "$prof"; mkdir -p "$prof"
+# PROF_STACKS=1: the timeline pass records Python frames, so *.idle.txt names the code behind
+# each GPU-idle gap (adds host overhead to that pass only).
+stack=(); [ "${PROF_STACKS:-0}" = 1 ] && stack=(--profile-stack)
 if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
   python scripts/benchmark_double_buffer.py --preset "$preset" --configs no_db,maxpool --repeats 1 \
     --warmup-steps 3 --timed-steps 3 --no-plan --no-chart --no-prime --run-timeout 120 \
-    --profile-dir "$prof" --out-json "$prof/torchprofile-run.json" "$@" > "$prof/torchprofile.log" 2>&1
+    --profile-dir "$prof" ${stack[@]+"${stack[@]}"} --out-json "$prof/torchprofile-run.json" "$@" > "$prof/torchprofile.log" 2>&1
   for f in "$prof"/*rank0.timeline.txt; do [ -f "$f" ] && echo "$(basename "$f"): $(cat "$f")"; done
+  for f in "$prof"/*rank0.idle.txt; do [ -f "$f" ] && { echo "== $(basename "$f")"; head -20 "$f"; }; done
 fi
 left=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
 if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then

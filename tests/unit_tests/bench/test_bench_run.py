@@ -48,3 +48,25 @@ def test_no_prime(fake_launch, tmp_path):
     B.main(["--configs", "no_db", "--repeats", "1", "--no-plan", "--no-chart", "--no-prime",
             "--out-json", str(tmp_path / "r.json")])
     assert [c[1] for c in fake_launch] == [0]
+
+
+@pytest.mark.parametrize(("own", "expected"), [
+    (["--profile-dir", "/p", "--profile-stack"], ["--profile-dir", "/p", "--profile-stack"]),
+    (["--profile-stack"], []),  # no trace, no stacks
+    (["--profile-dir", "/p"], ["--profile-dir", "/p"]),
+])
+def test_worker_gets_profile_stack_only_with_a_profile_dir(monkeypatch, tmp_path, own, expected):
+    import subprocess
+
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(B.subprocess, "run", fake_run)
+    opts, _ = B.parse(own)
+    B.launch(B.cfgs.CONFIGS["maxpool"], 0, ["--x"], opts, str(tmp_path))
+    cmd = seen[0]
+    worker_own = cmd[cmd.index("--timed-steps") + 2: cmd.index("--")]
+    assert worker_own == expected

@@ -1,0 +1,189 @@
+"""Who kept the GPU waiting: attribute each GPU-idle gap of a torch.profiler trace to host code.
+
+``timeline.py`` says how long the GPU sat idle; this module says why. For every gap between
+device activity (kernels, copies, memsets on any stream) inside the kernel window it finds the
+device event that ends the gap and, through its ``correlation`` id, the host call that launched
+it. Then it classifies the gap:
+
+* ``host_late``: the launch call started after the gap began, so the GPU had nothing queued.
+  The time from the gap start to the launch is charged to what the launching thread was doing
+  then: its innermost host event (``leaf``), the innermost ``cpu_op`` around it, and the
+  innermost Python frame (``python_function`` events, present when the profile was taken with
+  ``with_stack=True``).
+* ``queued``: the work was launched before the gap began. The GPU waited on something other than
+  the host (a stream dependency, or launch latency).
+* ``launch_latency``: within a host-late gap, the time from the launch call to the kernel start.
+* ``unknown``: the ending event has no correlated launch in the trace.
+
+Standard library only; CLI: ``python -m hfsdp.bench.idle TRACE.json[.gz] [--steps N] [--top K]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from hfsdp.bench.timeline import DEVICE_CATEGORIES, load_events, union
+
+HOST_CATEGORIES = ("cpu_op", "python_function", "user_annotation", "cuda_runtime", "cuda_driver")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of one host thread with a fixed innermost event (times in us)."""
+
+    start: float
+    end: float
+    leaf: str
+    op: str  # innermost cpu_op around the leaf ("" if none)
+    frame: str  # innermost python_function around the leaf ("" if none)
+
+
+@dataclass
+class IdleReport:
+    idle_us: float = 0.0
+    gaps: int = 0
+    by_kind: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    by_leaf: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    by_op: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    by_frame: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+
+def _span(e: dict) -> tuple[float, float]:
+    start = float(e["ts"])
+    return start, start + float(e.get("dur", 0))
+
+
+def flatten(events: Iterable[dict]) -> list[Segment]:
+    """Non-overlapping segments of one thread's nested host events, innermost event named.
+
+    Events are assumed properly nested (the profiler's per-thread events are); a child that
+    outlives its parent is clipped to the parent's end.
+    """
+    spans = sorted(((*_span(e), e.get("cat", ""), e.get("name", "")) for e in events),
+                   key=lambda s: (s[0], -s[1]))
+    out: list[Segment] = []
+    stack: list[tuple[float, str, str]] = []  # (end, cat, name)
+    cursor = None
+
+    def emit(upto: float) -> None:
+        nonlocal cursor
+        if stack and cursor is not None and upto > cursor:
+            op = next((n for _, c, n in reversed(stack) if c == "cpu_op"), "")
+            frame = next((n for _, c, n in reversed(stack) if c == "python_function"), "")
+            out.append(Segment(cursor, upto, stack[-1][2], op, frame))
+        cursor = upto if cursor is None else max(cursor, upto)
+
+    for start, end, cat, name in spans:
+        while stack and stack[-1][0] <= start:  # close everything that ended before this one
+            emit(stack[-1][0])
+            stack.pop()
+        emit(start)
+        cursor = start
+        end = min(end, stack[-1][0]) if stack else end
+        stack.append((end, cat, name))
+    while stack:
+        emit(stack[-1][0])
+        stack.pop()
+    return out
+
+
+def _charge(segments: list[Segment], starts: list[float], lo: float, hi: float,
+            report: IdleReport) -> float:
+    """Add the overlap of ``segments`` with [lo, hi) to the report; return the time covered."""
+    covered = 0.0
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    while i < len(segments) and segments[i].start < hi:
+        s = segments[i]
+        overlap = min(hi, s.end) - max(lo, s.start)
+        if overlap > 0:
+            covered += overlap
+            report.by_leaf[s.leaf] += overlap
+            report.by_op[s.op or "(no cpu_op)"] += overlap
+            report.by_frame[s.frame or "(no python frame)"] += overlap
+        i += 1
+    return covered
+
+
+def attribute(events: Sequence[dict]) -> IdleReport:
+    """Classify and attribute every GPU-idle gap in the trace (see module docstring)."""
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    launches: dict[object, tuple[float, object]] = {}
+    host_by_tid: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        if cat in LAUNCH_CATEGORIES:
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                launches[corr] = (float(e["ts"]), e.get("tid"))
+        if cat in HOST_CATEGORIES:
+            host_by_tid[e.get("tid")].append(e)
+    report = IdleReport()
+    if not device:
+        return report
+    busy = union(_span(e) for e in device)
+    # Device events sorted by start: the gap's ending event is the first starting at its end.
+    by_start = sorted(device, key=lambda e: float(e["ts"]))
+    starts = [float(e["ts"]) for e in by_start]
+    flat: dict[object, tuple[list[Segment], list[float]]] = {}
+    for (_, gap_lo), (gap_hi, _) in zip(busy, busy[1:]):
+        width = gap_hi - gap_lo
+        report.idle_us += width
+        report.gaps += 1
+        j = bisect.bisect_left(starts, gap_hi)
+        ender = by_start[j] if j < len(by_start) else None
+        corr = (ender.get("args") or {}).get("correlation") if ender else None
+        launch = launches.get(corr)
+        if launch is None:
+            report.by_kind["unknown"] += width
+            continue
+        launch_ts, tid = launch
+        if launch_ts <= gap_lo:
+            report.by_kind["queued"] += width
+            continue
+        host_part = min(launch_ts, gap_hi) - gap_lo
+        report.by_kind["host_late"] += host_part
+        report.by_kind["launch_latency"] += width - host_part
+        if tid not in flat:
+            segs = flatten(host_by_tid.get(tid, ()))
+            flat[tid] = (segs, [s.start for s in segs])
+        segs, seg_starts = flat[tid]
+        covered = _charge(segs, seg_starts, gap_lo, gap_lo + host_part, report)
+        if host_part - covered > 0:
+            report.by_leaf["(no host event)"] += host_part - covered
+            report.by_op["(no host event)"] += host_part - covered
+            report.by_frame["(no host event)"] += host_part - covered
+    return report
+
+
+def format_report(report: IdleReport, steps: int | None = None, top: int = 12) -> str:
+    div = 1000.0 * (steps or 1)
+    unit = "ms/step" if steps else "ms"
+    lines = [f"GPU idle {report.idle_us / div:.2f} {unit} in {report.gaps} gaps; by kind: "
+             + ", ".join(f"{k}={v / div:.2f}" for k, v in sorted(report.by_kind.items()))]
+    for title, table in (("host leaf event", report.by_leaf), ("innermost cpu_op", report.by_op),
+                         ("innermost python frame", report.by_frame)):
+        lines.append(f"host_late time by {title} ({unit}):")
+        for name, us in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"  {us / div:9.2f}  {name[:150]}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
+    p.add_argument("--top", type=int, default=12)
+    opts = p.parse_args(argv)
+    print(format_report(attribute(load_events(opts.trace)), opts.steps, opts.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
