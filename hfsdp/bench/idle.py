@@ -9,7 +9,7 @@ it. Then it classifies the gap:
   The time from the gap start to the launch is charged to what the launching thread was doing
   then: its innermost host event (``leaf``), the innermost ``cpu_op`` around it, and the
   innermost Python frame (``python_function`` events, present when the profile was taken with
-  ``with_stack=True``).
+  ``with_stack=True``; built-in functions are skipped, since "getattr" says nothing).
 * ``queued``: the work was launched before the gap began. The GPU waited on something other than
   the host (a stream dependency, or launch latency).
 * ``launch_latency``: within a host-late gap, the time from the launch call to the kernel start.
@@ -74,7 +74,8 @@ def flatten(events: Iterable[dict]) -> list[Segment]:
         nonlocal cursor
         if stack and cursor is not None and upto > cursor:
             op = next((n for _, c, n in reversed(stack) if c == "cpu_op"), "")
-            frame = next((n for _, c, n in reversed(stack) if c == "python_function"), "")
+            frame = next((n for _, c, n in reversed(stack)
+                          if c == "python_function" and not n.startswith("<built-in")), "")
             out.append(Segment(cursor, upto, stack[-1][2], op, frame))
         cursor = upto if cursor is None else max(cursor, upto)
 

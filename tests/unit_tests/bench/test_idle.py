@@ -59,10 +59,13 @@ def test_host_time_with_no_event_is_reported() -> None:
 
 def test_flatten_nested_events() -> None:
     segs = idle.flatten([X("cpu_op", "outer", 0, 10), X("cpu_op", "inner", 2, 3),
-                         X("python_function", "f", 10, 5)])
-    assert [(s.start, s.end, s.leaf, s.op) for s in segs] == [
-        (0, 2, "outer", "outer"), (2, 5, "inner", "inner"), (5, 10, "outer", "outer"),
-        (10, 15, "f", "")]
+                         X("python_function", "m.py(3): f", 10, 5),
+                         X("python_function", "<built-in method item>", 11, 1)])
+    assert [(s.start, s.end, s.leaf, s.op, s.frame) for s in segs] == [
+        (0, 2, "outer", "outer", ""), (2, 5, "inner", "inner", ""), (5, 10, "outer", "outer", ""),
+        (10, 11, "m.py(3): f", "", "m.py(3): f"),
+        (11, 12, "<built-in method item>", "", "m.py(3): f"),  # built-ins name no frame
+        (12, 15, "m.py(3): f", "", "m.py(3): f")]
 
 
 def test_cli_per_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
