@@ -110,9 +110,28 @@ def _charge(segments: list[Segment], starts: list[float], lo: float, hi: float,
     return covered
 
 
+def _ending_launch(by_start: list[dict], starts: list[float], gap_hi: float,
+                   launches: dict[object, tuple[float, object]]) -> tuple[float, object] | None:
+    """Launch (ts, tid) of the device work that ends a gap.
+
+    Several records may start at ``gap_hi``; the latest-launched one with a known launch decides,
+    so input order does not, and an uncorrelated memset beside a late kernel does not hide it.
+    """
+    found = None
+    j = bisect.bisect_left(starts, gap_hi)
+    while j < len(by_start) and starts[j] == gap_hi:
+        launch = launches.get((by_start[j].get("args") or {}).get("correlation"))
+        if launch is not None and (found is None or launch[0] > found[0]):
+            found = launch
+        j += 1
+    return found
+
+
 def attribute(events: Sequence[dict]) -> IdleReport:
     """Classify and attribute every GPU-idle gap in the trace (see module docstring)."""
-    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    # Zero-length device records would split a gap in two without being device work.
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES
+              and float(e.get("dur", 0)) > 0]
     launches: dict[object, tuple[float, object]] = {}
     host_by_tid: dict[object, list[dict]] = defaultdict(list)
     for e in events:
@@ -137,10 +156,7 @@ def attribute(events: Sequence[dict]) -> IdleReport:
         width = gap_hi - gap_lo
         report.idle_us += width
         report.gaps += 1
-        j = bisect.bisect_left(starts, gap_hi)
-        ender = by_start[j] if j < len(by_start) else None
-        corr = (ender.get("args") or {}).get("correlation") if ender else None
-        launch = launches.get(corr)
+        launch = _ending_launch(by_start, starts, gap_hi, launches)
         if launch is None:
             report.by_kind["unknown"] += width
             continue

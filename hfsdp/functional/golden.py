@@ -85,7 +85,7 @@ def compare_close(expected: Metrics, actual: Metrics, name: str, steps: set[int]
     for step in sorted(steps):
         if step not in exp or step not in act:
             problems.append(Mismatch(name, step, exp.get(step), act.get(step), "step missing"))
-        elif abs(act[step] - exp[step]) > rtol * abs(exp[step]):
+        elif not abs(act[step] - exp[step]) <= rtol * abs(exp[step]):  # NaN fails too
             problems.append(Mismatch(name, step, exp[step], act[step], f"rtol {rtol}"))
     return problems
 

@@ -13,8 +13,9 @@ Keys kept from Megatron (``tests/functional_tests/test_cases/<model>/<case>/mode
   ``loss_decreases`` (bool);
 * ``REQUIRE_GOLDEN``: false for cases whose numbers are machine-specific (CPU smoke).
 * ``RESUME_COMPARE``: how a ckpt-resume case's run 2 is held to run 1 (default: every resumed
-  ``lm loss`` identical). ``exact_steps: N`` keeps the first N resumed steps identical (that
-  proves the loaded state is the saved one) and ``rtol: R`` bounds the later steps. Only for a
+  ``lm loss`` identical). ``exact_steps: N`` keeps the first N resumed steps identical (the
+  first one shows the loaded weights are the saved ones; the optimizer state first shows in
+  the step after) and ``rtol: R`` bounds the later steps. Only for a
   resume into a different FSDP unit layout, which changes the float summation order of
   training itself (a straight run in each layout differs from step 4; docs/functional-tests.md).
 
@@ -116,7 +117,12 @@ def _resume_compare(raw: Any, test_type: str, where: str) -> ResumeCompare:
     if "exact_steps" not in raw or "rtol" not in raw:
         raise RecipeError(f"{where} needs both exact_steps and rtol, got {dict(raw)!r}")
     exact, rtol = raw["exact_steps"], raw["rtol"]
-    # An exact first step is what proves the checkpoint loaded; 1e-3 would hide a lost optimizer state.
+    if isinstance(rtol, str):  # YAML 1.1 reads "5e-5" (no dot) as a string
+        try:
+            rtol = float(rtol)
+        except ValueError:
+            pass
+    # An exact first step shows the weights loaded; a loose rtol could hide a lost optimizer state.
     if isinstance(exact, bool) or not isinstance(exact, int) or exact < 1:
         raise RecipeError(f"{where}: exact_steps must be an int >= 1, got {exact!r}")
     if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol <= 1e-3:

@@ -57,6 +57,19 @@ def test_host_time_with_no_event_is_reported() -> None:
     assert r.by_leaf["(no host event)"] == pytest.approx(20)
 
 
+def test_ties_and_zero_length_device_records() -> None:
+    trace = [X("cuda_runtime", "cudaLaunchKernel", 1, 1, corr=1),
+             X("cuda_runtime", "cudaLaunchKernel", 30, 1, corr=2),
+             X("kernel", "A", 0, 10, tid=7, corr=1),
+             X("gpu_memset", "Memset", 40, 2, tid=8),  # uncorrelated, starts with B
+             X("kernel", "B", 40, 5, tid=7, corr=2),
+             X("kernel", "blip", 20, 0, tid=7, corr=1)]  # zero length: not device work
+    for order in (trace, trace[::-1]):
+        r = idle.attribute(order)
+        assert r.gaps == 1
+        assert dict(r.by_kind) == pytest.approx({"host_late": 20, "launch_latency": 10})
+
+
 def test_flatten_nested_events() -> None:
     segs = idle.flatten([X("cpu_op", "outer", 0, 10), X("cpu_op", "inner", 2, 3),
                          X("python_function", "m.py(3): f", 10, 5),

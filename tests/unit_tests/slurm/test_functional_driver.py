@@ -218,3 +218,14 @@ def test_bad_resume_compare_is_rejected(tmp_path: Path, block: str, match: str) 
     (case / "model_config.yaml").write_text("TEST_TYPE: regular\n" + block + "MODEL_ARGS: {}\n")
     with pytest.raises(RecipeError, match="only for TEST_TYPE ckpt-resume"):
         load_recipe(case)
+
+
+def test_resume_compare_reads_yaml_floats_without_a_dot(tmp_path: Path) -> None:
+    case = _resume_case(tmp_path, tmp_path / "t.py", "RESUME_COMPARE: {exact_steps: 1, rtol: 5e-5}\n", 0.0)
+    assert load_recipe(case).resume_compare.rtol == 5e-5
+
+
+def test_compare_close_fails_nan() -> None:
+    problems = golden.compare_close({"lm loss": {1: 7.0}}, {"lm loss": {1: float("nan")}},
+                                    "lm loss", {1}, 1e-3)
+    assert len(problems) == 1 and problems[0].step == 1
