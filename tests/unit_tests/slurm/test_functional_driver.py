@@ -225,7 +225,9 @@ def test_resume_compare_reads_yaml_floats_without_a_dot(tmp_path: Path) -> None:
     assert load_recipe(case).resume_compare.rtol == 5e-5
 
 
-def test_compare_close_fails_nan() -> None:
-    problems = golden.compare_close({"lm loss": {1: 7.0}}, {"lm loss": {1: float("nan")}},
-                                    "lm loss", {1}, 1e-3)
-    assert len(problems) == 1 and problems[0].step == 1
+def test_loss_rtol_relaxes_lm_loss_and_still_fails_nan() -> None:
+    exp = {"lm loss": {1: 7.0, 2: 7.0}}
+    near = {"lm loss": {1: 7.0 * (1 + 1e-4), 2: float("nan")}}
+    assert [p.step for p in golden.compare(exp, near, ["lm loss"])] == [1, 2]
+    problems = golden.compare(exp, near, ["lm loss"], loss_rtol=1e-3)
+    assert [(p.step, p.why) for p in problems] == [(2, "rtol 0.001")]
