@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from hfsdp.bench.timeline import DEVICE_CATEGORIES, load_events, union
+from hfsdp.bench.timeline import DEVICE_CATEGORIES, load_events, span, union
 
 HOST_CATEGORIES = ("cpu_op", "python_function", "user_annotation", "cuda_runtime", "cuda_driver")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
@@ -53,18 +53,13 @@ class IdleReport:
     by_frame: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
-def _span(e: dict) -> tuple[float, float]:
-    start = float(e["ts"])
-    return start, start + float(e.get("dur", 0))
-
-
 def flatten(events: Iterable[dict]) -> list[Segment]:
     """Non-overlapping segments of one thread's nested host events, innermost event named.
 
     Events are assumed properly nested (the profiler's per-thread events are); a child that
     outlives its parent is clipped to the parent's end.
     """
-    spans = sorted(((*_span(e), e.get("cat", ""), e.get("name", "")) for e in events),
+    spans = sorted(((*span(e), e.get("cat", ""), e.get("name", "")) for e in events),
                    key=lambda s: (s[0], -s[1]))
     out: list[Segment] = []
     stack: list[tuple[float, str, str]] = []  # (end, cat, name)
@@ -147,7 +142,7 @@ def attribute(events: Sequence[dict]) -> IdleReport:
     report = IdleReport()
     if not device:
         return report
-    busy = union(_span(e) for e in device)
+    busy = union(span(e) for e in device)
     # Device events sorted by start: the gap's ending event is the first starting at its end.
     by_start = sorted(device, key=lambda e: float(e["ts"]))
     starts = [float(e["ts"]) for e in by_start]

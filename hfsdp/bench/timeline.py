@@ -29,6 +29,12 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 Interval = tuple[float, float]
 
 
+def span(e: dict) -> Interval:
+    """[start, end) of a Chrome-trace "X" event, in us."""
+    start = float(e["ts"])
+    return start, start + float(e.get("dur", 0))
+
+
 def union(intervals: Iterable[Interval]) -> list[Interval]:
     """Merge overlapping [start, end) intervals."""
     merged: list[list[float]] = []
@@ -65,12 +71,12 @@ def summarize(events: Iterable[dict], steps: int | None = None) -> dict:
     for e in events:
         if e.get("ph") != "X":
             continue
-        span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        interval = span(e)
         if e.get("cat") in DEVICE_CATEGORIES:
-            (nccl if is_nccl_kernel(e.get("name", "")) else compute).append(span)
+            (nccl if is_nccl_kernel(e.get("name", "")) else compute).append(interval)
         elif e.get("cat") == "cuda_runtime" and e.get("name") in SYNC_CALLS:
             count, us = syncs.get(e["name"], (0, 0.0))
-            syncs[e["name"]] = (count + 1, us + span[1] - span[0])
+            syncs[e["name"]] = (count + 1, us + interval[1] - interval[0])
     nccl_u, compute_u = union(nccl), union(compute)
     everything = union(nccl_u + compute_u)
     window = (everything[-1][1] - everything[0][0]) if everything else 0.0

@@ -29,10 +29,11 @@ def adjacent_pair_bytes(plan: Any) -> int:
     left-aligned and group 1 right-aligned would need max(layout[u] + layout[u+1]) per dtype.
     Each layout is rounded up to the plan's alignment (a right-aligned start must be aligned).
     """
+    pm = _plan_mod()
     total = 0
     for dtype, layout in plan.unit_layout_numel.items():
-        step = max(1, -(-plan.align_bytes // plan.itemsize[dtype]))
-        sizes = [-(-layout.get(u, 0) // step) * step for u in plan.unit_ids]
+        step = pm._align_elems(plan.align_bytes, plan.itemsize[dtype])  # the plan's own rounding
+        sizes = [pm._round_up(layout.get(u, 0), step) for u in plan.unit_ids]
         pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
         total += max(pairs) * plan.itemsize[dtype]
     return total
