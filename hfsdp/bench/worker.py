@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(opts.profile_dir, exist_ok=True)
         trace_path = os.path.join(opts.profile_dir, stem + ".json.gz")
         prof.export_chrome_trace(trace_path)
-        from hfsdp.bench import idle, timeline
+        from hfsdp.bench import idle, timeline, waits
 
         trace_events = timeline.load_events(trace_path)
         step_timeline = timeline.summarize(trace_events, opts.timed_steps)
@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         # Which host code each GPU-idle gap waited on (small text; the trace itself may stay behind).
         with open(os.path.join(opts.profile_dir, stem + ".idle.txt"), "w") as f:
             f.write(idle.format_report(idle.attribute(trace_events), opts.timed_steps, top=25) + "\n")
+        # What the host waited for in blocking CUDA calls (e.g. .cpu() over a peer-bound all-gather).
+        with open(os.path.join(opts.profile_dir, stem + ".waits.txt"), "w") as f:
+            f.write(waits.format_report(waits.attribute(trace_events), opts.timed_steps) + "\n")
         del trace_events
         with open(os.path.join(opts.profile_dir, stem + ".ops.txt"), "w") as f:
             averages = prof.key_averages()

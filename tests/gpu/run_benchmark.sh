@@ -27,6 +27,7 @@ if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then
     --profile-dir "$prof" ${stack[@]+"${stack[@]}"} --out-json "$prof/torchprofile-run.json" "$@" > "$prof/torchprofile.log" 2>&1
   for f in "$prof"/*rank0.timeline.txt; do [ -f "$f" ] && echo "$(basename "$f"): $(cat "$f")"; done
   for f in "$prof"/*rank0.idle.txt; do [ -f "$f" ] && { echo "== $(basename "$f")"; head -20 "$f"; }; done
+  for f in "$prof"/*rank0.waits.txt; do [ -f "$f" ] && { echo "== $(basename "$f")"; head -16 "$f"; }; done
 fi
 left=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
 if [ "$left" -gt "${PROFILE_NEEDS_S:-150}" ]; then

@@ -1,0 +1,93 @@
+"""Host time by function, configuration B minus configuration A, from two torch.profiler traces.
+
+Every host event (Python frame with ``with_stack``, ``cpu_op``, CUDA runtime/driver call, user
+annotation) is summed by name as *inclusive* time; a name already on the stack (recursion) is not
+counted again. Addresses (``... at 0x7f..``) are stripped so the two traces' names match. With
+``under``, only events below an ancestor whose name matches that regex count: "what inside
+``_pre_forward_param_unshard`` got slower". Rows are sorted by B - A.
+
+Standard library only; CLI:
+``python -m hfsdp.bench.hostdiff A.json.gz B.json.gz [--steps N] [--under RE] [--match RE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import Counter, defaultdict
+from typing import Iterable, Optional, Sequence
+
+from hfsdp.bench.idle import HOST_CATEGORIES
+from hfsdp.bench.timeline import load_events, span
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def normalize(name: str) -> str:
+    return _ADDRESS.sub("", name)
+
+
+def inclusive(events: Iterable[dict], under: Optional[str] = None) -> tuple[Counter, Counter]:
+    """(inclusive us, calls) by normalized name, per the module docstring."""
+    anc = re.compile(under) if under else None
+    by_tid: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES:
+            by_tid[e.get("tid")].append(e)
+    total: Counter = Counter()
+    calls: Counter = Counter()
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0))))
+        stack: list[tuple[float, str]] = []  # (end, normalized name)
+        for e in evs:
+            start, end = span(e)
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            name = normalize(e.get("name", ""))
+            names = [n for _, n in stack]
+            if anc is None or any(anc.search(n) for n in names):
+                calls[name] += 1
+                if name not in names:
+                    total[name] += end - start
+            stack.append((min(end, stack[-1][0]) if stack else end, name))
+    return total, calls
+
+
+def diff_rows(a: tuple[Counter, Counter], b: tuple[Counter, Counter],
+              match: Optional[str] = None) -> list[tuple[str, float, float, int, int]]:
+    """(name, A us, B us, A calls, B calls), largest B - A first."""
+    pat = re.compile(match) if match else None
+    names = [n for n in set(a[0]) | set(b[0]) if pat is None or pat.search(n)]
+    names.sort(key=lambda n: (-(b[0][n] - a[0][n]), n))
+    return [(n, a[0][n], b[0][n], a[1][n], b[1][n]) for n in names]
+
+
+def format_rows(rows: Sequence[tuple[str, float, float, int, int]], steps: Optional[int] = None,
+                top: int = 30) -> str:
+    div = 1000.0 * (steps or 1)
+    unit = "ms/step" if steps else "ms"
+    lines = [f"{'B-A':>9s} {'A':>9s} {'B':>9s} {'calls A':>8s} {'calls B':>8s}  inclusive host "
+             f"time ({unit})"]
+    for name, ta, tb, ca, cb in rows[:top]:
+        lines.append(f"{(tb - ta) / div:9.2f} {ta / div:9.2f} {tb / div:9.2f} {ca:8d} {cb:8d}  "
+                     f"{name[:120]}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("a", help="baseline trace (e.g. no_db)")
+    p.add_argument("b", help="compared trace (e.g. maxpool)")
+    p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
+    p.add_argument("--under", default=None, help="only events below an ancestor matching this regex")
+    p.add_argument("--match", default=None, help="only names matching this regex")
+    p.add_argument("--top", type=int, default=30)
+    opts = p.parse_args(argv)
+    a = inclusive(load_events(opts.a), opts.under)
+    b = inclusive(load_events(opts.b), opts.under)
+    print(format_rows(diff_rows(a, b, opts.match), opts.steps, opts.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""Blocking-call attribution (hfsdp.bench.waits) and host-time diffs (hfsdp.bench.hostdiff)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from hfsdp.bench import hostdiff, waits
+
+
+def X(cat: str, name: str, ts: float, dur: float, tid: int = 1, stream: int | None = None) -> dict:
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
+    if stream is not None:
+        e["args"] = {"stream": stream}
+    return e
+
+
+WAIT_TRACE = [
+    X("python_function", "token_dispatcher.py(284): dispatch_postprocess", 0, 3000),
+    X("cpu_op", "aten::_to_copy", 10, 2900),
+    X("cuda_runtime", "cudaMemcpyAsync", 100, 2000),  # [100, 2100): blocked
+    X("cuda_runtime", "cudaStreamSynchronize", 5000, 400),  # under min_us: ignored
+    X("cuda_runtime", "cudaLaunchKernel", 2200, 5),  # not blocking
+    # Device: a long all-gather that started before the wait, compute after part of it.
+    X("kernel", "ncclDevKernel_AllGather_RING_LL", 0, 1500, tid=27, stream=27),  # 1400 under
+    X("kernel", "ampere_gemm", 1500, 1000, tid=7, stream=7),  # 600 under
+    X("gpu_memcpy", "Memcpy DtoH", 2100, 10, tid=7, stream=7),  # starts at the end: 0
+    X("kernel", "ncclDevKernel_ReduceScatter_Sum_f32", 5000, 400, tid=35, stream=35),
+]
+
+
+def test_waits_split_by_device_class_and_charged_to_the_frame() -> None:
+    r = waits.attribute(WAIT_TRACE, min_us=500)
+    assert r.calls == 1 and r.wait_us == pytest.approx(2000)
+    assert dict(r.under) == pytest.approx({
+        ("cudaMemcpyAsync", "nccl:AllGather", 27): 1400,
+        ("cudaMemcpyAsync", "compute", 7): 600,
+    })
+    assert dict(r.by_site) == pytest.approx(
+        {("cudaMemcpyAsync", "token_dispatcher.py(284): dispatch_postprocess"): 2000})
+    text = waits.format_report(r, steps=2, min_us=500)
+    assert "host blocked 1.00 ms/step in 1 blocking" in text and "nccl:AllGather" in text
+
+
+def test_wait_without_enclosing_event_and_device_classes() -> None:
+    r = waits.attribute([X("cuda_runtime", "cudaDeviceSynchronize", 0, 1000)], min_us=10)
+    assert dict(r.by_site) == {("cudaDeviceSynchronize", "(no enclosing event)"): 1000}
+    assert waits.device_class({"name": "ncclSymkDevKernel_AllGather_ST", "cat": "kernel"}) == "nccl:AllGather"
+    assert waits.device_class({"name": "Memset", "cat": "gpu_memset"}) == "copy"
+
+
+def _frames(extra: float) -> list[dict]:
+    # hook [0, 100+extra) > gather [10, 10+extra) ; recursion f > f counted once.
+    return [
+        X("python_function", "hook at 0x7f01", 0, 100 + extra),
+        X("python_function", "gather", 10, extra),
+        X("python_function", "f", 200, 50),
+        X("python_function", "f", 210, 20),
+        X("cpu_op", "aten::mm", 300, 5, tid=2),  # another thread
+    ]
+
+
+def test_hostdiff_inclusive_recursion_and_under(tmp_path: Path) -> None:
+    a, b = hostdiff.inclusive(_frames(0)), hostdiff.inclusive(_frames(30))
+    assert a[0]["hook"] == 100 and b[0]["hook"] == 130  # address stripped
+    assert b[0]["f"] == 50 and b[1]["f"] == 2  # recursion: time once, calls twice
+    rows = hostdiff.diff_rows(a, b)
+    assert rows[0][0] in ("gather", "hook") and rows[0][2] - rows[0][1] == 30
+    under = hostdiff.inclusive(_frames(30), under="^hook$")
+    assert set(under[0]) == {"gather"}
+    assert hostdiff.diff_rows(a, b, match="^f$") == [("f", 50, 50, 2, 2)]
+    pa, pb = tmp_path / "a.json.gz", tmp_path / "b.json.gz"
+    for path, evs in ((pa, _frames(0)), (pb, _frames(30))):
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": evs}, f)
+    assert hostdiff.main([str(pa), str(pb), "--steps", "1", "--top", "2"]) == 0
