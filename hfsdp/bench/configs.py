@@ -9,6 +9,8 @@ from typing import Optional, Sequence
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
 
 MAXPOOL_FLAG = "--megatron-fsdp-max-pool-double-buffer"
+# no_db_d1's --suggested-communication-unit-size (elements); see CONFIGS.
+D1_UNIT_SIZE = 2_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +27,12 @@ CONFIGS = {
                              "0.18.2 FixedPool double buffer", "fixed_pool"),
     "maxpool": BenchConfig("maxpool", ("--fsdp-double-buffer", MAXPOOL_FLAG),
                            "max-pool double buffer", "maxpool"),
+    # Diagnostic: plain FSDP buffers, but all-gather prefetch stops after the next unit and the
+    # reduce-scatter queue holds about one unit, i.e. the schedule a 2-group double buffer
+    # imposes, without any pool. AG prefetch = size // 2 elements: 1M is above every MoE unit's
+    # small non-expert bucket (so the whole next unit is fetched) and below every full unit.
+    "no_db_d1": BenchConfig("no_db_d1", ("--suggested-communication-unit-size", str(D1_UNIT_SIZE)),
+                            "no double buffer, prefetch depth 1 unit (diagnostic)", None),
     "maxpool_ub": BenchConfig("maxpool_ub", ("--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub"),
                               "max-pool + NCCL user buffers (NVLS off)", "maxpool"),
 }

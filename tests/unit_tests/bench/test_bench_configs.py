@@ -75,3 +75,31 @@ def test_nvls_detection_rejects_unconditional_overwrite(tmp_path, monkeypatch):
 def test_default_configs_exclude_nccl_ub():
     assert C.DEFAULT_CONFIGS == ("no_db", "fixedpool", "maxpool")
     assert "maxpool_ub" in C.CONFIGS
+
+
+@pytest.mark.parametrize("preset", ["default", "fill"])
+def test_no_db_d1_prefetches_exactly_the_next_unit(preset, tmp_path):
+    """no_db_d1's AG prefetch budget (D1_UNIT_SIZE // 2 elements) ends each prefetch at a unit
+    boundary: a unit's leading bucket groups (an MoE layer's small non-expert bucket) stay below
+    it, the whole unit reaches it. Checked on the planner's bucket layout of both presets."""
+    pytest.importorskip("megatron.core.models.hybrid.hybrid_local_layer_specs")
+    import io
+    import json
+    from contextlib import redirect_stdout
+
+    from hfsdp.planner import cli
+
+    out = tmp_path / "plan.json"
+    with redirect_stdout(io.StringIO()):
+        assert cli.main(C.model_flags(preset) + ["--plan-dp-size", "2", "--plan-json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    budget = C.D1_UNIT_SIZE // 2
+    groups: dict = {}
+    for b in doc["buckets"]:
+        if b["unit_id"] is not None:  # bucket groups are (unit, expert or not), in bucket order
+            unit = groups.setdefault(b["unit_id"], {})
+            unit[b["is_expert"]] = unit.get(b["is_expert"], 0) + b["numel"]
+    assert len(groups) == len(doc["units"]) > 0
+    for unit_id, sizes in groups.items():
+        ordered = [sizes[k] for k in sorted(sizes, key=lambda e: e)]  # non-expert first
+        assert sum(ordered[:-1]) < budget <= sum(ordered), (preset, unit_id, ordered, budget)
