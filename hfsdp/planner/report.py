@@ -39,6 +39,26 @@ def adjacent_pair_bytes(plan: Any) -> int:
     return total
 
 
+def lane_bytes(plan: Any, lanes: int = 3) -> int:
+    """Bytes of a ``lanes``-group pool whose group j holds only units at position i, i % lanes == j.
+
+    A what-if, not an implemented layout. Units run in order (forward 0..n-1, backward n-1..0),
+    so any ``lanes`` consecutive units sit in distinct groups: the pool could hold ``lanes`` live
+    units, i.e. prefetch ``lanes - 1`` units ahead, with every bucket at one fixed address. Group
+    j is sized by the largest unit in it, so for a repeating pattern whose period divides
+    ``lanes`` (``M*E``: 3) the pool is the sum of one of each layer kind, not lanes x the largest.
+    """
+    if lanes < 1:
+        raise ValueError(f"lanes must be >= 1, got {lanes}")
+    pm = _plan_mod()
+    total = 0
+    for dtype, layout in plan.unit_layout_numel.items():
+        step = pm._align_elems(plan.align_bytes, plan.itemsize[dtype])  # the plan's own rounding
+        sizes = [pm._round_up(layout.get(u, 0), step) for u in plan.unit_ids]
+        total += sum(max(sizes[j::lanes], default=0) for j in range(lanes)) * plan.itemsize[dtype]
+    return total
+
+
 def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int = 256,
                    main_grads_dtype: Optional[torch.dtype] = None,
                    grad_comm_dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
@@ -98,6 +118,9 @@ def plan_lines(result: dict[str, Any], layout: Layout) -> list[str]:
         f"[{name}] adjacent-pair bound : {_mib(adjacent_pair_bytes(mp))}"
         f"  ({adjacent_pair_bytes(mp) / minimum:.3f} x analytic minimum; what-if, not implemented:"
         " one arena per dtype sized by the largest pair of consecutive units)",
+        f"[{name}] 3-lane bound        : {_mib(lane_bytes(mp, 3))}"
+        f"  ({lane_bytes(mp, 3) / minimum:.3f} x analytic minimum; what-if, not implemented:"
+        " 3 groups, unit i always in group i % 3, so 3 units live = prefetch 2 ahead)",
     ]
     for dtype in sorted(mp.arena_numel):
         setter = mp.setter[dtype]
@@ -156,6 +179,7 @@ def report_dict(layout: Layout, results: list[dict[str, Any]]) -> dict[str, Any]
             "rank_matched_slots": {d: list(s) for d, s in rm.slots.items()},
             "analytic_minimum_bytes": r["analytic_minimum_bytes"],
             "adjacent_pair_bound_bytes": adjacent_pair_bytes(mp),
+            "three_lane_bound_bytes": lane_bytes(mp, 3),
             "fixed_pool_pool_bytes": fx.pool_bytes,
             "fixed_pool_pooled_units": list(fx.pooled_unit_ids),
             "fixed_pool_outlier_units": list(fx.outlier_unit_ids),

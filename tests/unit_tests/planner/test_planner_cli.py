@@ -90,3 +90,31 @@ def test_unit_override_0182():
     text = buf.getvalue()
     assert "units=4" in text  # attention + MoE layers only; Mamba layers are not units
     assert "MambaLayer" not in text.split("unit classes:")[1].splitlines()[0]
+
+
+def test_three_lane_bound(planned):
+    text, doc = planned
+    for name in ("weight", "grad"):
+        a = doc["allocators"][name]
+        # Tiny model is M*E x2: one lane per layer kind, so less than two MoE units.
+        assert a["adjacent_pair_bound_bytes"] <= a["three_lane_bound_bytes"] < a["maxpool_pool_bytes"]
+    assert "3-lane bound" in text
+
+
+def test_lane_bytes_arithmetic():
+    from hfsdp.planner.report import _plan_mod, lane_bytes
+
+    pm = _plan_mod()
+    spec = pm.BucketSpec
+    # Units 0..5 of 100, 50, 1000, 120, 60, 900 bf16 elements; rounding to 128 elements.
+    plan = pm.plan_max_pool([spec(i, i, "torch.bfloat16", n, 2) for i, n in
+                             enumerate((100, 50, 1000, 120, 60, 900))], align_bytes=256)
+    assert plan.pool_bytes() == 2 * 1000 * 2
+    # Lanes {0,3}: max(128, 128); {1,4}: 128; {2,5}: 1024.
+    assert lane_bytes(plan, 3) == (128 + 128 + 1024) * 2
+    # Two lanes by parity: {0,2,4} -> 1024, {1,3,5} -> 1024: the current pool, with each unit
+    # rounded to the alignment (the current arena only rounds bucket offsets).
+    assert lane_bytes(plan, 2) == 2 * 1024 * 2
+    assert lane_bytes(plan, 1) == 1024 * 2
+    with pytest.raises(ValueError, match="lanes must be >= 1"):
+        lane_bytes(plan, 0)
