@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -97,6 +98,37 @@ def pin_nvls_guards() -> list[str]:
     return changed
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def run_in_group(cmd: Sequence[str], log: Any, timeout_s: float,
+                 grace_s: float = 10.0) -> "int | str":
+    """Run ``cmd`` in its own process group; on timeout end the whole group, return "timeout".
+
+    Killing only torchrun would leave its workers running (in session 6 they kept writing
+    profiles, competing for the host with the next run).
+    """
+    proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pgid = proc.pid  # start_new_session: the leader's pid is the group id
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            proc.poll()  # reap the leader so a zombie does not keep the group "alive"
+            time.sleep(0.1)
+        if _group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+        proc.wait()
+        return "timeout"
+
+
 def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: argparse.Namespace,
            workdir: str, timeout_s: Optional[int] = None) -> tuple[Optional[res.RunResult], str]:
     result = os.path.join(workdir, f"{config.name}-{repeat}.json")
@@ -111,11 +143,7 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
            *(["--memory-trace-dir", opts.memory_trace_dir] if opts.memory_trace_dir else []),
            "--", *flags, *config.flags]
     with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout_s or opts.run_timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_in_group(cmd, f, timeout_s or opts.run_timeout)
     if rc != 0 or not os.path.exists(result):
         with open(log) as f:
             tail = f.read()[-3000:]

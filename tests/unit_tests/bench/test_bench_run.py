@@ -56,17 +56,53 @@ def test_no_prime(fake_launch, tmp_path):
     (["--profile-dir", "/p"], ["--profile-dir", "/p"]),
 ])
 def test_worker_gets_profile_stack_only_with_a_profile_dir(monkeypatch, tmp_path, own, expected):
-    import subprocess
-
     seen = []
 
-    def fake_run(cmd, **kwargs):
+    def fake_run(cmd, log, timeout_s):
         seen.append(cmd)
-        return subprocess.CompletedProcess(cmd, 1)
+        return 1
 
-    monkeypatch.setattr(B.subprocess, "run", fake_run)
+    monkeypatch.setattr(B, "run_in_group", fake_run)
     opts, _ = B.parse(own)
     B.launch(B.cfgs.CONFIGS["maxpool"], 0, ["--x"], opts, str(tmp_path))
     cmd = seen[0]
     worker_own = cmd[cmd.index("--timed-steps") + 2: cmd.index("--")]
     assert worker_own == expected
+
+
+def test_timeout_ends_the_whole_process_group(tmp_path):
+    """A timed-out run must not leave torchrun's workers behind (they did in session 6)."""
+    import os
+    import sys
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    # The leader starts a child that ignores nothing and would outlive a leader-only kill.
+    script = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    with open(tmp_path / "log", "w") as log:
+        t0 = time.monotonic()
+        rc = B.run_in_group([sys.executable, "-c", script], log, timeout_s=2, grace_s=2)
+    assert rc == "timeout" and time.monotonic() - t0 < 30
+    child = int(pidfile.read_text())
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+        except FileNotFoundError:
+            return False
+
+    for _ in range(50):
+        if not alive(child):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"child {child} of the timed-out run is still alive")
+
+
+def test_run_in_group_returns_the_exit_code(tmp_path):
+    import sys
+
+    with open(tmp_path / "log", "w") as log:
+        assert B.run_in_group([sys.executable, "-c", "raise SystemExit(3)"], log, timeout_s=30) == 3
