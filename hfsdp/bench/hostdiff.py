@@ -27,8 +27,13 @@ def normalize(name: str) -> str:
     return _ADDRESS.sub("", name)
 
 
-def inclusive(events: Iterable[dict], under: Optional[str] = None) -> tuple[Counter, Counter]:
-    """(inclusive us, calls) by normalized name, per the module docstring."""
+def inclusive(events: Iterable[dict], under: Optional[str] = None,
+              all_threads: bool = False) -> tuple[Counter, Counter]:
+    """(inclusive us, calls) by normalized name, per the module docstring.
+
+    Only threads that ran a ``cpu_op`` count unless ``all_threads``: idle background threads
+    (compile workers, progress monitors) otherwise top the list with the trace length.
+    """
     anc = re.compile(under) if under else None
     by_tid: dict[object, list[dict]] = defaultdict(list)
     for e in events:
@@ -37,19 +42,22 @@ def inclusive(events: Iterable[dict], under: Optional[str] = None) -> tuple[Coun
     total: Counter = Counter()
     calls: Counter = Counter()
     for evs in by_tid.values():
+        if not all_threads and not any(e.get("cat") == "cpu_op" for e in evs):
+            continue
         evs.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0))))
-        stack: list[tuple[float, str]] = []  # (end, normalized name)
+        stack: list[tuple[float, str]] = []  # (end clipped to the parent's, normalized name)
         for e in evs:
             start, end = span(e)
             while stack and stack[-1][0] <= start:
                 stack.pop()
+            end = min(end, stack[-1][0]) if stack else end  # as idle.flatten clips
             name = normalize(e.get("name", ""))
             names = [n for _, n in stack]
             if anc is None or any(anc.search(n) for n in names):
                 calls[name] += 1
                 if name not in names:
                     total[name] += end - start
-            stack.append((min(end, stack[-1][0]) if stack else end, name))
+            stack.append((end, name))
     return total, calls
 
 
@@ -81,10 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
     p.add_argument("--under", default=None, help="only events below an ancestor matching this regex")
     p.add_argument("--match", default=None, help="only names matching this regex")
+    p.add_argument("--all-threads", action="store_true",
+                   help="also count threads that ran no cpu_op (background threads)")
     p.add_argument("--top", type=int, default=30)
     opts = p.parse_args(argv)
-    a = inclusive(load_events(opts.a), opts.under)
-    b = inclusive(load_events(opts.b), opts.under)
+    a = inclusive(load_events(opts.a), opts.under, opts.all_threads)
+    b = inclusive(load_events(opts.b), opts.under, opts.all_threads)
     print(format_rows(diff_rows(a, b, opts.match), opts.steps, opts.top))
     return 0
 

@@ -88,6 +88,30 @@ def flatten(events: Iterable[dict]) -> list[Segment]:
     return out
 
 
+class ThreadSegments:
+    """Host segments (``flatten``) per thread, built on first use of each thread."""
+
+    def __init__(self, events: Iterable[dict]):
+        self._events: dict[object, list[dict]] = defaultdict(list)
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES:
+                self._events[e.get("tid")].append(e)
+        self._flat: dict[object, tuple[list[Segment], list[float]]] = {}
+
+    def segments(self, tid: object) -> tuple[list[Segment], list[float]]:
+        """(segments, their start times) of thread ``tid``, in time order."""
+        if tid not in self._flat:
+            segs = flatten(self._events.get(tid, ()))
+            self._flat[tid] = (segs, [s.start for s in segs])
+        return self._flat[tid]
+
+    def at(self, tid: object, ts: float) -> Segment | None:
+        """The segment of thread ``tid`` that covers time ``ts``, if any."""
+        segs, starts = self.segments(tid)
+        i = bisect.bisect_right(starts, ts) - 1
+        return segs[i] if 0 <= i < len(segs) and segs[i].end > ts else None
+
+
 def _charge(segments: list[Segment], starts: list[float], lo: float, hi: float,
             report: IdleReport) -> float:
     """Add the overlap of ``segments`` with [lo, hi) to the report; return the time covered."""
@@ -128,17 +152,12 @@ def attribute(events: Sequence[dict]) -> IdleReport:
     device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES
               and float(e.get("dur", 0)) > 0]
     launches: dict[object, tuple[float, object]] = {}
-    host_by_tid: dict[object, list[dict]] = defaultdict(list)
     for e in events:
-        if e.get("ph") != "X":
-            continue
-        cat = e.get("cat")
-        if cat in LAUNCH_CATEGORIES:
+        if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES:
             corr = (e.get("args") or {}).get("correlation")
             if corr is not None:
                 launches[corr] = (float(e["ts"]), e.get("tid"))
-        if cat in HOST_CATEGORIES:
-            host_by_tid[e.get("tid")].append(e)
+    threads = ThreadSegments(events)
     report = IdleReport()
     if not device:
         return report
@@ -146,7 +165,6 @@ def attribute(events: Sequence[dict]) -> IdleReport:
     # Device events sorted by start: the gap's ending event is the first starting at its end.
     by_start = sorted(device, key=lambda e: float(e["ts"]))
     starts = [float(e["ts"]) for e in by_start]
-    flat: dict[object, tuple[list[Segment], list[float]]] = {}
     for (_, gap_lo), (gap_hi, _) in zip(busy, busy[1:]):
         width = gap_hi - gap_lo
         report.idle_us += width
@@ -162,10 +180,7 @@ def attribute(events: Sequence[dict]) -> IdleReport:
         host_part = min(launch_ts, gap_hi) - gap_lo
         report.by_kind["host_late"] += host_part
         report.by_kind["launch_latency"] += width - host_part
-        if tid not in flat:
-            segs = flatten(host_by_tid.get(tid, ()))
-            flat[tid] = (segs, [s.start for s in segs])
-        segs, seg_starts = flat[tid]
+        segs, seg_starts = threads.segments(tid)
         covered = _charge(segs, seg_starts, gap_lo, gap_lo + host_part, report)
         if host_part - covered > 0:
             report.by_leaf["(no host event)"] += host_part - covered

@@ -214,8 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(opts.profile_dir, stem + ".idle.txt"), "w") as f:
             f.write(idle.format_report(idle.attribute(trace_events), opts.timed_steps, top=25) + "\n")
         # What the host waited for in blocking CUDA calls (e.g. .cpu() over a peer-bound all-gather).
+        try:  # an optional report: never lose the op table and the run record to it
+            text = waits.format_report(waits.attribute(trace_events), opts.timed_steps)
+        except Exception as exc:  # noqa: BLE001
+            text = f"waits report failed: {exc!r}"
         with open(os.path.join(opts.profile_dir, stem + ".waits.txt"), "w") as f:
-            f.write(waits.format_report(waits.attribute(trace_events), opts.timed_steps) + "\n")
+            f.write(text + "\n")
         del trace_events
         with open(os.path.join(opts.profile_dir, stem + ".ops.txt"), "w") as f:
             averages = prof.key_averages()
