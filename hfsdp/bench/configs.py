@@ -28,9 +28,11 @@ CONFIGS = {
     "maxpool": BenchConfig("maxpool", ("--fsdp-double-buffer", MAXPOOL_FLAG),
                            "max-pool double buffer", "maxpool"),
     # Diagnostic: plain FSDP buffers, but all-gather prefetch stops after the next unit and the
-    # reduce-scatter queue holds about one unit, i.e. the schedule a 2-group double buffer
+    # reduce-scatter queue holds about one unit: close to the schedule a 2-group double buffer
     # imposes, without any pool. AG prefetch = size // 2 elements: 1M is above every MoE unit's
-    # small non-expert bucket (so the whole next unit is fetched) and below every full unit.
+    # small non-expert bucket and below every full unit, so forward prefetch fetches exactly the
+    # next unit. Backward walks buckets downward and meets the MoE unit's large expert bucket
+    # first, so there that unit's small non-expert bucket is gathered at its own hook.
     "no_db_d1": BenchConfig("no_db_d1", ("--suggested-communication-unit-size", str(D1_UNIT_SIZE)),
                             "no double buffer, prefetch depth 1 unit (diagnostic)", None),
     "maxpool_ub": BenchConfig("maxpool_ub", ("--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub"),

@@ -20,6 +20,14 @@ def _plan_mod():
     return importlib.import_module(f"{MFSDP}.maxpool_plan")
 
 
+def _rounded_unit_sizes(plan: Any, dtype: str) -> list[int]:
+    """Each unit's ``dtype`` layout in unit order, rounded up with the plan's own alignment."""
+    pm = _plan_mod()
+    step = pm._align_elems(plan.align_bytes, plan.itemsize[dtype])
+    layout = plan.unit_layout_numel[dtype]
+    return [pm._round_up(layout.get(u, 0), step) for u in plan.unit_ids]
+
+
 def adjacent_pair_bytes(plan: Any) -> int:
     """Bytes of one arena per dtype sized by the largest pair of consecutive units.
 
@@ -29,11 +37,9 @@ def adjacent_pair_bytes(plan: Any) -> int:
     left-aligned and group 1 right-aligned would need max(layout[u] + layout[u+1]) per dtype.
     Each layout is rounded up to the plan's alignment (a right-aligned start must be aligned).
     """
-    pm = _plan_mod()
     total = 0
-    for dtype, layout in plan.unit_layout_numel.items():
-        step = pm._align_elems(plan.align_bytes, plan.itemsize[dtype])  # the plan's own rounding
-        sizes = [pm._round_up(layout.get(u, 0), step) for u in plan.unit_ids]
+    for dtype in plan.unit_layout_numel:
+        sizes = _rounded_unit_sizes(plan, dtype)
         pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
         total += max(pairs) * plan.itemsize[dtype]
     return total
@@ -45,16 +51,16 @@ def lane_bytes(plan: Any, lanes: int = 3) -> int:
     A what-if, not an implemented layout. Units run in order (forward 0..n-1, backward n-1..0),
     so any ``lanes`` consecutive units sit in distinct groups: the pool could hold ``lanes`` live
     units, i.e. prefetch ``lanes - 1`` units ahead, with every bucket at one fixed address. Group
-    j is sized by the largest unit in it, so for a repeating pattern whose period divides
-    ``lanes`` (``M*E``: 3) the pool is the sum of one of each layer kind, not lanes x the largest.
+    j is sized by the largest unit in it, so for a repeating unit pattern whose period divides
+    ``lanes`` (``M*E`` with the fork's default units: 3) the pool is the sum of one of each layer
+    kind, not lanes x the largest. Units are rounded one by one, so ``lane_bytes(plan, 2)`` can
+    exceed the current pool by up to one alignment step per group and dtype.
     """
     if lanes < 1:
         raise ValueError(f"lanes must be >= 1, got {lanes}")
-    pm = _plan_mod()
     total = 0
-    for dtype, layout in plan.unit_layout_numel.items():
-        step = pm._align_elems(plan.align_bytes, plan.itemsize[dtype])  # the plan's own rounding
-        sizes = [pm._round_up(layout.get(u, 0), step) for u in plan.unit_ids]
+    for dtype in plan.unit_layout_numel:
+        sizes = _rounded_unit_sizes(plan, dtype)
         total += sum(max(sizes[j::lanes], default=0) for j in range(lanes)) * plan.itemsize[dtype]
     return total
 

@@ -79,9 +79,11 @@ def test_default_configs_exclude_nccl_ub():
 
 @pytest.mark.parametrize("preset", ["default", "fill"])
 def test_no_db_d1_prefetches_exactly_the_next_unit(preset, tmp_path):
-    """no_db_d1's AG prefetch budget (D1_UNIT_SIZE // 2 elements) ends each prefetch at a unit
-    boundary: a unit's leading bucket groups (an MoE layer's small non-expert bucket) stay below
-    it, the whole unit reaches it. Checked on the planner's bucket layout of both presets."""
+    """no_db_d1's AG prefetch budget (D1_UNIT_SIZE // 2 elements) ends each forward prefetch at
+    a unit boundary: a unit's leading bucket groups in bucket order (an MoE layer's small
+    non-expert bucket) stay below it, the whole unit reaches it. Backward (downward) order
+    reaches it at the MoE unit's expert bucket, leaving the small one for its hook; the test
+    pins that too, so a layout change that alters either shows up. Both presets, DP=2 and 4."""
     pytest.importorskip("megatron.core.models.hybrid.hybrid_local_layer_specs")
     import io
     import json
@@ -89,17 +91,21 @@ def test_no_db_d1_prefetches_exactly_the_next_unit(preset, tmp_path):
 
     from hfsdp.planner import cli
 
-    out = tmp_path / "plan.json"
-    with redirect_stdout(io.StringIO()):
-        assert cli.main(C.model_flags(preset) + ["--plan-dp-size", "2", "--plan-json", str(out)]) == 0
-    doc = json.loads(out.read_text())
     budget = C.D1_UNIT_SIZE // 2
-    groups: dict = {}
-    for b in doc["buckets"]:
-        if b["unit_id"] is not None:  # bucket groups are (unit, expert or not), in bucket order
-            unit = groups.setdefault(b["unit_id"], {})
-            unit[b["is_expert"]] = unit.get(b["is_expert"], 0) + b["numel"]
-    assert len(groups) == len(doc["units"]) > 0
-    for unit_id, sizes in groups.items():
-        ordered = [sizes[k] for k in sorted(sizes, key=lambda e: e)]  # non-expert first
-        assert sum(ordered[:-1]) < budget <= sum(ordered), (preset, unit_id, ordered, budget)
+    for dp in (2, 4):
+        out = tmp_path / f"plan{dp}.json"
+        with redirect_stdout(io.StringIO()):
+            assert cli.main(C.model_flags(preset) + ["--plan-dp-size", str(dp),
+                                                     "--plan-json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        groups: dict = {}  # unit -> {is_expert: numel}, in bucket-id order (dicts keep order)
+        for b in sorted(doc["buckets"], key=lambda b: b["bucket_id"]):
+            if b["unit_id"] is not None:  # bucket groups are (unit, expert or not)
+                unit = groups.setdefault(b["unit_id"], {})
+                unit[b["is_expert"]] = unit.get(b["is_expert"], 0) + b["numel"]
+        assert len(groups) == len(doc["units"]) > 0
+        for unit_id, sizes in groups.items():
+            forward = list(sizes.values())
+            assert sum(forward[:-1]) < budget <= sum(forward), (preset, dp, unit_id, forward)
+            backward = forward[::-1]
+            assert backward[0] >= budget, (preset, dp, unit_id, backward)  # stops after one group
