@@ -9,13 +9,7 @@ from pathlib import Path
 import pytest
 
 from hfsdp.bench import idle
-
-
-def X(cat: str, name: str, ts: float, dur: float, tid: int = 1, corr: int | None = None) -> dict:
-    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
-    if corr is not None:
-        e["args"] = {"correlation": corr}
-    return e
+from chrome_trace import X  # noqa: E402  (sibling helper; tests dir is on sys.path)
 
 
 TRACE = [

@@ -9,13 +9,7 @@ from pathlib import Path
 import pytest
 
 from hfsdp.bench import hostdiff, waits
-
-
-def X(cat: str, name: str, ts: float, dur: float, tid: int = 1, stream: int | None = None) -> dict:
-    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
-    if stream is not None:
-        e["args"] = {"stream": stream}
-    return e
+from chrome_trace import X  # noqa: E402  (sibling helper; tests dir is on sys.path)
 
 
 WAIT_TRACE = [
