@@ -123,8 +123,10 @@ def run_in_group(cmd: Sequence[str], log: Any, timeout_s: float,
         while _group_alive(pgid) and time.monotonic() < deadline:
             proc.poll()  # reap the leader so a zombie does not keep the group "alive"
             time.sleep(0.1)
-        if _group_alive(pgid):
-            os.killpg(pgid, signal.SIGKILL)
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # whatever ignored SIGTERM
+        except ProcessLookupError:
+            pass  # the group ended within the grace period
         proc.wait()
         return "timeout"
 
