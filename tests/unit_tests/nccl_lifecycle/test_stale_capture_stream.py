@@ -1,8 +1,8 @@
-"""FullCudaGraphWrapper enables the stale-capture-stream override before capturing.
+"""FullCudaGraphWrapper: stale-capture-stream override and warm-up on the capture stream.
 
-Runs the real ``FullCudaGraphWrapper.__call__`` capture branch on CPU with the CUDA pieces
-(graph, capture context, stream, barrier, synchronize) replaced by recorders, so the test sees
-the order of events around capture.
+Runs the real ``FullCudaGraphWrapper.__call__`` (eager warm-up steps, the capture branch,
+replays) on CPU with the CUDA pieces (graph, capture context, streams, barrier, synchronize)
+replaced by recorders, so the tests see the order of events and which stream each step ran on.
 """
 
 import logging
@@ -19,6 +19,15 @@ FEATURE = "set_override_stale_capture_stream"
 class _Recorder:
     def __init__(self) -> None:
         self.events: List[str] = []
+        self.current: Any = None  # the stream torch.cuda.current_stream() returns
+
+
+class FakeStream:
+    def __init__(self, name: str, rec: _Recorder) -> None:
+        self.name, self.rec = name, rec
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        self.rec.events.append(f"{self.name}.wait({other.name})")
 
 
 @pytest.fixture
@@ -33,13 +42,15 @@ def capture_env(monkeypatch):
             rec.events.append("replay")
 
     class FakeCapture:
-        def __init__(self, graph: Any, **kwargs: Any) -> None:
-            pass
+        def __init__(self, graph: Any, stream: Any = None, **kwargs: Any) -> None:
+            self.stream = stream
 
         def __enter__(self) -> None:
             rec.events.append("capture_begin")
+            self.prev, rec.current = rec.current, self.stream
 
         def __exit__(self, *exc: Any) -> None:
+            rec.current = self.prev
             rec.events.append("capture_end")
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
@@ -47,7 +58,22 @@ def capture_env(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: rec.events.append("sync"))
     monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: rec.events.append("barrier"))
     monkeypatch.setattr(fcg, "get_all_rng_states", lambda: {})
-    monkeypatch.setattr(fcg, "get_shared_capture_stream", lambda: "capture-stream")
+    streams = {"default": FakeStream("default", rec), "capture": FakeStream("capture", rec)}
+    rec.current = streams["default"]
+
+    class StreamContext:
+        def __init__(self, stream: FakeStream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            self.prev, rec.current = rec.current, self.stream
+
+        def __exit__(self, *exc: Any) -> None:
+            rec.current = self.prev
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: rec.current)
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(fcg, "get_shared_capture_stream", lambda: streams["capture"])
     monkeypatch.setattr(fcg, "get_graph_pool", lambda single: None)
     monkeypatch.setattr(fcg, "_warned_missing_stale_stream_override", False)
     for name in ("curr_iteration", "cuda_graph", "result"):
@@ -60,15 +86,15 @@ def capture_env(monkeypatch):
     return rec
 
 
-def _wrapper(rec: _Recorder) -> fcg.FullCudaGraphWrapper:
+def _wrapper(rec: _Recorder, warmup_steps: int = 0) -> fcg.FullCudaGraphWrapper:
     def forward_backward(**kwargs: Any) -> str:
-        rec.events.append("forward_backward")
+        rec.events.append(f"forward_backward@{rec.current.name}")
         return "loss"
 
     # __new__ skips StaticBufferLoader(), which creates a CUDA stream.
     wrapper = fcg.FullCudaGraphWrapper.__new__(fcg.FullCudaGraphWrapper)
     wrapper.forward_backward_func = forward_backward
-    wrapper.cuda_graph_warmup_steps = 0  # capture on the first call
+    wrapper.cuda_graph_warmup_steps = warmup_steps  # 0: capture on the first call
     wrapper.use_single_mempool = False
     return wrapper
 
@@ -92,7 +118,8 @@ def test_override_enabled_before_capture_barrier(capture_env, monkeypatch):
     ev = capture_env.events
     assert ev.count("override=True") == 1
     assert ev.index("override=True") < ev.index("barrier") < ev.index("capture_begin")
-    assert ev.index("capture_begin") < ev.index("forward_backward") < ev.index("capture_end")
+    fb = ev.index("forward_backward@capture")
+    assert ev.index("capture_begin") < fb < ev.index("capture_end")
 
 
 def test_real_api_call_succeeds():
@@ -111,3 +138,37 @@ def test_missing_api_warns_once_and_capture_proceeds(capture_env, monkeypatch, c
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     assert "pytorch/pytorch#180090" in warnings[0].getMessage()
     assert capture_env.events.count("capture_begin") == 2
+
+
+def test_warmup_steps_run_on_the_capture_stream_in_order(capture_env):
+    """Every eager warm-up step runs on the capture stream, which first waits for the caller's
+    stream; the caller's stream waits for it before anything after the step. Then capture
+    (on the capture stream) and replays follow; nothing runs eagerly on the default stream."""
+    wrapper = _wrapper(capture_env, warmup_steps=2)
+    for _ in range(4):  # 2 warm-up steps, the capture step (capture + replay), 1 replay
+        assert _capture(wrapper, forward_only=False) == "loss"
+    one_warmup = ["capture.wait(default)", "forward_backward@capture", "default.wait(capture)"]
+    ev = [e for e in capture_env.events if e not in ("sync", "barrier")]
+    assert ev == one_warmup * 2 + ["capture_begin", "forward_backward@capture", "capture_end",
+                                   "replay", "replay"], ev
+    assert capture_env.current.name == "default", "the caller's stream must be current again"
+
+
+def test_warmup_context_restores_the_stream_when_the_step_raises(capture_env):
+    """A failing warm-up step leaves the caller's stream current (no half-switched state)."""
+    from megatron.core.full_cuda_graph_warmup import warmup_on_capture_stream
+
+    capture = fcg.get_shared_capture_stream()
+    with pytest.raises(RuntimeError, match="boom"):
+        with warmup_on_capture_stream(capture):
+            assert capture_env.current is capture
+            raise RuntimeError("boom")
+    assert capture_env.current.name == "default"
+
+
+def test_warmup_context_without_a_stream_runs_the_body_unchanged(capture_env):
+    from megatron.core.full_cuda_graph_warmup import warmup_on_capture_stream
+
+    with warmup_on_capture_stream(None):
+        assert capture_env.current.name == "default"
+    assert capture_env.events == []
