@@ -1,0 +1,94 @@
+"""validate_args rejects CUDA-graph configurations that cannot be captured, naming the fix.
+
+Runs Megatron's real parser and ``validate_args`` (CPU, world of 1) on the default hybrid
+model's MoE and Megatron-FSDP flags.
+"""
+
+import sys
+
+import pytest
+
+import megatron.training.arguments as arguments
+from megatron.training.cuda_graph_checks import DROP_AND_PAD_FLAGS, cuda_graph_arg_problems
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 1 --bf16 --lr 1e-4 --train-iters 2 "
+    "--ckpt-format fsdp_dtensor --no-check-for-nan-in-loss-and-grad "
+    "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+    "--use-distributed-optimizer"
+).split()
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64".split()
+FULL = "--cuda-graph-impl full_iteration".split()
+DROP_PAD = DROP_AND_PAD_FLAGS.split()
+
+
+@pytest.fixture
+def validate(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+
+    def run(extra):
+        monkeypatch.setattr(sys, "argv", ["pretrain"] + BASE + extra)
+        args = arguments.parse_args()
+        arguments.validate_args(args, {})
+        return args
+
+    return run
+
+
+def test_full_iteration_with_alltoall_drop_and_pad_is_accepted(validate):
+    args = validate(FULL + MOE + ["--moe-token-dispatcher-type", "alltoall"] + DROP_PAD)
+    assert args.cuda_graph_impl == "full_iteration"
+    assert cuda_graph_arg_problems(args) == []
+
+
+def test_full_iteration_dense_model_is_accepted(validate):
+    assert validate(FULL).cuda_graph_impl == "full_iteration"
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--moe-token-dispatcher-type", "alltoall"], "alltoall MoE token dispatcher copies"),
+    (["--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.0"],
+     "alltoall MoE token dispatcher copies"),
+    ([], "allgather MoE token dispatcher"),  # Megatron's default dispatcher
+    (["--moe-token-dispatcher-type", "allgather"] + DROP_PAD, "allgather MoE token dispatcher"),
+])
+def test_full_iteration_rejects_moe_dispatch_that_syncs_with_the_host(validate, extra, words):
+    with pytest.raises(ValueError) as err:
+        validate(FULL + MOE + extra)
+    msg = str(err.value)
+    assert "CUDA graphs cannot be captured" in msg and words in msg, msg
+    assert DROP_AND_PAD_FLAGS in msg, f"the message must name the flags that fix it: {msg}"
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_per_layer_graphs_with_megatron_fsdp_are_rejected(validate, impl):
+    with pytest.raises(ValueError) as err:
+        validate(["--cuda-graph-impl", impl])
+    msg = str(err.value)
+    assert f"--cuda-graph-impl {impl}" in msg and "--use-megatron-fsdp" in msg, msg
+    assert "--cuda-graph-impl full_iteration" in msg, f"the message must name the way out: {msg}"
+
+
+def test_every_problem_is_reported_at_once():
+    class Args:
+        cuda_graph_impl = "full_iteration"
+        use_megatron_fsdp = True
+        num_experts = 4
+        moe_token_dispatcher_type = "flex"
+        moe_flex_dispatcher_backend = "deepep"
+        moe_expert_capacity_factor = None
+        moe_pad_expert_input_to_capacity = False
+
+    problems = cuda_graph_arg_problems(Args())
+    assert len(problems) == 1 and "flex MoE token dispatcher (deepep backend)" in problems[0]
+    Args.moe_flex_dispatcher_backend = "hybridep"
+    Args.moe_expert_capacity_factor = 1.0
+    Args.moe_pad_expert_input_to_capacity = True
+    assert cuda_graph_arg_problems(Args()) == []
+    Args.cuda_graph_impl = "none"
+    Args.moe_token_dispatcher_type = "allgather"
+    assert cuda_graph_arg_problems(Args()) == [], "no graphs, nothing to reject"
