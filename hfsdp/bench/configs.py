@@ -20,6 +20,16 @@ class BenchConfig:
     description: str
     plan: Optional[str]  # which planner figure is its pool: "fixed_pool", "maxpool" or None
 
+    @property
+    def graphed(self) -> bool:
+        """Runs under a full-iteration CUDA graph (timed through pretrain only)."""
+        return "--cuda-graph-impl" in self.flags
+
+
+# Full-iteration CUDA graph: Megatron's default 3 eager warm-up steps, capture on step 4.
+GRAPH_FLAGS = ("--cuda-graph-impl", "full_iteration")
+GRAPH_WARMUP_STEPS = 3
+
 
 CONFIGS = {
     "no_db": BenchConfig("no_db", (), "no double buffer (StorageResize allocator)", None),
@@ -37,10 +47,14 @@ CONFIGS = {
                             "no double buffer, prefetch depth 1 unit (diagnostic)", None),
     "maxpool_ub": BenchConfig("maxpool_ub", ("--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub"),
                               "max-pool + NCCL user buffers (NVLS off)", "maxpool"),
+    "no_db_graph": BenchConfig("no_db_graph", GRAPH_FLAGS,
+                               "no double buffer, full-iteration CUDA graph", None),
+    "maxpool_graph": BenchConfig("maxpool_graph", ("--fsdp-double-buffer", MAXPOOL_FLAG, *GRAPH_FLAGS),
+                                 "max-pool double buffer, full-iteration CUDA graph", "maxpool"),
 }
 # maxpool_ub is opt-in (--configs ...,maxpool_ub): --use-nccl-ub JIT-builds megatron's NCCL
 # allocator extension (load_inline, needs nvcc, nccl.h and libnccl.so), unproven on the GPU box.
-DEFAULT_CONFIGS = ("no_db", "fixedpool", "maxpool")
+DEFAULT_CONFIGS = ("no_db", "maxpool", "no_db_graph", "maxpool_graph")
 
 # "Fills most of an H200": 5.9B-param hybrid (24 layers, hidden 4096, 16 experts), seq 4096.
 # Measured at DP=2 on H200 (session 5): no_db peak reserved 91,990 MiB of 143,771 (64 %).
@@ -49,7 +63,14 @@ FILL_GPU_OVERRIDES = (
     "--ffn-hidden-size", "16384", "--moe-ffn-hidden-size", "4096", "--num-experts", "16",
     "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
 )
-PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES}
+# "Fills most of one 80 GB GPU": 2.0B-param hybrid (18 layers, hidden 3072, 16 experts), seq
+# 4096, at DP=1 (one H100); the single-GPU CUDA-graph benchmark's large preset.
+FILL80_OVERRIDES = (
+    "--hybrid-layer-pattern", "M*E" * 6, "--hidden-size", "3072", "--num-attention-heads", "24",
+    "--ffn-hidden-size", "12288", "--moe-ffn-hidden-size", "2048", "--num-experts", "16",
+    "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
+)
+PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES, "fill80": FILL80_OVERRIDES}
 
 
 def override_flags(base: Sequence[str], overrides: Sequence[str]) -> list[str]:

@@ -33,6 +33,7 @@ class RunResult:
     nccl_kernels: Optional[dict[str, Any]] = None
     timeline: Optional[Any] = None
     memory_peak: Optional[dict[str, Any]] = None
+    cuda_graph_captured: Optional[bool] = None  # pretrain runs: a full-iteration graph ran
 
     def __post_init__(self) -> None:
         if not self.step_times_s:
@@ -224,4 +225,5 @@ def run_from_dict(d: dict[str, Any]) -> RunResult:
         nccl_kernels=d.get("nccl_kernels"),
         timeline=d.get("timeline"),
         memory_peak=d.get("memory_peak"),
+        cuda_graph_captured=d.get("cuda_graph_captured"),
     )

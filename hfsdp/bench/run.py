@@ -8,8 +8,10 @@ sizes. Results: a table on stdout, JSON and a PNG chart (see docs/benchmark.md).
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from hfsdp.bench import configs as cfgs
+from hfsdp.bench import pretrain_launch
 from hfsdp.bench import results as res
 from hfsdp.safety import NVLS_SAFE_ENV
 
@@ -29,8 +32,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                                 epilog="Megatron flags after `--` override the preset's model flags.")
     p.add_argument("--nproc", type=int, default=2, help="GPUs (= data-parallel size).")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup-steps", type=int, default=3, help="Untimed steps per run.")
-    p.add_argument("--timed-steps", type=int, default=10, help="Timed steps per run.")
+    p.add_argument("--warmup-steps", type=int, default=6,
+                   help="Untimed steps per run (graphed configurations: Megatron's eager "
+                        "warm-up steps, the capture step and at least one replay).")
+    p.add_argument("--timed-steps", type=int, default=20, help="Timed steps per run.")
     p.add_argument("--configs", default=",".join(cfgs.DEFAULT_CONFIGS),
                    help="Comma-separated subset of " + ", ".join(cfgs.CONFIGS))
     p.add_argument("--preset", default="default", choices=sorted(cfgs.PRESETS))
@@ -49,6 +54,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="Record the CUDA allocator's history and write what was live at the "
                         "peak, by allocator (hfsdp/bench/memtrace.py; distorts timings).")
     p.add_argument("--run-timeout", type=int, default=300, help="Seconds per torchrun.")
+    p.add_argument("--keep-logs", default=None,
+                   help="Copy every timing run's Megatron log and run report into this folder.")
     p.add_argument("--no-prime", action="store_true",
                    help="Skip the discarded priming run (it fills the Triton compile/autotune "
                         "caches so the first timed run is not slower than the rest).")
@@ -84,6 +91,7 @@ def planned_pools(flags: Sequence[str], nproc: int) -> dict[str, dict[str, int]]
         "fixedpool": {"pool_bytes": total("fixed_pool_pool_bytes"), "analytic_minimum_bytes": minimum},
         "maxpool": maxpool,
         "maxpool_ub": maxpool,
+        "maxpool_graph": maxpool,
     }
 
 
@@ -107,13 +115,14 @@ def _group_alive(pgid: int) -> bool:
 
 
 def run_in_group(cmd: Sequence[str], log: Any, timeout_s: float,
-                 grace_s: float = 10.0) -> "int | str":
+                 grace_s: float = 10.0, env: Optional[dict[str, str]] = None) -> "int | str":
     """Run ``cmd`` in its own process group; on timeout end the whole group, return "timeout".
 
     Killing only torchrun would leave its workers running (in session 6 they kept writing
     profiles, competing for the host with the next run).
     """
-    proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -131,8 +140,15 @@ def run_in_group(cmd: Sequence[str], log: Any, timeout_s: float,
         return "timeout"
 
 
+def profiling(opts: argparse.Namespace) -> bool:
+    """Profiling passes run in the bench worker (in-process hooks); timing runs in pretrain."""
+    return bool(opts.profile_dir or opts.pyprofile_dir or opts.memory_trace_dir)
+
+
 def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: argparse.Namespace,
            workdir: str, timeout_s: Optional[int] = None) -> tuple[Optional[res.RunResult], str]:
+    if not profiling(opts):
+        return launch_pretrain(config, repeat, flags, opts, workdir, timeout_s)
     result = os.path.join(workdir, f"{config.name}-{repeat}.json")
     log = os.path.join(workdir, f"{config.name}-{repeat}.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -154,6 +170,36 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
         return res.run_from_dict(json.load(f)), log
 
 
+def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
+                    opts: argparse.Namespace, workdir: str,
+                    timeout_s: Optional[int] = None) -> tuple[Optional[res.RunResult], str]:
+    """One timing run through Megatron's own training loop (hfsdp/bench/pretrain_launch.py)."""
+    stem = os.path.join(workdir, f"{config.name}-{repeat}")
+    steps = opts.warmup_steps + opts.timed_steps
+    cmd = pretrain_launch.command([*flags, *config.flags], opts.nproc, steps)
+    with open(f"{stem}.log", "w") as f:
+        rc = run_in_group(cmd, f, timeout_s or opts.run_timeout,
+                          env=pretrain_launch.report_env(f"{stem}.report.json"))
+    try:
+        if rc != 0:
+            raise pretrain_launch.RunFailed(f"rc={rc}")
+        run = pretrain_launch.result(config.name, repeat, f"{stem}.log", f"{stem}.report.json",
+                                     warmup_steps=opts.warmup_steps, timed_steps=opts.timed_steps,
+                                     nproc=opts.nproc, flags=[*flags, *config.flags])
+        if config.graphed and not run.cuda_graph_captured:
+            raise pretrain_launch.RunFailed("no full-iteration CUDA graph was captured")
+    except pretrain_launch.RunFailed as exc:
+        with open(f"{stem}.log", errors="replace") as f:
+            tail = f.read()[-3000:]
+        return None, f"{exc}; log tail:\n{tail}"
+    finally:
+        if opts.keep_logs:
+            os.makedirs(opts.keep_logs, exist_ok=True)
+            for path in glob.glob(f"{stem}.log") + glob.glob(f"{stem}.report.json*"):
+                shutil.copy(path, opts.keep_logs)
+    return run, f"{stem}.log"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     opts, extra = parse(sys.argv[1:] if argv is None else argv)
     if opts.chart_from:
@@ -171,6 +217,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"note: pinned {', '.join(f'{k}={NVLS_GUARDS[k]}' for k in changed)} (NVLS off)")
     flags = cfgs.model_flags(opts.preset, extra)
     wanted = [c.strip() for c in opts.configs.split(",") if c.strip()]
+    graphed = [n for n in wanted if n in cfgs.CONFIGS and cfgs.CONFIGS[n].graphed]
+    if graphed and profiling(opts):
+        print(f"error: {', '.join(graphed)} run under a CUDA graph inside pretrain; the profiling "
+              "passes (--profile-dir, --pyprofile-dir, --memory-trace-dir) use the bench worker "
+              "and cannot time them. Drop those configurations or the profiling option.",
+              file=sys.stderr)
+        return 2
+    if graphed and opts.warmup_steps < cfgs.GRAPH_WARMUP_STEPS + 2:
+        print(f"error: --warmup-steps {opts.warmup_steps} would time the eager warm-up or the "
+              f"capture step of {', '.join(graphed)}; use at least {cfgs.GRAPH_WARMUP_STEPS + 2}.",
+              file=sys.stderr)
+        return 2
     if "no_db" not in wanted:
         print("note: no_db not selected; ratios vs baseline will be empty")
     runnable, skipped = [], {}

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, Iterator
 
-POOL_PREFIXES = ("fsdp_params", "fsdp_fp8_transpose_params", "fsdp_grads", "hsdp_grad_comm")
+from hfsdp.training.run_report import maxpool_stats, pool_bytes_held
 
 
 def synthetic_batches(args: Any) -> Iterator[dict[str, Any]]:
@@ -39,36 +39,6 @@ def data_iterator(args: Any) -> Any:
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     return RerunDataIterator(synthetic_batches(args))
-
-
-def pool_bytes_held() -> int:
-    """Bytes of Megatron-FSDP's named global buffers that belong to double-buffer pools."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
-
-    total = 0
-    for (name, _dtype), t in get_global_memory_buffer().buffer.items():
-        # Persistent fallbacks ("*_not_fit_in_fixed_pool_*", "*_not_in_max_pool_*") are not pool.
-        if name.startswith(POOL_PREFIXES) and "_not_" not in name:
-            total += t.numel() * t.element_size()
-    return total
-
-
-def maxpool_stats(model: Any) -> dict[str, int] | None:
-    """Summed ``MaxPoolAllocator.stats()`` (home misses, pool bytes), None without max-pool."""
-    try:
-        from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator import (
-            model_max_pool_allocators,
-        )
-    except ImportError:
-        return None
-    allocators = model_max_pool_allocators(model)
-    if not allocators:
-        return None
-    total: dict[str, int] = {}
-    for alloc in allocators:
-        for key, value in alloc.stats().items():
-            total[key] = total.get(key, 0) + int(value)
-    return total
 
 
 def write_pyprofile(profile: Any, path: str, steps: int) -> None:

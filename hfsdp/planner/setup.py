@@ -18,6 +18,9 @@ DEFAULT_MODEL_FLAGS = (
     # The default benchmark model: hybrid, pattern M*E x4, hidden 1024 (236.5M params).
     "--hybrid-layer-pattern M*EM*EM*EM*E --hidden-size 1024 --num-attention-heads 16 "
     "--ffn-hidden-size 4096 --num-experts 16 --moe-ffn-hidden-size 1024 --moe-router-topk 2 "
+    # alltoall dispatch with drop-and-pad: static shapes, so full-iteration CUDA graphs capture it
+    "--moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.0 "
+    "--moe-pad-expert-input-to-capacity "
     "--disable-bias-linear "
     "--seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 2 "
     "--bf16 --normalization RMSNorm --no-persist-layer-norm --position-embedding-type none "
@@ -68,6 +71,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         margs.get_device_arch_version = saved
     if getattr(args, "padded_vocab_size", None) is None:
         args.padded_vocab_size = padded_vocab_size(args)
+    # A token dispatcher owns no parameters, and the alltoall one creates a CUDA stream when it
+    # is built: plan with the allgather one, which builds anywhere and gives the same plan.
+    args.moe_token_dispatcher_type = "allgather"
     return args
 
 

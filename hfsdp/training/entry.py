@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None, forced_family: str | None = None) ->
 
     from hfsdp.determinism import ENV as PIN_ENV, pin_triton_autotune_from_env
     from hfsdp.digest import ENV as DIGEST_ENV, install_from_env as install_digest_from_env
-    from hfsdp.training import data, fsdp_units, forward_step, model_provider
+    from hfsdp.training import data, fsdp_units, forward_step, model_provider, run_report
 
     set_startup_timestamps(program_start=program_start, main_entry=time.time())
     args, family = parse_args(argv, forced_family)
@@ -86,3 +86,4 @@ def main(argv: Sequence[str] | None = None, forced_family: str | None = None) ->
         ModelType.encoder_or_decoder,
         forward_step.forward_step,
     )
+    run_report.write_if_requested()  # HFSDP_RUN_REPORT: peaks, pools, capture (run_report.py)

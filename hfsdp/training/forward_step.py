@@ -12,6 +12,8 @@ from typing import Any, Iterator
 
 import torch
 
+from hfsdp.training import run_report
+
 _KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
@@ -101,6 +103,7 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]] | None, model:
     from megatron.training import get_timers
 
     assert not return_schedule_plan, "combined 1F1B schedule plans are not supported here"
+    run_report.note_forward_step(model)  # HFSDP_RUN_REPORT only: start of the measured window
     timers = get_timers()
     vp_stage = getattr(model, "vp_stage", None)
     timers("batch-generator", log_level=2).start()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run (or record) the GPU functional cases on a 2-GPU machine, from the repo root:
-#   . .devtools/bootstrap.sh && bash tests/gpu/run_functional.sh [--record] [case ...]
+# Run (or record) the GPU functional cases, from the repo root (each case says its GPU count, NPROC):
+#   . tests/gpu/setup_gpu_env.sh && bash tests/gpu/run_functional.sh [--record] [case ...]
 # Default cases: every GPU case under tests/functional_tests/test_cases (not smoke/).
 # Everything lands in $OUT/functional.tgz (logs, metrics, goldens) plus $OUT/functional_summary.txt.
 set -uo pipefail
@@ -11,6 +11,8 @@ cases=("$@")
 if [ ${#cases[@]} -eq 0 ]; then
   mapfile -t cases < <(cd tests/functional_tests/test_cases && ls -d */*/ | sed 's#/$##' | grep -v '^smoke/')
 fi
+# Goldens are per GPU kind: golden_values_dev_<platform>.json (PLATFORM=dgx_h200 to force one).
+platform=${PLATFORM:-$(python3 -c 'import torch; n = torch.cuda.get_device_name(); print(next((f"dgx_{k.lower()}" for k in ("H100", "H200", "B200", "A100") if k in n), "dgx_" + n.split()[-1].lower()))')}
 work=${HFSDP_FUNCTIONAL_OUT:-/tmp/hfsdp_functional}
 export HFSDP_FUNCTIONAL_OUT=$work
 mkdir -p "$work"
@@ -25,6 +27,7 @@ for c in "${cases[@]}"; do
     echo "skipped (BUDGET_S=${BUDGET_S} reached) [$c]" | tee -a "$summary"; continue
   fi
   python -m hfsdp.functional.run_case "tests/functional_tests/test_cases/$c" "${mode[@]}" --timeout-s "${CASE_TIMEOUT:-170}" \
+    --platform "$platform" \
     > "$work/$(echo "$c" | tr / _).log" 2>&1
   rc=$?
   line=$(grep -h "HFSDP-FUNCTIONAL RESULT" "$work/$(echo "$c" | tr / _).log" | tail -1)

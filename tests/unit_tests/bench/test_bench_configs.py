@@ -72,9 +72,28 @@ def test_nvls_detection_rejects_unconditional_overwrite(tmp_path, monkeypatch):
     assert C.nccl_allocator_respects_nvls_env("upstream_nccl_allocator") is False
 
 
-def test_default_configs_exclude_nccl_ub():
-    assert C.DEFAULT_CONFIGS == ("no_db", "fixedpool", "maxpool")
-    assert "maxpool_ub" in C.CONFIGS
+def test_default_configs_are_eager_and_graphed_without_nccl_ub():
+    assert C.DEFAULT_CONFIGS == ("no_db", "maxpool", "no_db_graph", "maxpool_graph")
+    assert "maxpool_ub" in C.CONFIGS and "fixedpool" in C.CONFIGS
+    assert [n for n in C.CONFIGS if C.CONFIGS[n].graphed] == ["no_db_graph", "maxpool_graph"]
+    assert C.CONFIGS["maxpool_graph"].flags[:2] == C.CONFIGS["maxpool"].flags
+
+
+def test_default_model_is_capturable():
+    """The default model's MoE dispatch passes the full-iteration capture checks."""
+    pytest.importorskip("megatron.training.cuda_graph_checks")
+    from types import SimpleNamespace
+
+    from megatron.training.cuda_graph_checks import cuda_graph_arg_problems
+
+    flags = C.model_flags("default")
+    args = SimpleNamespace(
+        cuda_graph_impl="full_iteration", use_megatron_fsdp=True,
+        num_experts=int(flags[flags.index("--num-experts") + 1]),
+        moe_token_dispatcher_type=flags[flags.index("--moe-token-dispatcher-type") + 1],
+        moe_expert_capacity_factor=float(flags[flags.index("--moe-expert-capacity-factor") + 1]),
+        moe_pad_expert_input_to_capacity="--moe-pad-expert-input-to-capacity" in flags)
+    assert cuda_graph_arg_problems(args) == []
 
 
 @pytest.mark.parametrize("preset", ["default", "fill"])

@@ -52,13 +52,13 @@ def test_no_prime(fake_launch, tmp_path):
 
 @pytest.mark.parametrize(("own", "expected"), [
     (["--profile-dir", "/p", "--profile-stack"], ["--profile-dir", "/p", "--profile-stack"]),
-    (["--profile-stack"], []),  # no trace, no stacks
     (["--profile-dir", "/p"], ["--profile-dir", "/p"]),
+    (["--pyprofile-dir", "/p", "--profile-stack"], ["--pyprofile-dir", "/p"]),  # no trace, no stacks
 ])
 def test_worker_gets_profile_stack_only_with_a_profile_dir(monkeypatch, tmp_path, own, expected):
     seen = []
 
-    def fake_run(cmd, log, timeout_s):
+    def fake_run(cmd, log, timeout_s, env=None):
         seen.append(cmd)
         return 1
 

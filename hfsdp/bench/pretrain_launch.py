@@ -1,0 +1,96 @@
+"""Timing runs through Megatron's own training loop.
+
+One run is one fresh ``torchrun pretrain_gpt.py`` of one configuration: the same ``pretrain``
+users launch, so a full-iteration CUDA graph (which lives inside ``train_step``) is timed the
+way it runs in training. Step times and losses come from Megatron's log (``--log-interval
+1``: "elapsed time per iteration" is the wall time between consecutive steps, data loading,
+optimizer step and logging included); peak memory, pool bytes and max-pool home misses come
+from the run report the entry point writes (``HFSDP_RUN_REPORT``, hfsdp/training/run_report.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from hfsdp.bench.results import RunResult
+from hfsdp.functional import logparse
+from hfsdp.training import run_report
+
+TRAINING_SCRIPT = Path(__file__).resolve().parents[2] / "pretrain_gpt.py"
+# Micro-batches per step and data-parallel rank: more than one, as in real training, so the
+# gradient-accumulation path is part of every timed (and captured) step.
+MICRO_BATCHES = 2
+# Flags every timing run shares. Full-iteration capture requires the NaN check off; eager runs
+# get the same so graphed and eager runs do identical host work apart from the graph.
+COMMON_FLAGS = (
+    "--no-check-for-nan-in-loss-and-grad", "--lr", "1e-4", "--min-lr", "1e-5",
+    "--lr-decay-style", "cosine", "--seed", "1234", "--split", "99,1,0",
+    "--eval-iters", "0", "--eval-interval", "1000000", "--log-interval", "1",
+)
+
+
+class RunFailed(RuntimeError):
+    """A run finished without the numbers a result needs; the message says which."""
+
+
+def flag_value(flags: Sequence[str], name: str) -> str | None:
+    """The value of the last ``name value`` pair in ``flags`` (None when absent)."""
+    found = None
+    for i, tok in enumerate(flags[:-1]):
+        if tok == name:
+            found = flags[i + 1]
+    return found
+
+
+def training_flags(flags: Sequence[str], nproc: int, steps: int) -> list[str]:
+    """``flags`` plus what a timing run needs: step count, logging, and a global batch of
+    ``MICRO_BATCHES`` micro-batches per rank unless ``flags`` already set one."""
+    out = [*flags, *COMMON_FLAGS, "--train-iters", str(steps)]
+    if flag_value(flags, "--global-batch-size") is None:
+        mbs = int(flag_value(flags, "--micro-batch-size") or 1)
+        out += ["--global-batch-size", str(mbs * nproc * MICRO_BATCHES)]
+    return out
+
+
+def command(flags: Sequence[str], nproc: int, steps: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", str(TRAINING_SCRIPT),
+            *training_flags(flags, nproc, steps)]
+
+
+def report_env(report_path: str) -> dict[str, str]:
+    return {**os.environ, run_report.ENV: report_path}
+
+
+def result(config: str, repeat: int, log_path: str, report_path: str, *, warmup_steps: int,
+           timed_steps: int, nproc: int, flags: Sequence[str]) -> RunResult:
+    """The RunResult of a finished run, from its log and its run report."""
+    metrics = logparse.parse_file(log_path)
+    times = metrics.get("iteration-time", {})
+    timed = range(warmup_steps + 1, warmup_steps + timed_steps + 1)
+    missing = [s for s in timed if s not in times]
+    if missing:
+        raise RunFailed(f"{config}#{repeat}: no step time logged for steps {missing[:5]}"
+                        f"{'...' if len(missing) > 5 else ''} in {log_path}")
+    try:
+        report = run_report.read(report_path, nproc)
+    except (OSError, ValueError) as exc:
+        raise RunFailed(f"{config}#{repeat}: run report unreadable: {exc}") from exc
+    losses = metrics.get("lm loss", {})
+    total = warmup_steps + timed_steps
+    seq = int(flag_value(flags, "--seq-length") or 0)
+    gbs = int(flag_value(training_flags(flags, nproc, total), "--global-batch-size") or 0)
+    return RunResult(
+        config=config, repeat=repeat,
+        step_times_s=tuple(times[s] for s in timed),
+        tokens_per_step=gbs * seq,
+        peak_allocated_bytes=int(report["peak_allocated_bytes"]),
+        peak_reserved_bytes=int(report["peak_reserved_bytes"]),
+        pool_bytes_measured=report.get("pool_bytes_measured"),
+        lm_loss=tuple(losses.get(s) for s in range(1, total + 1)),
+        maxpool_stats=report.get("maxpool_stats"),
+        cuda_graph_captured=report.get("cuda_graph_captured"),
+    )

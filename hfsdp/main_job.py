@@ -1,0 +1,131 @@
+"""The README's main job on a GPU machine: ``python -m hfsdp.main_job [pretrain flags ...]``.
+
+Trains the reference hybrid model (hfsdp/planner/setup.py ``DEFAULT_MODEL_FLAGS``) on every
+local GPU with Megatron-FSDP, the max-pool double buffer and, when the model can be captured,
+full-iteration CUDA graphs: the fastest configuration the fork offers. Then a short eager run
+of the same model shows what the graph buys. When the configuration cannot be captured (the
+CUDA-graph argument checks name why), it trains eagerly and says so. Each run is Megatron's
+own ``pretrain`` under torchrun; the caller's environment is passed through unchanged.
+
+Environment: ``TRAIN_ITERS`` (graphed run, default 30), ``EAGER_ITERS`` (comparison, default
+10, 0 skips it), ``NPROC`` (default: all GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+from typing import Sequence
+
+from hfsdp.bench import pretrain_launch
+from hfsdp.bench.configs import GRAPH_FLAGS, GRAPH_WARMUP_STEPS, MAXPOOL_FLAG
+from hfsdp.functional import logparse
+from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
+
+MAXPOOL_FLAGS = ("--fsdp-double-buffer", MAXPOOL_FLAG)
+# Steps before the timed window: the eager warm-up steps, the capture step and one replay.
+SETTLE_STEPS = GRAPH_WARMUP_STEPS + 2
+TRAIN_FLAGS = ("--megatron-fsdp-main-params-dtype", "fp32", "--megatron-fsdp-main-grads-dtype",
+               "fp32", "--lr-warmup-iters", "3", "--weight-decay", "0.1", "--clip-grad", "1.0")
+
+
+def capture_problems(flags: Sequence[str], nproc: int) -> list[str]:
+    """Why ``flags`` + full-iteration graphs cannot be captured (Megatron's own parse, CPU)."""
+    import argparse
+    import contextlib
+    import io
+
+    os.environ.setdefault("WORLD_SIZE", str(nproc))
+    os.environ.setdefault("RANK", "0")
+    import megatron.training.arguments as margs
+    from megatron.training.cuda_graph_checks import cuda_graph_arg_problems
+
+    parser = margs.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    with contextlib.redirect_stderr(io.StringIO()):
+        args = parser.parse_args([*flags, *GRAPH_FLAGS])
+    return cuda_graph_arg_problems(args)
+
+
+def print_capture_check(extra: Sequence[str] = (), nproc: int = 1) -> bool:
+    """Say whether the main job's model would train under a full-iteration CUDA graph."""
+    problems = capture_problems([*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *extra], nproc)
+    if problems:
+        print("the main job's model cannot be captured; on a GPU it would train eagerly:\n  - "
+              + "\n  - ".join(problems))
+    else:
+        print("the main job's model passes the CUDA-graph capture checks: on a GPU it trains "
+              "with the max-pool double buffer under a full-iteration CUDA graph")
+    return not problems
+
+
+def median_step_ms(log_path: str, first_step: int) -> float | None:
+    times = logparse.parse_file(log_path).get("iteration-time", {})
+    window = [t for step, t in times.items() if step >= first_step]
+    return statistics.median(window) * 1e3 if window else None
+
+
+def train(flags: Sequence[str], nproc: int, steps: int, log_path: str) -> int:
+    """One ``pretrain`` run; its output goes to the terminal and to ``log_path``."""
+    import subprocess
+
+    cmd = pretrain_launch.command(flags, nproc, steps)
+    print("+ " + " ".join(cmd), flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        return proc.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
+    extra = list(sys.argv[1:] if argv is None else argv)
+    nproc = int(os.environ.get("NPROC") or torch.cuda.device_count())
+    if nproc < 1:
+        print("main_job: no CUDA GPU here; training needs one (scripts/run_main.sh runs the "
+              "CPU part instead).", file=sys.stderr)
+        return 2
+    base = [*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *TRAIN_FLAGS, *extra]
+    steps = int(os.environ.get("TRAIN_ITERS", "30"))
+    problems = capture_problems(base, nproc)
+    graphed = not problems and steps > SETTLE_STEPS
+    if problems:
+        print("main_job: this configuration cannot run under a full-iteration CUDA graph, so it "
+              "trains eagerly:\n  - " + "\n  - ".join(problems))
+    elif not graphed:
+        print(f"main_job: TRAIN_ITERS={steps} leaves no step after the CUDA-graph capture "
+              f"(it needs more than {SETTLE_STEPS}); training eagerly.")
+    with tempfile.TemporaryDirectory(prefix="hfsdp-main-") as tmp:
+        label = "max-pool + full-iteration CUDA graph" if graphed else "max-pool, eager"
+        print(f"== main_job: training on {nproc} GPU(s): {label} ==", flush=True)
+        main_log = os.path.join(tmp, "main.log")
+        rc = train([*base, *(GRAPH_FLAGS if graphed else ())], nproc, steps, main_log)
+        if rc != 0:
+            print(f"main_job: training failed (exit {rc}); see the output above.", file=sys.stderr)
+            return rc
+        first = SETTLE_STEPS + 1 if graphed else 3
+        ms = median_step_ms(main_log, first)
+        eager_iters = int(os.environ.get("EAGER_ITERS", "10"))
+        eager_ms = None
+        if graphed and eager_iters > 3:
+            print(f"== main_job: the same model eager, {eager_iters} steps, for comparison ==",
+                  flush=True)
+            eager_log = os.path.join(tmp, "eager.log")
+            if train(base, nproc, eager_iters, eager_log) == 0:
+                eager_ms = median_step_ms(eager_log, 3)
+    print("== main_job: result ==")
+    if ms is not None:
+        print(f"{label}: median step {ms:.1f} ms (steps {first}-{steps}, {nproc} GPU(s))")
+    if eager_ms is not None and ms:
+        print(f"max-pool, eager: median step {eager_ms:.1f} ms (steps 3-{eager_iters}); "
+              f"the graph runs {eager_ms / ms:.2f}x faster")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

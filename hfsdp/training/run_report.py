@@ -1,0 +1,122 @@
+"""What a finished ``pretrain`` run measured, as JSON: ``HFSDP_RUN_REPORT=<path>``.
+
+Megatron's log has step times and losses; the numbers a benchmark or a test also needs are
+not in it: the allocator's peaks over the training steps only (model construction excluded),
+how many bytes the double-buffer pools hold, max-pool home misses, and whether a
+full-iteration CUDA graph was captured. With the variable set, the first training forward
+step resets the allocator's peak counters and remembers the model; after ``pretrain``
+returns (its clean teardown has already ended the process group), every rank writes its own
+JSON object: rank 0 to ``<path>``, rank r to ``<path>.rank<r>``; ``read`` merges them (peaks
+are the maximum over ranks). Without the variable nothing here runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from typing import Any
+
+ENV = "HFSDP_RUN_REPORT"
+# Megatron-FSDP's named global buffers that belong to double-buffer pools.
+POOL_PREFIXES = ("fsdp_params", "fsdp_fp8_transpose_params", "fsdp_grads", "hsdp_grad_comm")
+
+_model_ref: Any = None  # weak reference to the first model chunk a forward step saw
+
+
+def requested() -> bool:
+    return bool(os.environ.get(ENV))
+
+
+def note_forward_step(model: Any) -> None:
+    """Called by our forward step; the first call starts the measured window."""
+    global _model_ref
+    if _model_ref is not None or not requested():
+        return
+    import torch
+
+    _model_ref = weakref.ref(model)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def pool_bytes_held() -> int:
+    """Bytes of Megatron-FSDP's named global buffers that belong to double-buffer pools."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
+
+    total = 0
+    for (name, _dtype), t in get_global_memory_buffer().buffer.items():
+        # Persistent fallbacks ("*_not_fit_in_fixed_pool_*", "*_not_in_max_pool_*") are not pool.
+        if name.startswith(POOL_PREFIXES) and "_not_" not in name:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def maxpool_stats(model: Any) -> dict[str, int] | None:
+    """Summed ``MaxPoolAllocator.stats()`` (home misses, pool bytes), None without max-pool."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator import (
+        model_max_pool_allocators,
+    )
+
+    allocators = model_max_pool_allocators(model) if model is not None else []
+    if not allocators:
+        return None
+    total: dict[str, int] = {}
+    for alloc in allocators:
+        for key, value in alloc.stats().items():
+            total[key] = total.get(key, 0) + int(value)
+    return total
+
+
+def collect() -> dict[str, Any]:
+    """The report of this process."""
+    import torch
+
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    model = _model_ref() if _model_ref is not None else None
+    return {
+        "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+        "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+        "peaks_from": "first training forward step" if model is not None else "process start",
+        "pool_bytes_measured": pool_bytes_held(),
+        "maxpool_stats": maxpool_stats(model),
+        "cuda_graph_captured": FullCudaGraphWrapper.cuda_graph.get("training") is not None,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+    }
+
+
+def rank_path(path: str, rank: int) -> str:
+    return path if rank == 0 else f"{path}.rank{rank}"
+
+
+def write_if_requested() -> str | None:
+    """After ``pretrain``: write this rank's report; returns the path written (or None)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    out = rank_path(path, int(os.environ.get("RANK", "0")))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = f"{out}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(collect(), f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, out)  # a reader never sees half a report
+    return out
+
+
+def read(path: str, world_size: int) -> dict[str, Any]:
+    """Rank 0's report with peaks and home misses taken as the maximum over every rank's."""
+    reports = []
+    for rank in range(world_size):
+        with open(rank_path(path, rank)) as f:
+            reports.append(json.load(f))
+    merged = dict(reports[0])
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+        merged[key] = max(r[key] for r in reports)
+    stats = [r["maxpool_stats"] for r in reports if r.get("maxpool_stats")]
+    if stats:
+        merged["maxpool_stats"] = {k: max(s.get(k, 0) for s in stats) for k in stats[0]}
+    return merged

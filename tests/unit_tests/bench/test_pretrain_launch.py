@@ -1,0 +1,128 @@
+"""Timing runs through pretrain: command line, log + run-report parsing, failures (CPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from hfsdp.bench import pretrain_launch as P
+from hfsdp.bench import run as B
+from hfsdp.training import run_report
+
+MODEL = ["--micro-batch-size", "2", "--seq-length", "1024", "--num-layers", "2"]
+
+
+def _log_line(step: int, total: int, ms: float, loss: float) -> str:
+    return (f" [2026-11-23 10:00:00] iteration {step:8d}/{total:8d} | consumed samples: {4 * step} | "
+            f"elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.000000E-04 | "
+            f"global batch size:     4 | lm loss: {loss:.6E} | loss scale: 1.0 | "
+            f"number of skipped iterations:   0 | number of nan iterations:   0 |\n")
+
+
+def _write_run(tmp_path, steps: int, ms: float = 70.0, skip: int | None = None,
+               captured: bool = True, ranks: int = 1):
+    log = tmp_path / "run.log"
+    log.write_text("".join(_log_line(s, steps, ms + s, 10.0 - s / 10) for s in range(1, steps + 1)
+                           if s != skip))
+    report = tmp_path / "run.report.json"
+    for rank in range(ranks):
+        path = run_report.rank_path(str(report), rank)
+        with open(path, "w") as f:
+            json.dump({"peak_allocated_bytes": 100 + rank, "peak_reserved_bytes": 200 - rank,
+                       "pool_bytes_measured": 64, "cuda_graph_captured": captured,
+                       "maxpool_stats": {"home_misses": rank, "pool_bytes_allocated": 64}}, f)
+    return str(log), str(report)
+
+
+def test_training_flags_add_two_micro_batches_per_rank():
+    flags = P.training_flags(MODEL, nproc=2, steps=26)
+    assert P.flag_value(flags, "--global-batch-size") == "8"  # 2 (mbs) x 2 ranks x 2
+    assert P.flag_value(flags, "--train-iters") == "26" and P.flag_value(flags, "--log-interval") == "1"
+    assert "--no-check-for-nan-in-loss-and-grad" in flags
+    mine = P.training_flags(MODEL + ["--global-batch-size", "16"], nproc=2, steps=26)
+    assert P.flag_value(mine, "--global-batch-size") == "16" and mine.count("--global-batch-size") == 1
+
+
+def test_command_runs_megatrons_training_loop():
+    cmd = P.command(MODEL, nproc=1, steps=8)
+    assert cmd[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    assert cmd[5].endswith("pretrain_gpt.py") and P.TRAINING_SCRIPT.is_file()
+
+
+def test_result_times_only_the_timed_steps(tmp_path):
+    log, report = _write_run(tmp_path, steps=8, ranks=2)
+    run = P.result("maxpool_graph", 1, log, report, warmup_steps=5, timed_steps=3, nproc=2,
+                   flags=MODEL)
+    assert run.step_times_s == pytest.approx((0.076, 0.077, 0.078))
+    assert run.lm_loss == pytest.approx(tuple(10.0 - s / 10 for s in range(1, 9)))
+    assert run.tokens_per_step == 8 * 1024  # global batch 2 x 2 x 2, seq 1024
+    # Peaks and home misses: the worst rank.
+    assert (run.peak_allocated_bytes, run.peak_reserved_bytes) == (101, 200)
+    assert run.maxpool_stats["home_misses"] == 1 and run.cuda_graph_captured is True
+
+
+def test_result_names_missing_steps_and_reports(tmp_path):
+    log, report = _write_run(tmp_path, steps=8, skip=7)
+    with pytest.raises(P.RunFailed, match=r"no step time logged for steps \[7\]"):
+        P.result("no_db", 0, log, report, warmup_steps=5, timed_steps=3, nproc=1, flags=MODEL)
+    log, _ = _write_run(tmp_path, steps=8)
+    with pytest.raises(P.RunFailed, match="run report unreadable"):
+        P.result("no_db", 0, log, str(tmp_path / "absent.json"), warmup_steps=5, timed_steps=3,
+                 nproc=1, flags=MODEL)
+
+
+def _fake_pretrain(monkeypatch, tmp_path, captured: bool):
+    seen = []
+
+    def fake_run(cmd, log, timeout_s, env=None):
+        seen.append((cmd, env))
+        steps = int(P.flag_value(cmd, "--train-iters"))
+        src_log, src_report = _write_run(tmp_path, steps=steps, captured=captured)
+        log.write(open(src_log).read())
+        with open(env[run_report.ENV], "w") as f:
+            f.write(open(src_report).read())
+        return 0
+
+    monkeypatch.setattr(B, "run_in_group", fake_run)
+    return seen
+
+
+def test_timing_runs_go_through_pretrain_with_a_run_report(monkeypatch, tmp_path):
+    seen = _fake_pretrain(monkeypatch, tmp_path, captured=True)
+    opts, _ = B.parse(["--nproc", "1", "--warmup-steps", "5", "--timed-steps", "3"])
+    work = tmp_path / "work"
+    work.mkdir()
+    run, info = B.launch(B.cfgs.CONFIGS["maxpool_graph"], 0, MODEL, opts, str(work))
+    assert run is not None, info
+    cmd, env = seen[0]
+    assert cmd[5].endswith("pretrain_gpt.py") and "--cuda-graph-impl" in cmd
+    assert env[run_report.ENV].endswith("maxpool_graph-0.report.json")
+    assert len(run.step_times_s) == 3
+    assert not (tmp_path / "kept").exists()
+    opts.keep_logs = str(tmp_path / "kept")
+    B.launch(B.cfgs.CONFIGS["maxpool_graph"], 1, MODEL, opts, str(work))
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [
+        "maxpool_graph-1.log", "maxpool_graph-1.report.json"]
+
+
+def test_a_graphed_run_that_captured_nothing_fails(monkeypatch, tmp_path):
+    _fake_pretrain(monkeypatch, tmp_path, captured=False)
+    opts, _ = B.parse(["--nproc", "1", "--warmup-steps", "5", "--timed-steps", "3"])
+    work = tmp_path / "work"
+    work.mkdir()
+    run, info = B.launch(B.cfgs.CONFIGS["no_db_graph"], 0, MODEL, opts, str(work))
+    assert run is None and "no full-iteration CUDA graph was captured" in info
+    run, info = B.launch(B.cfgs.CONFIGS["no_db"], 0, MODEL, opts, str(work))
+    assert run is not None, "an eager run needs no graph"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--configs", "no_db,maxpool_graph", "--profile-dir", "/p"], "cannot time them"),
+    (["--configs", "no_db_graph", "--warmup-steps", "4"], "use at least 5"),
+])
+def test_graphed_configs_refuse_options_that_cannot_time_them(argv, words, capsys, monkeypatch):
+    monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("nothing may run"))
+    assert B.main(argv + ["--no-plan", "--no-chart"]) == 2
+    assert words in capsys.readouterr().err

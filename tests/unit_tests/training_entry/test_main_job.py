@@ -1,0 +1,63 @@
+"""The main job: graphed when the model can be captured, eager (saying why) when not (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfsdp import main_job as M
+
+
+def _line(step: int, ms: float) -> str:
+    return (f" iteration {step:8d}/      30 | elapsed time per iteration (ms): {ms:.1f} | "
+            f"lm loss: 1.000000E+01 |\n")
+
+
+@pytest.fixture
+def fake_train(monkeypatch):
+    runs = []
+
+    def train(flags, nproc, steps, log_path):
+        graphed = "--cuda-graph-impl" in flags
+        runs.append({"graphed": graphed, "steps": steps, "nproc": nproc, "flags": list(flags)})
+        with open(log_path, "w") as f:
+            f.writelines(_line(s, 70.0 if graphed else 280.0) for s in range(1, steps + 1))
+        return 0
+
+    monkeypatch.setattr(M, "train", train)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for key in ("NPROC", "TRAIN_ITERS", "EAGER_ITERS"):
+        monkeypatch.delenv(key, raising=False)
+    return runs
+
+
+def test_default_model_trains_graphed_then_eager(fake_train, capsys):
+    assert M.main([]) == 0
+    graphed, eager = fake_train
+    assert graphed["graphed"] and graphed["steps"] == 30
+    assert M.MAXPOOL_FLAG in graphed["flags"] and M.MAXPOOL_FLAG in eager["flags"]
+    assert not eager["graphed"] and eager["steps"] == 10
+    out = capsys.readouterr().out
+    assert "max-pool + full-iteration CUDA graph: median step 70.0 ms" in out
+    assert "the graph runs 4.00x faster" in out
+
+
+def test_uncapturable_model_trains_eagerly_and_says_why(fake_train, capsys):
+    assert M.main(["--moe-token-dispatcher-type", "allgather"]) == 0
+    assert [r["graphed"] for r in fake_train] == [False]
+    out = capsys.readouterr().out
+    assert "cannot run under a full-iteration CUDA graph" in out and "allgather" in out
+    assert "max-pool, eager: median step 280.0 ms (steps 3-30" in out
+    assert "faster" not in out  # no comparison of eager with itself
+
+
+def test_no_gpu_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.delenv("NPROC", raising=False)
+    assert M.main([]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_failed_training_returns_its_exit_code(monkeypatch, fake_train):
+    monkeypatch.setattr(M, "train", lambda *a: 7)
+    assert M.main([]) == 7
