@@ -56,6 +56,7 @@ def capture_env(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: rec.events.append("sync"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: rec.events.append("empty_cache"))
     monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: rec.events.append("barrier"))
     monkeypatch.setattr(fcg, "get_all_rng_states", lambda: {})
     streams = {"default": FakeStream("default", rec), "capture": FakeStream("capture", rec)}
@@ -142,12 +143,14 @@ def test_missing_api_warns_once_and_capture_proceeds(capture_env, monkeypatch, c
 
 def test_warmup_steps_run_on_the_capture_stream_in_order(capture_env):
     """Every eager warm-up step runs on the capture stream, which first waits for the caller's
-    stream; the caller's stream waits for it before anything after the step. Then capture
-    (on the capture stream) and replays follow; nothing runs eagerly on the default stream."""
+    stream; the caller's stream waits for it before anything after the step, and the step's
+    cache is handed back. Then capture (on the capture stream) and replays follow; nothing
+    runs eagerly on the default stream."""
     wrapper = _wrapper(capture_env, warmup_steps=2)
     for _ in range(4):  # 2 warm-up steps, the capture step (capture + replay), 1 replay
         assert _capture(wrapper, forward_only=False) == "loss"
-    one_warmup = ["capture.wait(default)", "forward_backward@capture", "default.wait(capture)"]
+    one_warmup = ["capture.wait(default)", "forward_backward@capture", "default.wait(capture)",
+                  "empty_cache"]
     ev = [e for e in capture_env.events if e not in ("sync", "barrier")]
     assert ev == one_warmup * 2 + ["capture_begin", "forward_backward@capture", "capture_end",
                                    "replay", "replay"], ev
@@ -171,4 +174,4 @@ def test_warmup_context_without_a_stream_runs_the_body_unchanged(capture_env):
 
     with warmup_on_capture_stream(None):
         assert capture_env.current.name == "default"
-    assert capture_env.events == []
+    assert capture_env.events == []  # no stream switch, no cache release
