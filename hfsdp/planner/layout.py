@@ -135,42 +135,29 @@ def compute_layout(
     )
 
 
-def _itemsize(dtype: str) -> int:
-    if dtype in ("float8", "torch.uint8"):
-        return 1
-    return torch.empty((), dtype=getattr(torch, dtype.split(".", 1)[1])).element_size()
-
-
-def weight_dtype(row: BucketRow) -> str:
-    """Dtype the weight allocator is asked for (``"float8"`` groups live in uint8 buffers)."""
-    return "torch.uint8" if row.dtype == "float8" else row.dtype
-
-
-def grad_dtype(row: BucketRow, main_grads_dtype: Optional[torch.dtype],
-               grad_comm_dtype: Optional[torch.dtype]) -> str:
-    """Dtype the grad allocator is asked for (brief 2.4: comm dtype, else the grad dtype)."""
-    if isinstance(grad_comm_dtype, torch.dtype):
-        return str(grad_comm_dtype)
-    if main_grads_dtype is not None:
-        return str(main_grads_dtype)
-    return "torch.bfloat16" if row.dtype == "float8" else row.dtype
-
-
 def bucket_specs(layout: Layout, allocator: str, *, main_grads_dtype: Optional[torch.dtype] = None,
                  grad_comm_dtype: Optional[torch.dtype] = None) -> list:
-    """BucketSpecs for the ``"weight"`` or ``"grad"`` allocator (all buckets, units and not)."""
+    """BucketSpecs for the ``"weight"`` or ``"grad"`` allocator (all buckets, units and not).
+
+    Dtypes follow the runtime's own rules (``maxpool_plan.planned_dtype_name``,
+    ``grad_dtype_name``, ``grad_alloc_dtype_name``), item sizes its ``planned_itemsize``.
+    """
     import importlib
 
     plan_mod = importlib.import_module(f"{MFSDP}.maxpool_plan")
+    alloc_mod = importlib.import_module(f"{MFSDP}.maxpool_allocator")
     if allocator not in ("weight", "grad"):
         raise ValueError(f"allocator must be 'weight' or 'grad', got {allocator!r}")
     specs = []
     for row in layout.buckets:
-        dtype = weight_dtype(row) if allocator == "weight" else grad_dtype(
-            row, main_grads_dtype, grad_comm_dtype)
+        if allocator == "weight":
+            dtype = plan_mod.planned_dtype_name(row.dtype)
+        else:
+            dtype = plan_mod.grad_alloc_dtype_name(
+                plan_mod.grad_dtype_name(row.dtype, main_grads_dtype), grad_comm_dtype)
         specs.append(plan_mod.BucketSpec(
             bucket_id=row.bucket_id, unit_id=row.unit_id, dtype=dtype, numel=row.numel,
-            itemsize=_itemsize(dtype), unpadded_numel=row.unpadded_numel,
+            itemsize=alloc_mod.planned_itemsize(dtype), unpadded_numel=row.unpadded_numel,
         ))
     return specs
 

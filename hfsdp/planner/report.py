@@ -22,10 +22,9 @@ def _plan_mod():
 
 def _rounded_unit_sizes(plan: Any, dtype: str) -> list[int]:
     """Each unit's ``dtype`` layout in unit order, rounded up with the plan's own alignment."""
-    pm = _plan_mod()
-    step = pm._align_elems(plan.align_bytes, plan.itemsize[dtype])
+    aligned = _plan_mod().aligned_numel
     layout = plan.unit_layout_numel[dtype]
-    return [pm._round_up(layout.get(u, 0), step) for u in plan.unit_ids]
+    return [aligned(layout.get(u, 0), plan.align_bytes, plan.itemsize[dtype]) for u in plan.unit_ids]
 
 
 def adjacent_pair_bytes(plan: Any) -> int:
@@ -65,11 +64,16 @@ def lane_bytes(plan: Any, lanes: int = 3) -> int:
     return total
 
 
-def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int = 256,
+def plan_allocator(layout: Layout, allocator: str, *, align_bytes: Optional[int] = None,
                    main_grads_dtype: Optional[torch.dtype] = None,
                    grad_comm_dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
-    """Max-pool, rank-matched, analytic-minimum and FixedPool results for one allocator."""
+    """Max-pool, rank-matched, analytic-minimum and FixedPool results for one allocator.
+
+    ``align_bytes`` defaults to the runtime's ``maxpool_plan.DEFAULT_ALIGN_BYTES``.
+    """
     pm = _plan_mod()
+    if align_bytes is None:
+        align_bytes = pm.DEFAULT_ALIGN_BYTES
     specs = bucket_specs(layout, allocator, main_grads_dtype=main_grads_dtype,
                          grad_comm_dtype=grad_comm_dtype)
     maxpool = pm.plan_max_pool(specs, align_bytes=align_bytes)
@@ -120,7 +124,7 @@ def plan_lines(result: dict[str, Any], layout: Layout) -> list[str]:
         f"  ({mp.pool_bytes() / minimum:.3f} x analytic minimum)",
         f"[{name}] rank-matched (0.19) : {_mib(rm.pool_bytes())}"
         f"  ({rm.pool_bytes() / minimum:.3f} x analytic minimum)",
-        f"[{name}] analytic minimum    : {_mib(minimum)}  (2 x largest unit, per dtype)",
+        f"[{name}] analytic minimum    : {_mib(minimum)}  ({mp.num_groups} x largest unit, per dtype)",
         f"[{name}] adjacent-pair bound : {_mib(adjacent_pair_bytes(mp))}"
         f"  ({adjacent_pair_bytes(mp) / minimum:.3f} x analytic minimum; what-if, not implemented:"
         " one arena per dtype sized by the largest pair of consecutive units)",
