@@ -42,7 +42,7 @@ setup(
     package_data={"megatron.core.datasets": ["helpers.cpp"]},
     install_requires=["torch>=2.6.0", "numpy", "packaging>=24.2"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "pyyaml", "einops"],
+        "test": ["pytest>=8", "hypothesis>=6", "pyyaml", "einops", "matplotlib"],
         "bench": ["matplotlib"],
     },
     scripts=["scripts/patchset"],

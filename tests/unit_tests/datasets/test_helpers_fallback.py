@@ -13,10 +13,11 @@ from megatron.core.datasets.helpers_numpy import build_sample_idx_numpy
 
 @pytest.fixture(scope="module")
 def cpp():
-    try:
-        helpers_build.build_helpers()
-    except RuntimeError as exc:  # pragma: no cover - CI machines have g++
-        pytest.skip(f"cannot build helpers_cpp here: {exc}")
+    # Only a missing compiler is the machine's business (CI has one); any other build failure
+    # is a bug in the lazy builder this test guards, so it fails.
+    if helpers_build.compiler() is None:
+        pytest.skip("no C++ compiler on this machine (set CXX or install g++)")
+    helpers_build.build_helpers()
     import megatron.core.datasets.helpers_cpp as module
 
     return module

@@ -133,7 +133,7 @@ def events(monkeypatch):
     return SimpleNamespace(log=log, gmb=gmb)
 
 
-# ------------------------------------------------------------------ pre-sizing (F8)
+# ------------------------------------- pre-sizing ([Note: max-pool failure modes], size drift)
 
 
 def iterate(alloc, groups, n_iter=3):

@@ -4,8 +4,7 @@ ParamAndGradBuffer is constructed for real on CPU: a ``fake`` process group of 2
 process is rank 0; collectives are no-ops) gives DP=2, and ``torch.cuda.current_device`` is
 pointed at the CPU while the buffer allocates its temporary buckets. The planner runs the same
 module through ``compute_layout``; every bucket's unit, dtype, chunk factor and padded size, the
-FixedPool's pooled units, and (when the tree has the max-pool patch) the MaxPool allocator's
-plan must match exactly.
+FixedPool's pooled units, and the MaxPool allocator's plan must match exactly.
 """
 
 from __future__ import annotations
@@ -13,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pgb = pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
-
-from hfsdp.planner import layout as L  # noqa: E402
-from hfsdp.planner import report as R  # noqa: E402
+import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
+from hfsdp.planner import layout as L
+from hfsdp.planner import report as R
 
 DP = 2
 
@@ -97,30 +95,24 @@ def test_layout_equals_runtime_buckets(fake_dp_world):
 
 
 def test_fixed_pool_choice_equals_runtime(fake_dp_world):
-    pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan")
     planned = L.compute_layout(_model(), unit_classes=[Unit], strategy="optim_grads_params",
                                dp_size=DP, expert_dp_size=DP)
     buf = _runtime_buffer(_model())
     alloc = buf.weight_alloc
-    if type(alloc).__name__ != "FixedPoolAllocator":
-        pytest.skip(f"tree builds {type(alloc).__name__} by default")
+    assert isinstance(alloc, pgb.FixedPoolAllocator), type(alloc)  # the default double buffer
     fixed = R.plan_allocator(planned, "weight")["fixed_pool"]
     assert sorted(alloc.fsdp_double_buffer_units) == list(fixed.pooled_unit_ids) == [0, 2, 4]
     assert fixed.outlier_unit_ids == (1, 3)
 
 
 def test_maxpool_plan_equals_runtime_allocator(fake_dp_world):
-    pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan")
     planned = L.compute_layout(_model(), unit_classes=[Unit], strategy="optim_grads_params",
                                dp_size=DP, expert_dp_size=DP)
-    try:
-        buf = _runtime_buffer(_model(), megatron_fsdp_max_pool_double_buffer=True)
-    except TypeError:
-        pytest.skip("tree has no max-pool double buffer (megatron_fsdp_max_pool_double_buffer)")
+    buf = _runtime_buffer(_model(), megatron_fsdp_max_pool_double_buffer=True)
     for alloc_name, kind in (("weight_alloc", "weight"), ("main_grad_alloc", "grad")):
         alloc = getattr(buf, alloc_name)
-        runtime_plan = getattr(alloc, "plan", None)
-        assert runtime_plan is not None, f"{alloc_name} ({type(alloc).__name__}) exposes no .plan"
+        runtime_plan = alloc.plan
+        assert runtime_plan is not None, f"{alloc_name} ({type(alloc).__name__}) planned nothing"
         mine = R.plan_allocator(planned, kind, align_bytes=runtime_plan.align_bytes,
                                 main_grads_dtype=buf.mp_policy.main_grads_dtype,
                                 grad_comm_dtype=buf.mp_policy.grad_comm_dtype)["maxpool"]
