@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
 
@@ -18,7 +18,7 @@ class BenchConfig:
     name: str
     flags: tuple[str, ...]
     description: str
-    plan: Optional[str]  # which planner figure is its pool: "fixed_pool", "maxpool" or None
+    plan: str | None  # which planner figure is its pool: "fixed_pool", "maxpool" or None
 
 
 CONFIGS = {
@@ -75,7 +75,7 @@ def model_flags(preset: str, extra: Sequence[str] = ()) -> list[str]:
     return override_flags(override_flags(DEFAULT_MODEL_FLAGS, PRESETS[preset]), extra)
 
 
-def availability(name: str) -> Optional[str]:
+def availability(name: str) -> str | None:
     """None when config ``name`` can run here, else the reason it is skipped.
 
     The fork's own patches (max-pool flags, the NVLS-respecting NCCL allocator) are always in

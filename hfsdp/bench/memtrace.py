@@ -14,7 +14,8 @@ Pure Python over plain dicts, so it is tested on CPU with synthetic traces.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 # Rules in priority order (the first whose file appears anywhere in the stack wins), so a pooled
 # bucket reads "max-pool" even though param_and_grad_buffer.py called the allocator.

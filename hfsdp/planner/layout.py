@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ class BucketRow:
     """One parameter group (= bucket) as ParamAndGradBuffer sees it."""
 
     bucket_id: int
-    unit_id: Optional[int]
+    unit_id: int | None
     dtype: str  # param group dtype: "torch.bfloat16", ..., or "float8"
     is_expert: bool
     requires_grad: bool
@@ -66,7 +66,7 @@ def discover_units(module: torch.nn.Module, unit_classes: Sequence[type]) -> lis
     for name, m in module.named_modules():
         if any(name.startswith(prefix + ".") for prefix, _ in found):
             continue
-        if isinstance(m, tuple(unit_classes)):
+        if any(isinstance(m, cls) for cls in unit_classes):
             found.append((name, m))
     return found
 
@@ -77,8 +77,8 @@ def compute_layout(
     unit_classes: Sequence[type],
     strategy: str,
     dp_size: int,
-    expert_dp_size: Optional[int] = None,
-    bucket_size: Optional[int] = None,
+    expert_dp_size: int | None = None,
+    bucket_size: int | None = None,
 ) -> Layout:
     """Bucket layout of ``module`` for a DP group of ``dp_size`` ranks (expert: ``expert_dp_size``)."""
     import importlib
@@ -135,8 +135,8 @@ def compute_layout(
     )
 
 
-def bucket_specs(layout: Layout, allocator: str, *, main_grads_dtype: Optional[torch.dtype] = None,
-                 grad_comm_dtype: Optional[torch.dtype] = None) -> list:
+def bucket_specs(layout: Layout, allocator: str, *, main_grads_dtype: torch.dtype | None = None,
+                 grad_comm_dtype: torch.dtype | None = None) -> list:
     """BucketSpecs for the ``"weight"`` or ``"grad"`` allocator (all buckets, units and not).
 
     Dtypes follow the runtime's own rules (``maxpool_plan.planned_dtype_name``,

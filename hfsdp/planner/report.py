@@ -7,7 +7,8 @@ module; the CLI prints :func:`format_report` and can dump :func:`report_dict` as
 from __future__ import annotations
 
 import importlib
-from typing import Any, Optional
+import itertools
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ def adjacent_pair_bytes(plan: Any) -> int:
     total = 0
     for dtype in plan.unit_layout_numel:
         sizes = _rounded_unit_sizes(plan, dtype)
-        pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
+        pairs = [a + b for a, b in itertools.pairwise(sizes)] or sizes
         total += max(pairs) * plan.itemsize[dtype]
     return total
 
@@ -64,9 +65,9 @@ def lane_bytes(plan: Any, lanes: int = 3) -> int:
     return total
 
 
-def plan_allocator(layout: Layout, allocator: str, *, align_bytes: Optional[int] = None,
-                   main_grads_dtype: Optional[torch.dtype] = None,
-                   grad_comm_dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
+def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int | None = None,
+                   main_grads_dtype: torch.dtype | None = None,
+                   grad_comm_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Max-pool, rank-matched, analytic-minimum and FixedPool results for one allocator.
 
     ``align_bytes`` defaults to the runtime's ``maxpool_plan.DEFAULT_ALIGN_BYTES``.

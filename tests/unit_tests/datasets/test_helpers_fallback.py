@@ -69,7 +69,10 @@ def test_mock_dataset_builds_without_compiler_via_fallback(monkeypatch) -> None:
     import importlib
     import sys
 
-    monkeypatch.setattr(helpers_build, "build_helpers", lambda force=False: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    def no_compiler(force=False):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(helpers_build, "build_helpers", no_compiler)
     monkeypatch.delitem(sys.modules, "megatron.core.datasets.helpers_fallback", raising=False)
     monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", None)  # import of it fails
     fallback = importlib.import_module("megatron.core.datasets.helpers_fallback")

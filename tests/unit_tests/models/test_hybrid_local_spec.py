@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import socket
-from typing import Iterator
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest

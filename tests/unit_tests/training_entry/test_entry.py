@@ -107,8 +107,10 @@ def test_model_provider_builds_on_cpu(family: str, extra: list[str], layer_check
 def test_hybrid_provider_builds_on_cpu() -> None:
     if not _megatron_has("mamba_ssm"):
         pytest.skip("mamba_ssm is not installed (MambaMixer needs it even on CPU)")
+    argv = TINY + ["--hybrid-layer-pattern", "M*-", "--mamba-head-dim", "16", "--mamba-num-groups", "1",
+                   "--disable-mamba-mem-eff-path"]
     proc = _py(f"""
-        args, family = parse_args({TINY + ["--hybrid-layer-pattern", "M*-", "--mamba-head-dim", "16", "--mamba-num-groups", "1", "--disable-mamba-mem-eff-path"]!r}, forced_family="hybrid")
+        args, family = parse_args({argv!r}, forced_family="hybrid")
         from megatron.core import parallel_state
         parallel_state.initialize_model_parallel(1, 1)
         from hfsdp.training.model_provider import make_model_provider
