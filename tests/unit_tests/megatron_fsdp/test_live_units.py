@@ -19,7 +19,6 @@ import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan as mp
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
 from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator import MaxPoolAllocator
 
-DP = 2
 UNITS = 5
 
 
@@ -44,31 +43,14 @@ def three_groups(monkeypatch):
 
 
 @pytest.fixture
-def fake_dp_world(monkeypatch):
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+def real_buffer(cpu_fsdp_buffer):
+    """A real ParamAndGradBuffer of Stack on CPU (tests/unit_tests/conftest.py)."""
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=DP)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    yield
-    dist.destroy_process_group()
+    def build(**ddp_kwargs):
+        torch.manual_seed(0)
+        return cpu_fsdp_buffer(Stack(), [Layer], **ddp_kwargs)
 
-
-def real_buffer(**ddp_kwargs):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import FSDPDistributedIndex
-
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (DP, 1), mesh_dim_names=("dp", "tp"))
-    index = FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
-                                 expt_device_mesh=mesh)
-    cfg = DistributedDataParallelConfig(
-        data_parallel_sharding_strategy="optim_grads_params", use_distributed_optimizer=True,
-        fsdp_double_buffer=True, **ddp_kwargs)
-    return pgb.ParamAndGradBuffer(cfg, Stack(), pgb.BucketingPolicy(fsdp_unit_modules=[Layer]),
-                                  index, device=torch.device("cpu"))
+    return build
 
 
 def unit_buckets(buffer):
@@ -108,7 +90,7 @@ def test_a_pool_needs_two_groups():
 
 
 @pytest.mark.parametrize("max_pool", [True, False], ids=["maxpool", "fixedpool"])
-def test_buffer_limits_follow_the_constant(three_groups, fake_dp_world, max_pool):
+def test_buffer_limits_follow_the_constant(three_groups, real_buffer, max_pool):
     buffer = real_buffer(megatron_fsdp_max_pool_double_buffer=max_pool)
     expected = MaxPoolAllocator if max_pool else pgb.FixedPoolAllocator
     assert isinstance(buffer.weight_alloc, expected)
@@ -117,7 +99,7 @@ def test_buffer_limits_follow_the_constant(three_groups, fake_dp_world, max_pool
     assert len(unit_buckets(buffer)) == UNITS
 
 
-def test_default_is_two(fake_dp_world):
+def test_default_is_two(real_buffer):
     buffer = real_buffer(megatron_fsdp_max_pool_double_buffer=True)
     assert mp.NUM_BUFFER_GROUPS == buffer.live_unit_limit == buffer.weight_alloc.size == 2
     units = unit_buckets(buffer)
@@ -126,7 +108,7 @@ def test_default_is_two(fake_dp_world):
     assert pipe.bucket_status.looked_up == units[0] + units[1]
 
 
-def test_allocator_holds_one_live_unit_per_group(three_groups, fake_dp_world):
+def test_allocator_holds_one_live_unit_per_group(three_groups, real_buffer):
     buffer = real_buffer(megatron_fsdp_max_pool_double_buffer=True)
     alloc, units = buffer.weight_alloc, unit_buckets(buffer)
 
@@ -167,7 +149,7 @@ def unit_params(buffer, unit):
     return [p for b in unit_buckets(buffer)[unit] for p in buffer.parameter_groups[b].params]
 
 
-def test_gather_request_and_prefetch_follow_the_constant(three_groups, fake_dp_world):
+def test_gather_request_and_prefetch_follow_the_constant(three_groups, real_buffer):
     buffer = real_buffer(megatron_fsdp_max_pool_double_buffer=True)
     units = unit_buckets(buffer)
     pipe = gather_pipeline(buffer)
@@ -179,7 +161,7 @@ def test_gather_request_and_prefetch_follow_the_constant(three_groups, fake_dp_w
         pipe.all_gather_params([p for u in range(4) for p in unit_params(buffer, u)])
 
 
-def test_grad_drain_follows_the_constant(three_groups, fake_dp_world, monkeypatch):
+def test_grad_drain_follows_the_constant(three_groups, real_buffer, monkeypatch):
     buffer = real_buffer(megatron_fsdp_max_pool_double_buffer=True)
     units = unit_buckets(buffer)
     streams = [SimpleNamespace(wait_event=lambda event: None)]
