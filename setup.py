@@ -42,7 +42,8 @@ setup(
     package_data={"megatron.core.datasets": ["helpers.cpp"]},
     install_requires=["torch>=2.6.0", "numpy", "packaging>=24.2"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "pyyaml", "einops"],
+        "test": ["pytest>=8", "hypothesis>=6", "pyyaml", "einops", "matplotlib",
+                 "ruff>=0.17,<0.18", "mypy>=2.4,<3"],
         "bench": ["matplotlib"],
     },
     scripts=["scripts/patchset"],

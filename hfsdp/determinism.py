@@ -21,7 +21,8 @@ import inspect
 import logging
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 ENV = "HFSDP_TRITON_PIN_AUTOTUNE"
 _MARK = "_hfsdp_pinned_first_config"
@@ -57,7 +58,7 @@ def pin_autotuner_class(autotuner_cls: Any) -> bool:
         self.cache_results = False  # a TRITON_CACHE_AUTOTUNING entry holds real, unpinned timings
         return configs
 
-    def _bench(self: Any, *args: Any, config: Any, **kwargs: Any) -> list[float]:
+    def _bench(self: Any, *args: Any, config: Any, **kwargs: Any) -> list[float] | float:
         order = getattr(self, "_hfsdp_config_order", None) or list(self.configs)
         rank = float(next((i for i, c in enumerate(order) if c is config), len(order)))
         if getattr(self, "_hfsdp_found", False):

@@ -11,7 +11,7 @@ import faulthandler
 import os
 import signal
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
@@ -64,7 +64,7 @@ def descendant_pids(pid: int) -> list[int]:
 
 def child_pids(pid: int) -> list[int]:
     """Direct children of ``pid`` (torchrun's ranks), from /proc; empty where /proc is absent."""
-    children = []
+    children: list[int] = []
     try:
         entries = os.listdir("/proc")
     except OSError:

@@ -23,7 +23,8 @@ first optimizer quantity, that differs. Diagnostics only: each record syncs the 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 ENV = "HFSDP_DIGEST_STEPS"
 
@@ -135,8 +136,7 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> Digest | None:
 def install_hooks(digest: Digest) -> list[Any]:
     """Register ``digest`` on every module's forward and every torch optimizer's step."""
     from torch.nn.modules.module import register_module_forward_hook
-    from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                       register_optimizer_step_pre_hook)
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     return [
         register_module_forward_hook(digest.module_forward),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README; .ci/run calls it): set up the environment from scratch if needed,
-# then run the CPU unit tests. GPU tests skip here; run them with tests/gpu/*.sh on GPU machines.
+# then check the patch series, lint (ruff), type-check hfsdp/ (mypy) and run the CPU unit tests.
+# GPU tests skip here; run them with tests/gpu/*.sh on GPU machines.
 set -eo pipefail
 cd "$(dirname "$0")/.."
 HFSDP_WITH_MAMBA=${HFSDP_WITH_MAMBA:-1} . scripts/setup_env.sh
@@ -8,6 +9,10 @@ echo "run_tests: patch series"
 scripts/patchset lint
 scripts/patchset check
 scripts/patchset status
+echo "run_tests: ruff (rules in pyproject.toml)"
+"$HFSDP_PY" -m ruff check .
+echo "run_tests: mypy hfsdp"
+"$HFSDP_PY" -m mypy
 echo "run_tests: pytest tests/unit_tests"
 set +e
 "$HFSDP_PY" -m pytest tests/unit_tests -p no:cacheprovider "$@"

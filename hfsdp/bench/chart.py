@@ -5,7 +5,7 @@ matplotlib is optional for the rest of the package; only this writer needs it an
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from hfsdp.bench.results import MIB, ConfigSummary
 
@@ -37,8 +37,8 @@ def write_chart(path: str, summaries: Sequence[ConfigSummary], title: str) -> No
     x = list(range(len(names)))
     fig, axes = plt.subplots(1, 3, figsize=(4.2 * 3, 4.0))
     step = [s.median_step_s * 1e3 for s in summaries]
-    err = [[m - s.min_run_median_s * 1e3 for m, s in zip(step, summaries)],
-           [s.max_run_median_s * 1e3 - m for m, s in zip(step, summaries)]]
+    err = [[m - s.min_run_median_s * 1e3 for m, s in zip(step, summaries, strict=True)],
+           [s.max_run_median_s * 1e3 - m for m, s in zip(step, summaries, strict=True)]]
     axes[0].bar(x, step, yerr=err, capsize=4, color="tab:blue")
     axes[0].set_ylabel("median step time (ms)")
     axes[1].bar(x, [s.tokens_per_s for s in summaries], color="tab:green")

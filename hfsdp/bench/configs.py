@@ -1,10 +1,10 @@
-"""Benchmark configurations, model presets, and feature detection in the materialized tree."""
+"""Benchmark configurations and model presets."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
 
@@ -18,7 +18,7 @@ class BenchConfig:
     name: str
     flags: tuple[str, ...]
     description: str
-    plan: Optional[str]  # which planner figure is its pool: "fixed_pool", "maxpool" or None
+    plan: str | None  # which planner figure is its pool: "fixed_pool", "maxpool" or None
 
     @property
     def graphed(self) -> bool:
@@ -96,53 +96,15 @@ def model_flags(preset: str, extra: Sequence[str] = ()) -> list[str]:
     return override_flags(override_flags(DEFAULT_MODEL_FLAGS, PRESETS[preset]), extra)
 
 
-def parser_has_flag(flag: str) -> bool:
-    """True when Megatron's argument parser (in the tree on the path) knows ``flag``."""
-    import argparse
+def availability(name: str) -> str | None:
+    """None when config ``name`` can run here, else the reason it is skipped.
 
-    from megatron.training.arguments import add_megatron_arguments
-
-    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    return flag in parser._option_string_actions
-
-
-_NVLS_PROBE = """
-import os, sys, importlib
-os.environ["NCCL_NVLS_ENABLE"] = "0"
-module = importlib.import_module(sys.argv[1])
-module._build_nccl_allocator = lambda: None  # no C++ build, no CUDA needed
-module.init()
-print("NVLS=" + os.environ.get("NCCL_NVLS_ENABLE", "<unset>"))
-"""
-
-
-def nccl_allocator_respects_nvls_env(module: str = "megatron.core.nccl_allocator") -> bool:
-    """True when ``nccl_allocator.init`` keeps an explicit ``NCCL_NVLS_ENABLE=0`` (the NVLS patch).
-
-    0.18.2 overwrites the variable unconditionally; the patch keeps an explicit value (its source
-    still contains the assignment, under ``if ... is None``, so a text search cannot tell the two
-    apart). The real ``init`` runs in a throw-away interpreter with the extension build stubbed
-    out, so whatever it does to the environment never touches this process (which launches GPU
-    jobs). The worker additionally asserts after model setup that the variable is still "0".
+    The fork's own patches (max-pool flags, the NVLS-respecting NCCL allocator) are always in
+    this tree, so nothing here probes for them: a missing patch must fail the run, not skip it.
     """
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", _NVLS_PROBE, module], capture_output=True, text=True,
-                          env={**os.environ, "NCCL_NVLS_ENABLE": "0"}, timeout=300)
-    return proc.returncode == 0 and "NVLS=0" in proc.stdout.splitlines()
-
-
-def availability(name: str) -> Optional[str]:
-    """None when config ``name`` can run here, else the reason it is skipped."""
     if name not in CONFIGS:
         return f"unknown configuration {name!r}"
-    if name in ("maxpool", "maxpool_ub") and not parser_has_flag(MAXPOOL_FLAG):
-        return f"the tree has no {MAXPOOL_FLAG} (max-pool patch not applied)"
     if name == "maxpool_ub":
         if os.environ.get("NCCL_NVLS_ENABLE") != "0":
             return "NCCL_NVLS_ENABLE is not pinned to 0 (source .devtools/bootstrap.sh)"
-        if not nccl_allocator_respects_nvls_env():
-            return ("megatron/core/nccl_allocator.py forces NVLink multicast on (NVLS patch "
-                    "missing), so NCCL user buffers cannot run here")
     return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections import Counter, defaultdict
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 from hfsdp.bench.idle import HOST_CATEGORIES
 from hfsdp.bench.timeline import load_events, span
@@ -27,8 +27,12 @@ def normalize(name: str) -> str:
     return _ADDRESS.sub("", name)
 
 
-def inclusive(events: Iterable[dict], under: Optional[str] = None,
-              all_threads: bool = False) -> tuple[Counter, Counter]:
+# (inclusive us, calls) by normalized frame or op name.
+Totals = tuple[defaultdict[str, float], Counter[str]]
+
+
+def inclusive(events: Iterable[dict], under: str | None = None,
+              all_threads: bool = False) -> Totals:
     """(inclusive us, calls) by normalized name, per the module docstring.
 
     Only threads that ran a ``cpu_op`` count unless ``all_threads``: idle background threads
@@ -39,8 +43,8 @@ def inclusive(events: Iterable[dict], under: Optional[str] = None,
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES:
             by_tid[e.get("tid")].append(e)
-    total: Counter = Counter()
-    calls: Counter = Counter()
+    total: defaultdict[str, float] = defaultdict(float)  # inclusive us
+    calls: Counter[str] = Counter()
     for evs in by_tid.values():
         if not all_threads and not any(e.get("cat") == "cpu_op" for e in evs):
             continue
@@ -61,8 +65,8 @@ def inclusive(events: Iterable[dict], under: Optional[str] = None,
     return total, calls
 
 
-def diff_rows(a: tuple[Counter, Counter], b: tuple[Counter, Counter],
-              match: Optional[str] = None) -> list[tuple[str, float, float, int, int]]:
+def diff_rows(a: Totals, b: Totals,
+              match: str | None = None) -> list[tuple[str, float, float, int, int]]:
     """(name, A us, B us, A calls, B calls), largest B - A first."""
     pat = re.compile(match) if match else None
     names = [n for n in set(a[0]) | set(b[0]) if pat is None or pat.search(n)]
@@ -70,7 +74,7 @@ def diff_rows(a: tuple[Counter, Counter], b: tuple[Counter, Counter],
     return [(n, a[0][n], b[0][n], a[1][n], b[1][n]) for n in names]
 
 
-def format_rows(rows: Sequence[tuple[str, float, float, int, int]], steps: Optional[int] = None,
+def format_rows(rows: Sequence[tuple[str, float, float, int, int]], steps: int | None = None,
                 top: int = 30) -> str:
     div = 1000.0 * (steps or 1)
     unit = "ms/step" if steps else "ms"

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import itertools
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from hfsdp.bench.timeline import DEVICE_CATEGORIES, load_events, span, union
 
@@ -165,7 +166,7 @@ def attribute(events: Sequence[dict]) -> IdleReport:
     # Device events sorted by start: the gap's ending event is the first starting at its end.
     by_start = sorted(device, key=lambda e: float(e["ts"]))
     starts = [float(e["ts"]) for e in by_start]
-    for (_, gap_lo), (gap_hi, _) in zip(busy, busy[1:]):
+    for (_, gap_lo), (gap_hi, _) in itertools.pairwise(busy):
         width = gap_hi - gap_lo
         report.idle_us += width
         report.gaps += 1

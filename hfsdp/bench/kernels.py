@@ -6,7 +6,8 @@ to show whether the max-pool all-gathers / reduce-scatters ran NCCL's symmetric 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def kernel_kind(name: str) -> str:

@@ -9,12 +9,19 @@ baseline is taken in requested bytes too; ``max_memory_allocated`` counts rounde
 a little higher. If the trace outgrew ``max_entries`` its oldest entries are gone and the result
 is marked ``truncated``.
 Pure Python over plain dicts, so it is tested on CPU with synthetic traces.
+
+The snapshot itself is also written as the pickle ``torch.cuda.memory._dump_snapshot`` writes, so
+PyTorch's own viewer (https://pytorch.org/memory_viz, or ``python -m torch.cuda._memory_viz
+trace_plot FILE``) opens it: timelines and stacks of every block. That viewer draws the trace;
+it does not name what was live at the peak, which is this module's job.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Sequence
+import pickle
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 # Rules in priority order (the first whose file appears anywhere in the stack wins), so a pooled
 # bucket reads "max-pool" even though param_and_grad_buffer.py called the allocator.
@@ -106,13 +113,22 @@ def start_recording(max_entries: int = MAX_ENTRIES) -> int:
     return int(stats.get("requested_bytes.all.current", torch.cuda.memory_allocated()))
 
 
-def stop_and_summarize(baseline_bytes: int, max_entries: int = MAX_ENTRIES) -> dict[str, Any]:
-    """Stop recording and summarize this device's trace."""
+def write_snapshot(snapshot: dict[str, Any], path: str) -> None:
+    """``snapshot`` as the pickle ``torch.cuda.memory._dump_snapshot`` writes (memory_viz input)."""
+    with open(path, "wb") as f:
+        pickle.dump(snapshot, f)
+
+
+def stop_and_summarize(baseline_bytes: int, max_entries: int = MAX_ENTRIES,
+                       snapshot_path: str | None = None) -> dict[str, Any]:
+    """Stop recording and summarize this device's trace; also pickle it to ``snapshot_path``."""
     import torch
 
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
+    if snapshot_path is not None:
+        write_snapshot(snap, snapshot_path)
     traces = snap.get("device_traces") or [[]]
     trace = traces[torch.cuda.current_device()] if len(traces) > 1 else traces[0]
     return peak_live_set(trace, baseline_bytes, max_entries)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 BASELINE = "no_db"
 MIB = 2**20
@@ -25,15 +26,15 @@ class RunResult:
     tokens_per_step: int
     peak_allocated_bytes: int
     peak_reserved_bytes: int
-    pool_bytes_measured: Optional[int] = None  # bytes held by double-buffer pools at the end
-    lm_loss: tuple[Optional[float], ...] = ()  # every step incl. warm-up; configs should agree
-    maxpool_stats: Optional[dict[str, int]] = None  # summed MaxPoolAllocator.stats()
+    pool_bytes_measured: int | None = None  # bytes held by double-buffer pools at the end
+    lm_loss: tuple[float | None, ...] = ()  # every step incl. warm-up; configs should agree
+    maxpool_stats: dict[str, int] | None = None  # summed MaxPoolAllocator.stats()
     # Profiling passes only (rank 0): ncclSymk*/other kernel counts, per-step timeline, the
     # live set at the allocator peak. Kept as the worker wrote them.
-    nccl_kernels: Optional[dict[str, Any]] = None
-    timeline: Optional[Any] = None
-    memory_peak: Optional[dict[str, Any]] = None
-    cuda_graph_captured: Optional[bool] = None  # pretrain runs: a full-iteration graph ran
+    nccl_kernels: dict[str, Any] | None = None
+    timeline: Any | None = None
+    memory_peak: dict[str, Any] | None = None
+    cuda_graph_captured: bool | None = None  # pretrain runs: a full-iteration graph ran
 
     def __post_init__(self) -> None:
         if not self.step_times_s:
@@ -56,13 +57,13 @@ class ConfigSummary:
     tokens_per_s: float
     peak_allocated_bytes: int
     peak_reserved_bytes: int
-    pool_bytes_measured: Optional[int]
-    pool_bytes_planned: Optional[int]
-    analytic_minimum_bytes: Optional[int]
-    step_time_ratio: Optional[float] = None  # vs baseline (lower is better)
-    tokens_per_s_ratio: Optional[float] = None
-    peak_allocated_ratio: Optional[float] = None
-    peak_reserved_ratio: Optional[float] = None
+    pool_bytes_measured: int | None
+    pool_bytes_planned: int | None
+    analytic_minimum_bytes: int | None
+    step_time_ratio: float | None = None  # vs baseline (lower is better)
+    tokens_per_s_ratio: float | None = None
+    peak_allocated_ratio: float | None = None
+    peak_reserved_ratio: float | None = None
 
 
 def median(values: Iterable[float]) -> float:
@@ -89,7 +90,7 @@ def interleaved_order(configs: Sequence[str], repeats: int) -> list[tuple[int, s
     return order
 
 
-def summarize(runs: Sequence[RunResult], *, planned: Optional[dict[str, dict[str, int]]] = None,
+def summarize(runs: Sequence[RunResult], *, planned: dict[str, dict[str, int]] | None = None,
               baseline: str = BASELINE) -> list[ConfigSummary]:
     """One summary per config (first-seen order); ratios filled when the baseline ran."""
     planned = planned or {}
@@ -140,7 +141,7 @@ def loss_agreement(runs: Sequence[RunResult], baseline: str = BASELINE) -> dict[
     seqs = [r.lm_loss for r in runs if r.config == baseline and r.lm_loss]
     if not seqs:
         return {"reference": None, "runs": []}
-    counts: dict[tuple[Optional[float], ...], int] = {}
+    counts: dict[tuple[float | None, ...], int] = {}
     for seq in seqs:
         counts[seq] = counts.get(seq, 0) + 1
     reference = max(counts, key=lambda seq: (counts[seq], -seqs.index(seq)))
@@ -148,7 +149,7 @@ def loss_agreement(runs: Sequence[RunResult], baseline: str = BASELINE) -> dict[
     for r in runs:
         if not r.lm_loss:
             continue
-        first = next((i + 1 for i, (a, b) in enumerate(zip(r.lm_loss, reference)) if a != b), None)
+        first = next((i + 1 for i, (a, b) in enumerate(zip(r.lm_loss, reference, strict=False)) if a != b), None)
         if first is None and len(r.lm_loss) != len(reference):
             first = min(len(r.lm_loss), len(reference)) + 1
         out.append({"config": r.config, "repeat": r.repeat, "identical": first is None,
@@ -169,11 +170,11 @@ def format_loss_agreement(agreement: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _fmt_ratio(x: Optional[float]) -> str:
+def _fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def _fmt_mib(x: Optional[int]) -> str:
+def _fmt_mib(x: int | None) -> str:
     return "-" if x is None else f"{x / MIB:,.1f}"
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from hfsdp.bench.kernels import is_nccl_kernel
 
@@ -67,7 +67,9 @@ def intersection_length(a: Sequence[Interval], b: Sequence[Interval]) -> float:
 
 def summarize(events: Iterable[dict], steps: int | None = None) -> dict:
     """Reduce Chrome-trace events (``traceEvents``; times in us) to ms totals or per-step ms."""
-    nccl, compute, syncs = [], [], {}
+    nccl: list[Interval] = []
+    compute: list[Interval] = []
+    syncs: dict[str, tuple[int, float]] = {}  # name -> (calls, us)
     for e in events:
         if e.get("ph") != "X":
             continue

@@ -19,13 +19,12 @@ import argparse
 import bisect
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from hfsdp.bench.idle import ThreadSegments
 from hfsdp.bench.kernels import is_nccl_kernel
-from hfsdp.bench.timeline import (DEVICE_CATEGORIES, SYNC_CALLS, intersection_length, load_events,
-                                  span, union)
+from hfsdp.bench.timeline import DEVICE_CATEGORIES, SYNC_CALLS, intersection_length, load_events, span, union
 
 BLOCKING_CALLS = SYNC_CALLS + ("cudaMemcpyAsync", "cuStreamSynchronize", "cuCtxSynchronize",
                                "cuEventSynchronize")

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="Write cProfile tables (host Python time) of the timed steps per rank.")
     own.add_argument("--memory-trace-dir", default=None,
                      help="Record allocator history over all steps; write what was live at the "
-                          "peak, by allocator, per rank (memtrace.py).")
+                          "peak, by allocator, per rank (memtrace.py), and the snapshot pickle "
+                          "that https://pytorch.org/memory_viz opens.")
     opts = own.parse_args(argv[:split])
     mflags = argv[split + 1:]
     total_steps = opts.warmup_steps + opts.timed_steps
@@ -161,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"{opts.config}-r{opts.repeat}-rank{torch.distributed.get_rank()}"
     memory_peak = None
     if mem_baseline is not None:
-        memory_peak = memtrace.stop_and_summarize(mem_baseline)
         os.makedirs(opts.memory_trace_dir, exist_ok=True)
+        memory_peak = memtrace.stop_and_summarize(
+            mem_baseline, snapshot_path=os.path.join(opts.memory_trace_dir, stem + ".snapshot.pickle"))
         with open(os.path.join(opts.memory_trace_dir, stem + ".memtrace.txt"), "w") as f:
             f.write(memtrace.format_summary(memory_peak) + "\n")
     if pyprof is not None:

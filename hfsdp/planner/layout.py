@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ class BucketRow:
     """One parameter group (= bucket) as ParamAndGradBuffer sees it."""
 
     bucket_id: int
-    unit_id: Optional[int]
+    unit_id: int | None
     dtype: str  # param group dtype: "torch.bfloat16", ..., or "float8"
     is_expert: bool
     requires_grad: bool
@@ -66,7 +66,7 @@ def discover_units(module: torch.nn.Module, unit_classes: Sequence[type]) -> lis
     for name, m in module.named_modules():
         if any(name.startswith(prefix + ".") for prefix, _ in found):
             continue
-        if isinstance(m, tuple(unit_classes)):
+        if any(isinstance(m, cls) for cls in unit_classes):
             found.append((name, m))
     return found
 
@@ -77,8 +77,8 @@ def compute_layout(
     unit_classes: Sequence[type],
     strategy: str,
     dp_size: int,
-    expert_dp_size: Optional[int] = None,
-    bucket_size: Optional[int] = None,
+    expert_dp_size: int | None = None,
+    bucket_size: int | None = None,
 ) -> Layout:
     """Bucket layout of ``module`` for a DP group of ``dp_size`` ranks (expert: ``expert_dp_size``)."""
     import importlib
@@ -135,42 +135,29 @@ def compute_layout(
     )
 
 
-def _itemsize(dtype: str) -> int:
-    if dtype in ("float8", "torch.uint8"):
-        return 1
-    return torch.empty((), dtype=getattr(torch, dtype.split(".", 1)[1])).element_size()
+def bucket_specs(layout: Layout, allocator: str, *, main_grads_dtype: torch.dtype | None = None,
+                 grad_comm_dtype: torch.dtype | None = None) -> list:
+    """BucketSpecs for the ``"weight"`` or ``"grad"`` allocator (all buckets, units and not).
 
-
-def weight_dtype(row: BucketRow) -> str:
-    """Dtype the weight allocator is asked for (``"float8"`` groups live in uint8 buffers)."""
-    return "torch.uint8" if row.dtype == "float8" else row.dtype
-
-
-def grad_dtype(row: BucketRow, main_grads_dtype: Optional[torch.dtype],
-               grad_comm_dtype: Optional[torch.dtype]) -> str:
-    """Dtype the grad allocator is asked for (brief 2.4: comm dtype, else the grad dtype)."""
-    if isinstance(grad_comm_dtype, torch.dtype):
-        return str(grad_comm_dtype)
-    if main_grads_dtype is not None:
-        return str(main_grads_dtype)
-    return "torch.bfloat16" if row.dtype == "float8" else row.dtype
-
-
-def bucket_specs(layout: Layout, allocator: str, *, main_grads_dtype: Optional[torch.dtype] = None,
-                 grad_comm_dtype: Optional[torch.dtype] = None) -> list:
-    """BucketSpecs for the ``"weight"`` or ``"grad"`` allocator (all buckets, units and not)."""
+    Dtypes follow the runtime's own rules (``maxpool_plan.planned_dtype_name``,
+    ``grad_dtype_name``, ``grad_alloc_dtype_name``), item sizes its ``planned_itemsize``.
+    """
     import importlib
 
     plan_mod = importlib.import_module(f"{MFSDP}.maxpool_plan")
+    alloc_mod = importlib.import_module(f"{MFSDP}.maxpool_allocator")
     if allocator not in ("weight", "grad"):
         raise ValueError(f"allocator must be 'weight' or 'grad', got {allocator!r}")
     specs = []
     for row in layout.buckets:
-        dtype = weight_dtype(row) if allocator == "weight" else grad_dtype(
-            row, main_grads_dtype, grad_comm_dtype)
+        if allocator == "weight":
+            dtype = plan_mod.planned_dtype_name(row.dtype)
+        else:
+            dtype = plan_mod.grad_alloc_dtype_name(
+                plan_mod.grad_dtype_name(row.dtype, main_grads_dtype), grad_comm_dtype)
         specs.append(plan_mod.BucketSpec(
             bucket_id=row.bucket_id, unit_id=row.unit_id, dtype=dtype, numel=row.numel,
-            itemsize=_itemsize(dtype), unpadded_numel=row.unpadded_numel,
+            itemsize=alloc_mod.planned_itemsize(dtype), unpadded_numel=row.unpadded_numel,
         ))
     return specs
 

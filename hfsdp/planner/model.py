@@ -16,7 +16,7 @@ import argparse
 import contextlib
 import sys
 import types
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -7,7 +7,8 @@ module; the CLI prints :func:`format_report` and can dump :func:`report_dict` as
 from __future__ import annotations
 
 import importlib
-from typing import Any, Optional
+import itertools
+from typing import Any
 
 import torch
 
@@ -22,10 +23,9 @@ def _plan_mod():
 
 def _rounded_unit_sizes(plan: Any, dtype: str) -> list[int]:
     """Each unit's ``dtype`` layout in unit order, rounded up with the plan's own alignment."""
-    pm = _plan_mod()
-    step = pm._align_elems(plan.align_bytes, plan.itemsize[dtype])
+    aligned = _plan_mod().aligned_numel
     layout = plan.unit_layout_numel[dtype]
-    return [pm._round_up(layout.get(u, 0), step) for u in plan.unit_ids]
+    return [aligned(layout.get(u, 0), plan.align_bytes, plan.itemsize[dtype]) for u in plan.unit_ids]
 
 
 def adjacent_pair_bytes(plan: Any) -> int:
@@ -40,7 +40,7 @@ def adjacent_pair_bytes(plan: Any) -> int:
     total = 0
     for dtype in plan.unit_layout_numel:
         sizes = _rounded_unit_sizes(plan, dtype)
-        pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
+        pairs = [a + b for a, b in itertools.pairwise(sizes)] or sizes
         total += max(pairs) * plan.itemsize[dtype]
     return total
 
@@ -65,11 +65,16 @@ def lane_bytes(plan: Any, lanes: int = 3) -> int:
     return total
 
 
-def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int = 256,
-                   main_grads_dtype: Optional[torch.dtype] = None,
-                   grad_comm_dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
-    """Max-pool, rank-matched, analytic-minimum and FixedPool results for one allocator."""
+def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int | None = None,
+                   main_grads_dtype: torch.dtype | None = None,
+                   grad_comm_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Max-pool, rank-matched, analytic-minimum and FixedPool results for one allocator.
+
+    ``align_bytes`` defaults to the runtime's ``maxpool_plan.DEFAULT_ALIGN_BYTES``.
+    """
     pm = _plan_mod()
+    if align_bytes is None:
+        align_bytes = pm.DEFAULT_ALIGN_BYTES
     specs = bucket_specs(layout, allocator, main_grads_dtype=main_grads_dtype,
                          grad_comm_dtype=grad_comm_dtype)
     maxpool = pm.plan_max_pool(specs, align_bytes=align_bytes)
@@ -120,7 +125,7 @@ def plan_lines(result: dict[str, Any], layout: Layout) -> list[str]:
         f"  ({mp.pool_bytes() / minimum:.3f} x analytic minimum)",
         f"[{name}] rank-matched (0.19) : {_mib(rm.pool_bytes())}"
         f"  ({rm.pool_bytes() / minimum:.3f} x analytic minimum)",
-        f"[{name}] analytic minimum    : {_mib(minimum)}  (2 x largest unit, per dtype)",
+        f"[{name}] analytic minimum    : {_mib(minimum)}  ({mp.num_groups} x largest unit, per dtype)",
         f"[{name}] adjacent-pair bound : {_mib(adjacent_pair_bytes(mp))}"
         f"  ({adjacent_pair_bytes(mp) / minimum:.3f} x analytic minimum; what-if, not implemented:"
         " one arena per dtype sized by the largest pair of consecutive units)",

@@ -8,8 +8,8 @@ attention_mask), so one provider serves GPT, MoE and hybrid models. Datasets are
 from __future__ import annotations
 
 from argparse import Namespace
-from typing import Any, Callable
-
+from collections.abc import Callable
+from typing import Any
 
 
 def gpt_dataset_config(args: Namespace, tokenizer: Any) -> Any:

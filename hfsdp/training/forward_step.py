@@ -7,8 +7,9 @@ the schedule divides by the global token count and ``train_step`` reports
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -67,9 +68,11 @@ def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]] | None,
     return batch
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor
+def loss_func(loss_mask: torch.Tensor | None, output_tensor: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Masked token-sum loss, the token count, and the ``lm loss`` report ``[sum, count]``."""
+    # Only the last pipeline stage computes the loss, and get_batch gives it the mask.
+    assert loss_mask is not None, "loss_func called on a pipeline stage without labels"
     from megatron.core import mpu
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import get_args

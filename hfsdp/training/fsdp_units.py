@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ENV = "HFSDP_FSDP_UNIT_MODULES"
 PRESET_0182 = "megatron-0.18.2"
@@ -75,9 +76,10 @@ def install_unit_override(value: str | None = None) -> list[str] | None:
     """
     if value is None:
         value = os.environ.get(ENV)
-    resolve = unit_resolver(value)
-    if resolve is None:
+    found = unit_resolver(value)
+    if found is None or value is None:
         return None
+    resolve = found  # narrowed for the class body below
     training = importlib.import_module("megatron.training.training")
 
     base = getattr(training.megatron_FSDP, "_hfsdp_base", training.megatron_FSDP)
@@ -94,7 +96,7 @@ def install_unit_override(value: str | None = None) -> list[str] | None:
             super().__init__(*args, fsdp_unit_modules=units, **kwargs)
 
     FSDPWithExplicitUnits.__qualname__ = base.__qualname__
-    training.megatron_FSDP = FSDPWithExplicitUnits
+    setattr(training, "megatron_FSDP", FSDPWithExplicitUnits)  # noqa: B010 (module attribute swap)
     return [value]
 
 

@@ -8,8 +8,9 @@ itself, so a provider only builds the bare model.
 from __future__ import annotations
 
 from argparse import Namespace
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from hfsdp.training import specs
 

@@ -163,7 +163,7 @@ def main() -> None:
     ub0 = (results["ub"]["ranks"][0] or {})
     if plain0.get("losses") and ub0.get("losses"):
         results["max_abs_loss_diff"] = max(
-            abs(a - b) for a, b in zip(plain0["losses"], ub0["losses"]))
+            abs(a - b) for a, b in zip(plain0["losses"], ub0["losses"], strict=False))
     results_path = _launch.write_results("symmetric_staging", results)
     print(f"== max-pool symmetric staging, Megatron-FSDP ({results_path}) ==")
     for mode, r0 in (("plain", plain0), ("ub", ub0)):

@@ -19,7 +19,6 @@ iteration 1 does. Without warmup the communicators are created inside that step.
   warmup the step succeeds because the communicators already exist.
 """
 
-import argparse
 import json
 import os
 import sys

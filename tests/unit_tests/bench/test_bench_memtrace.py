@@ -54,3 +54,24 @@ def test_a_full_trace_buffer_is_flagged():
     s = peak_live_set([alloc(1, 1, ACT), alloc(2, 1, ACT)], max_entries=2)
     assert s["truncated"] and format_summary(s).startswith("WARNING: trace truncated")
     assert not peak_live_set([alloc(1, 1, ACT)], max_entries=2)["truncated"]
+
+
+def test_snapshot_pickle_opens_in_torchs_memory_viz(tmp_path):
+    """The written file is what torch.cuda.memory._dump_snapshot writes: memory_viz reads it."""
+    import pickle
+
+    from torch.cuda import _memory_viz
+
+    from hfsdp.bench.memtrace import write_snapshot
+
+    entry = {"action": "alloc", "addr": 4096, "size": 2 * MIB, "stream": 0,
+             "frames": [{"filename": "/x/megatron_fsdp/maxpool_allocator.py", "name": "_arena",
+                         "line": 1}]}
+    snap = {"segments": [], "device_traces": [[entry, {**entry, "action": "free_requested"}]]}
+    path = tmp_path / "maxpool-r0-rank0.snapshot.pickle"
+    write_snapshot(snap, str(path))
+    with open(path, "rb") as f:
+        loaded = pickle.load(f)
+    assert loaded == snap
+    text = _memory_viz.trace(loaded)
+    assert "2 entries" in text and "2.0MiB" in text, text

@@ -97,7 +97,6 @@ def test_chart_missing_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_chart_writes_png(tmp_path):
-    pytest.importorskip("matplotlib")
     runs = [run("no_db", 0, [0.2]), run("maxpool", 0, [0.1])]
     out = tmp_path / "c.png"
     write_chart(str(out), R.summarize(runs), "title")

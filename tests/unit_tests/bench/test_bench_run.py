@@ -72,7 +72,6 @@ def test_worker_gets_profile_stack_only_with_a_profile_dir(monkeypatch, tmp_path
 
 def test_timeout_ends_the_whole_process_group(tmp_path):
     """A timed-out run must not leave torchrun's workers behind (they did in session 6)."""
-    import os
     import sys
     import time
 

@@ -30,9 +30,8 @@ def test_data_iterator_is_accepted_by_train_steps_rerun_check():
 
     import pytest
 
-    from megatron.core.rerun_state_machine import RerunMode, RerunStateMachine
-
     from hfsdp.bench.worker import data_iterator, synthetic_batches
+    from megatron.core.rerun_state_machine import RerunMode, RerunStateMachine
 
     args = SimpleNamespace(micro_batch_size=2, seq_length=8, padded_vocab_size=32)
     it = data_iterator(args)

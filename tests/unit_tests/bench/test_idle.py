@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-from hfsdp.bench import idle
 from chrome_trace import X  # noqa: E402  (sibling helper; tests dir is on sys.path)
 
+from hfsdp.bench import idle
 
 TRACE = [
     # Host thread 1.

@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-from hfsdp.bench import hostdiff, waits
 from chrome_trace import X  # noqa: E402  (sibling helper; tests dir is on sys.path)
 
+from hfsdp.bench import hostdiff, waits
 
 WAIT_TRACE = [
     X("python_function", "token_dispatcher.py(284): dispatch_postprocess", 0, 3000),

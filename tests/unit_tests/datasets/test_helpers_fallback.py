@@ -13,10 +13,11 @@ from megatron.core.datasets.helpers_numpy import build_sample_idx_numpy
 
 @pytest.fixture(scope="module")
 def cpp():
-    try:
-        helpers_build.build_helpers()
-    except RuntimeError as exc:  # pragma: no cover - CI machines have g++
-        pytest.skip(f"cannot build helpers_cpp here: {exc}")
+    # Only a missing compiler is the machine's business (CI has one); any other build failure
+    # is a bug in the lazy builder this test guards, so it fails.
+    if helpers_build.compiler() is None:
+        pytest.skip("no C++ compiler on this machine (set CXX or install g++)")
+    helpers_build.build_helpers()
     import megatron.core.datasets.helpers_cpp as module
 
     return module
@@ -68,7 +69,10 @@ def test_mock_dataset_builds_without_compiler_via_fallback(monkeypatch) -> None:
     import importlib
     import sys
 
-    monkeypatch.setattr(helpers_build, "build_helpers", lambda force=False: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    def no_compiler(force=False):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(helpers_build, "build_helpers", no_compiler)
     monkeypatch.delitem(sys.modules, "megatron.core.datasets.helpers_fallback", raising=False)
     monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", None)  # import of it fails
     fallback = importlib.import_module("megatron.core.datasets.helpers_fallback")

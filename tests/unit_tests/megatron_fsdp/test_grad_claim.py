@@ -94,7 +94,7 @@ def fake_cuda(monkeypatch):
     return compute, current
 
 
-def drain_pipeline(units_in_queue, fake_cuda, bucket_units):
+def drain_pipeline(units_in_queue, fake_cuda, bucket_units, live_unit_limit=2):
     """A pipeline whose reduce-scatter queue holds one entry per bucket, oldest first."""
     compute, current = fake_cuda
     pipe = object.__new__(GradReducePipeline)
@@ -103,6 +103,7 @@ def drain_pipeline(units_in_queue, fake_cuda, bucket_units):
         parameter_groups=[SimpleNamespace(fsdp_unit_id=u) for u in bucket_units],
         double_buf_units=set(bucket_units),
         num_buckets=len(bucket_units),
+        live_unit_limit=live_unit_limit,
     )
     pipe.rs_stream = FakeStream("rs")
     pipe.freed = []
@@ -115,7 +116,7 @@ def drain_pipeline(units_in_queue, fake_cuda, bucket_units):
 
 
 def test_drain_keeps_one_in_flight_unit_and_orders_the_consumer(fake_cuda):
-    """F6 (fork fix): taking unit 2's grad buffer drains units 5 and 4 (keeping unit 3's
+    """Wgrad race (fork fix): taking unit 2's grad buffer drains units 5 and 4 (keeping unit 3's
     reduce-scatter in flight), and the compute stream that will overwrite the recycled
     buffers waits on each drained event, not only the reduce-scatter stream."""
     compute, _ = fake_cuda

@@ -115,3 +115,31 @@ def test_fully_shard_plumbs_maxpool_kwarg(monkeypatch):
     # ... which builds the DDP config with the max-pool field set (needs GPUs to call).
     src = inspect.getsource(original_model_fn)
     assert "megatron_fsdp_max_pool_double_buffer=maxpool_double_buffer" in src
+
+
+def test_nccl_ub_implies_double_buffer_as_in_0_19(validated):
+    args = validated(FSDP + ["--use-nccl-ub"])
+    assert args.fsdp_double_buffer is True
+    assert args.fsdp_manual_registration is True
+
+
+def test_nccl_ub_with_ep_overlap_names_both_flags(validated):
+    with pytest.raises(ValueError, match="--use-nccl-ub.*--overlap-moe-expert-parallel-comm"):
+        validated(FSDP + ["--use-nccl-ub", "--overlap-moe-expert-parallel-comm"])
+
+
+def test_max_pool_allocator_importable_where_0_19_has_it():
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import maxpool_allocator
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        MaxPoolAllocator,
+    )
+
+    assert MaxPoolAllocator is maxpool_allocator.MaxPoolAllocator
+    assert issubclass(MaxPoolAllocator, pgb.TemporaryBucketAllocator)
+    # 0.19's keyword arguments are accepted (size, dtype_fn, fallback_to_persistent_buffer).
+    params = inspect.signature(MaxPoolAllocator).parameters
+    assert {"name", "fsdp_param_groups", "size", "dtype_fn",
+            "fallback_to_persistent_buffer"} <= set(params)
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchAllocator'"):
+        pgb.NoSuchAllocator  # noqa: B018

@@ -1,5 +1,6 @@
 """Property tests for the pure max-pool planner (megatron_fsdp/maxpool_plan.py). CPU only."""
 
+import itertools
 import random
 from collections import defaultdict
 
@@ -96,7 +97,7 @@ def test_offsets_do_not_overlap_within_a_unit(specs):
         by_unit[(b.unit_id, dtype)].append((off, off + b.numel))
     for ranges in by_unit.values():
         ranges.sort()
-        for (_, end), (start, _) in zip(ranges, ranges[1:]):
+        for (_, end), (start, _) in itertools.pairwise(ranges):
             assert end <= start
 
 

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,11 +51,11 @@ def _pretend_nccl(group: dist.ProcessGroup) -> bool:
     return "GLOO" not in group.group_desc.upper()
 
 
-def scenario_lifecycle(rank: int, world: int, ports: List[int]) -> Dict[str, Any]:
+def scenario_lifecycle(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.training import nccl_warmup, teardown
 
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
 
     # --- warmup on the real Megatron group list -------------------------------------------
     _init(rank, world, ports[0])
@@ -66,7 +66,7 @@ def scenario_lifecycle(rank: int, world: int, ports: List[int]) -> Dict[str, Any
         for g in group_list
     ]
 
-    touched: List[str] = []
+    touched: list[str] = []
 
     def spy_all_reduce(tensor: torch.Tensor, group: Any = None) -> None:
         touched.append(group.group_desc)
@@ -86,7 +86,7 @@ def scenario_lifecycle(rank: int, world: int, ports: List[int]) -> Dict[str, Any
         "state_unchanged": bool(torch.equal(state, state_before)),
     }
     # Real backend filter: on gloo-only jobs nothing is NCCL, so nothing may be touched.
-    touched_default: List[str] = []
+    touched_default: list[str] = []
     default_report = nccl_warmup.warm_up_nccl_communicators(
         device=torch.device("cpu"),
         collective=lambda t, group=None: touched_default.append(group.group_desc),
@@ -97,7 +97,7 @@ def scenario_lifecycle(rank: int, world: int, ports: List[int]) -> Dict[str, Any
     }
 
     # --- eager expert inter-partial DP group -------------------------------------------------
-    barriers: List[str] = []
+    barriers: list[str] = []
     real_barrier = dist.barrier
 
     def spy_barrier(group: Any = None, **kwargs: Any) -> None:

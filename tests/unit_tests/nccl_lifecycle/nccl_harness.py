@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest  # pytest.fail on a hung job
 
@@ -20,7 +20,7 @@ WORLD_SIZE = 2
 JOB_TIMEOUT_S = 240  # hard bound per job; a normal run takes ~20-40 s, imports dominate
 
 
-def free_ports(n: int) -> List[int]:
+def free_ports(n: int) -> list[int]:
     """Distinct free TCP ports (bound together so they cannot collide with each other)."""
     socks = [socket.socket() for _ in range(n)]
     try:
@@ -32,7 +32,7 @@ def free_ports(n: int) -> List[int]:
             s.close()
 
 
-def child_env() -> Dict[str, str]:
+def child_env() -> dict[str, str]:
     """Environment whose PYTHONPATH finds the same megatron tree as this pytest process."""
     import megatron.core  # `megatron` itself is a namespace package (no __file__)
 
@@ -45,7 +45,7 @@ def child_env() -> Dict[str, str]:
 
 
 def run_ranks(scenario: str, out_dir: Path, n_ports: int, worker: Path = WORKER,
-              timeout_s: float = JOB_TIMEOUT_S) -> List[Dict[str, Any]]:
+              timeout_s: float = JOB_TIMEOUT_S) -> list[dict[str, Any]]:
     """Start WORLD_SIZE ``worker`` processes (argv: scenario rank world out_dir ports...), wait at
     most ``timeout_s``, return each rank's ``rank<r>.json`` from out_dir."""
     ports = [str(p) for p in free_ports(n_ports)]
@@ -69,6 +69,6 @@ def run_ranks(scenario: str, out_dir: Path, n_ports: int, worker: Path = WORKER,
         for p in procs:
             p.kill()
         pytest.fail(f"{scenario} job exceeded {timeout_s} s (hang)")
-    for r, (p, log) in enumerate(zip(procs, logs)):
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{log[-4000:]}"
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]

@@ -7,7 +7,7 @@ ones and all others as the groups that would be NCCL on GPU.
 """
 
 from types import SimpleNamespace
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ import torch
 from megatron.training import nccl_warmup
 
 
-def _expected_order(group_list: List[Dict[str, Any]]) -> List[str]:
+def _expected_order(group_list: list[dict[str, Any]]) -> list[str]:
     return [g["desc"] for g in group_list if "GLOO" not in g["desc"].upper() and g["size"] > 1]
 
 

@@ -6,7 +6,7 @@ replaced by recorders, so the tests see the order of events and which stream eac
 """
 
 import logging
-from typing import Any, List
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ FEATURE = "set_override_stale_capture_stream"
 
 class _Recorder:
     def __init__(self) -> None:
-        self.events: List[str] = []
+        self.events: list[str] = []
         self.current: Any = None  # the stream torch.cuda.current_stream() returns
 
 

@@ -11,12 +11,12 @@ import operator
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 import torch
-from nccl_harness import run_ranks
 import torch.distributed as dist
+from nccl_harness import run_ranks
 
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_symmetric as sym
@@ -31,7 +31,7 @@ JOB_TIMEOUT_S = 180
 class CpuGlobalMemoryBuffer:
     """Same contract as utils.GlobalMemoryBuffer (grow under a name), on CPU; logs creations."""
 
-    def __init__(self, events: List[str] = None):
+    def __init__(self, events: list[str] = None):
         self.buffer = {}
         self.creations = []
         self.events = events if events is not None else []
@@ -48,7 +48,7 @@ class CpuGlobalMemoryBuffer:
 class RecordingPoolContext:
     """Stands in for nccl_mem / MultiGroupMemPoolAllocator: registration happens on exit."""
 
-    def __init__(self, events: List[str]):
+    def __init__(self, events: list[str]):
         self.events = events
 
     def __call__(self):
@@ -113,7 +113,7 @@ def make_buffer(events, groups=None, manual=False, ubr_groups=("dp", "dp_outer")
 @pytest.fixture
 def events(monkeypatch):
     """Mocks collectives and the global memory buffer; returns the shared event log."""
-    log: List[str] = []
+    log: list[str] = []
     gmb = CpuGlobalMemoryBuffer(log)
     monkeypatch.setattr(mpa, "get_global_memory_buffer", lambda: gmb)
     monkeypatch.setattr(pgb, "get_global_memory_buffer", lambda: gmb)
@@ -133,11 +133,11 @@ def events(monkeypatch):
     return SimpleNamespace(log=log, gmb=gmb)
 
 
-# ------------------------------------------------------------------ pre-sizing (F8)
+# ------------------------------------- pre-sizing ([Note: max-pool failure modes], size drift)
 
 
 def iterate(alloc, groups, n_iter=3):
-    units: Dict[int, List[int]] = {}
+    units: dict[int, list[int]] = {}
     for bid, g in enumerate(groups):
         if g.fsdp_unit_id is not None:
             units.setdefault(g.fsdp_unit_id, []).append(bid)
@@ -338,7 +338,7 @@ def test_capture_sets_fail_on_home_miss_and_logs_once(events, capture_env, caplo
     chunks = [fsdp_like_chunk(make_buffer(events.log)), fsdp_like_chunk(make_buffer(events.log))]
     allocs = fcg_allocs(chunks)
     assert len(allocs) == 4 and not any(a.fail_on_home_miss for a in allocs)
-    seen: List[List[bool]] = []
+    seen: list[list[bool]] = []
     with caplog.at_level("INFO", logger=fcg.logger.name):
         assert capture(fcg, chunks, False, seen) == "loss"  # training capture
         capture(fcg, chunks, True, seen)  # validation capture
@@ -379,7 +379,7 @@ def _worker(scenario: str, rank: int, world: int, out_dir: str, port: int) -> No
     attention = 5000 if (scenario == "differ" and rank == 1) else 700
     allocs = [MaxPoolAllocator("fsdp_params", hybrid_groups(attention), numel_fn=padded)]
     fp = sym.plan_fingerprint(allocs)
-    res: Dict[str, Any] = {"fingerprint": fp, "error": None}
+    res: dict[str, Any] = {"fingerprint": fp, "error": None}
     try:
         sym.check_plans_agree(fp, [dist.group.WORLD, sub])
     except RuntimeError as exc:
@@ -396,7 +396,7 @@ def _worker(scenario: str, rank: int, world: int, out_dir: str, port: int) -> No
     dist.destroy_process_group()
 
 
-def _run_job(scenario: str, tmp_path: Path) -> List[Dict[str, Any]]:
+def _run_job(scenario: str, tmp_path: Path) -> list[dict[str, Any]]:
     return run_ranks(scenario, tmp_path, n_ports=1, worker=Path(__file__), timeout_s=JOB_TIMEOUT_S)
 
 

@@ -5,12 +5,12 @@ import sys
 import threading
 import time
 from types import SimpleNamespace
-from typing import Any, List
+from typing import Any
 
 import pytest
 import torch.distributed as dist
-
 from nccl_harness import WORKER, child_env, free_ports
+
 from megatron.training import teardown
 
 FAIL_JOB_TIMEOUT_S = 240  # whole torchrun job, imports included
@@ -69,7 +69,7 @@ def init_single_rank():
 
 
 def test_success_order_barrier_deregister_mp_then_pg(monkeypatch, init_single_rank):
-    calls: List[str] = []
+    calls: list[str] = []
     real_destroy = dist.destroy_process_group
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
     monkeypatch.setattr(teardown, "deregister_fsdp_nccl_pool", lambda: calls.append("deregister"))
@@ -94,7 +94,7 @@ def test_success_order_barrier_deregister_mp_then_pg(monkeypatch, init_single_ra
 def test_failure_keeps_original_error_when_every_teardown_step_breaks(
     monkeypatch, init_single_rank, capsys
 ):
-    calls: List[str] = []
+    calls: list[str] = []
 
     def broken(name: str):
         def step(*a: Any, **k: Any) -> None:
@@ -157,7 +157,7 @@ def test_deregisters_shared_pool_once_per_group(monkeypatch, init_single_rank):
             ubr_groups=None, ddp_config=auto, already_registered=False)),  # no nccl_ub
         SimpleNamespace(),  # not a Megatron-FSDP chunk
     ]
-    undone: List[Any] = []
+    undone: list[Any] = []
     monkeypatch.setattr(pgb, "NCCL_MEMORY_POOL", pool)
     monkeypatch.setattr(
         nccl_allocator, "deregister_mem_pool", lambda p, g: undone.append((p, g.name))

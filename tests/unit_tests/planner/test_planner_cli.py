@@ -6,10 +6,7 @@ import json
 
 import pytest
 
-pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan")
-pytest.importorskip("megatron.core.models.hybrid.hybrid_local_layer_specs")
-
-from hfsdp.planner import cli  # noqa: E402
+from hfsdp.planner import cli
 
 TINY = ("--hybrid-layer-pattern M*EM*E --hidden-size 64 --num-attention-heads 4 "
         "--ffn-hidden-size 128 --num-experts 4 --moe-ffn-hidden-size 48 --moe-router-topk 2 "

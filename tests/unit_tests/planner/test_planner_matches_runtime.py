@@ -1,35 +1,20 @@
 """The planner's bucket layout and pool choices equal what ParamAndGradBuffer computes.
 
-ParamAndGradBuffer is constructed for real on CPU: a ``fake`` process group of 2 ranks (this
-process is rank 0; collectives are no-ops) gives DP=2, and ``torch.cuda.current_device`` is
-pointed at the CPU while the buffer allocates its temporary buckets. The planner runs the same
+ParamAndGradBuffer is constructed for real on CPU by ``cpu_fsdp_buffer`` (a fake process group
+of 2 ranks, tests/unit_tests/conftest.py), so DP=2. The planner runs the same
 module through ``compute_layout``; every bucket's unit, dtype, chunk factor and padded size, the
-FixedPool's pooled units, and (when the tree has the max-pool patch) the MaxPool allocator's
-plan must match exactly.
+FixedPool's pooled units, and the MaxPool allocator's plan must match exactly.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-pgb = pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
+import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
+from hfsdp.planner import layout as L
+from hfsdp.planner import report as R
 
-from hfsdp.planner import layout as L  # noqa: E402
-from hfsdp.planner import report as R  # noqa: E402
-
-DP = 2
-
-
-@pytest.fixture()
-def fake_dp_world(monkeypatch):
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=DP)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    yield
-    dist.destroy_process_group()
+DP = 2  # the fake world of cpu_fsdp_buffer (tests/unit_tests/conftest.py)
 
 
 class Unit(torch.nn.Module):
@@ -62,26 +47,10 @@ def _model() -> torch.nn.Module:
     return m
 
 
-def _runtime_buffer(model: torch.nn.Module, **ddp_kwargs):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import FSDPDistributedIndex
-
-    mesh = init_device_mesh("cpu", (DP, 1), mesh_dim_names=("dp", "tp"))
-    index = FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
-                                 expt_device_mesh=mesh)
-    cfg = DistributedDataParallelConfig(
-        data_parallel_sharding_strategy="optim_grads_params", use_distributed_optimizer=True,
-        fsdp_double_buffer=True, **ddp_kwargs)
-    return pgb.ParamAndGradBuffer(cfg, model, pgb.BucketingPolicy(fsdp_unit_modules=[Unit]),
-                                  index, device=torch.device("cpu"))
-
-
-def test_layout_equals_runtime_buckets(fake_dp_world):
+def test_layout_equals_runtime_buckets(cpu_fsdp_buffer):
     planned = L.compute_layout(_model(), unit_classes=[Unit], strategy="optim_grads_params",
                                dp_size=DP, expert_dp_size=DP)
-    buf = _runtime_buffer(_model())
+    buf = cpu_fsdp_buffer(_model(), [Unit])
     assert len(planned.buckets) == len(buf.parameter_groups)
     for row, group in zip(planned.buckets, buf.parameter_groups):
         wbuf = group.model_weight_buffer
@@ -96,31 +65,25 @@ def test_layout_equals_runtime_buckets(fake_dp_world):
     assert [u.name for u in planned.units] == [f"layers.{i}" for i in range(5)]
 
 
-def test_fixed_pool_choice_equals_runtime(fake_dp_world):
-    pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan")
+def test_fixed_pool_choice_equals_runtime(cpu_fsdp_buffer):
     planned = L.compute_layout(_model(), unit_classes=[Unit], strategy="optim_grads_params",
                                dp_size=DP, expert_dp_size=DP)
-    buf = _runtime_buffer(_model())
+    buf = cpu_fsdp_buffer(_model(), [Unit])
     alloc = buf.weight_alloc
-    if type(alloc).__name__ != "FixedPoolAllocator":
-        pytest.skip(f"tree builds {type(alloc).__name__} by default")
+    assert isinstance(alloc, pgb.FixedPoolAllocator), type(alloc)  # the default double buffer
     fixed = R.plan_allocator(planned, "weight")["fixed_pool"]
     assert sorted(alloc.fsdp_double_buffer_units) == list(fixed.pooled_unit_ids) == [0, 2, 4]
     assert fixed.outlier_unit_ids == (1, 3)
 
 
-def test_maxpool_plan_equals_runtime_allocator(fake_dp_world):
-    pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan")
+def test_maxpool_plan_equals_runtime_allocator(cpu_fsdp_buffer):
     planned = L.compute_layout(_model(), unit_classes=[Unit], strategy="optim_grads_params",
                                dp_size=DP, expert_dp_size=DP)
-    try:
-        buf = _runtime_buffer(_model(), megatron_fsdp_max_pool_double_buffer=True)
-    except TypeError:
-        pytest.skip("tree has no max-pool double buffer (megatron_fsdp_max_pool_double_buffer)")
+    buf = cpu_fsdp_buffer(_model(), [Unit], megatron_fsdp_max_pool_double_buffer=True)
     for alloc_name, kind in (("weight_alloc", "weight"), ("main_grad_alloc", "grad")):
         alloc = getattr(buf, alloc_name)
-        runtime_plan = getattr(alloc, "plan", None)
-        assert runtime_plan is not None, f"{alloc_name} ({type(alloc).__name__}) exposes no .plan"
+        runtime_plan = alloc.plan
+        assert runtime_plan is not None, f"{alloc_name} ({type(alloc).__name__}) planned nothing"
         mine = R.plan_allocator(planned, kind, align_bytes=runtime_plan.align_bytes,
                                 main_grads_dtype=buf.mp_policy.main_grads_dtype,
                                 grad_comm_dtype=buf.mp_policy.grad_comm_dtype)["maxpool"]

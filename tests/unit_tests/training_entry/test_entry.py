@@ -105,12 +105,12 @@ def test_model_provider_builds_on_cpu(family: str, extra: list[str], layer_check
 
 
 def test_hybrid_provider_builds_on_cpu() -> None:
-    if not _megatron_has("megatron.core.models.hybrid.hybrid_local_layer_specs"):
-        pytest.skip("local hybrid spec (hybrid_local_layer_specs) is not in this megatron tree")
     if not _megatron_has("mamba_ssm"):
         pytest.skip("mamba_ssm is not installed (MambaMixer needs it even on CPU)")
+    argv = TINY + ["--hybrid-layer-pattern", "M*-", "--mamba-head-dim", "16", "--mamba-num-groups", "1",
+                   "--disable-mamba-mem-eff-path"]
     proc = _py(f"""
-        args, family = parse_args({TINY + ["--hybrid-layer-pattern", "M*-", "--mamba-head-dim", "16", "--mamba-num-groups", "1", "--disable-mamba-mem-eff-path"]!r}, forced_family="hybrid")
+        args, family = parse_args({argv!r}, forced_family="hybrid")
         from megatron.core import parallel_state
         parallel_state.initialize_model_parallel(1, 1)
         from hfsdp.training.model_provider import make_model_provider
@@ -129,9 +129,9 @@ def test_hybrid_provider_builds_on_cpu() -> None:
 
 
 def test_hybrid_without_local_spec_is_a_clear_error() -> None:
-    if _megatron_has("megatron.core.models.hybrid.hybrid_local_layer_specs"):
-        pytest.skip("this tree has the local hybrid spec")
+    # This tree always has the spec (a patch of the series); hide it, as a stale tree would.
     proc = _py(f"""
+        sys.modules["megatron.core.models.hybrid.hybrid_local_layer_specs"] = None
         args, family = parse_args({TINY + ["--hybrid-layer-pattern", "M*-"]!r})
         from hfsdp.training.specs import SpecError, hybrid_stack_spec
         try:

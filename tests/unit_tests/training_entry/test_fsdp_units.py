@@ -11,7 +11,6 @@ from hfsdp.training import fsdp_units
 
 
 def test_preset_matches_0_18_2_rule() -> None:
-    pytest.importorskip("megatron.core")
     assert fsdp_units.describe_units("megatron-0.18.2", "optim_grads_params") == ["TransformerLayer"]
     assert fsdp_units.describe_units("megatron-0.18.2", "optim_grads") == []
     assert fsdp_units.describe_units("none", "optim_grads_params") == []

@@ -1,0 +1,51 @@
+"""Fixtures shared across test folders: a real ParamAndGradBuffer on CPU.
+
+``cpu_fsdp_buffer`` builds Megatron-FSDP's ParamAndGradBuffer for real, with
+``optim_grads_params`` and double buffering, over a ``fake`` process group of ``FAKE_DP``
+ranks (this process is rank 0; collectives are no-ops). ``torch.cuda.current_device`` points
+at the CPU while the buffer allocates its temporary buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+FAKE_DP = 2
+
+
+@pytest.fixture
+def fake_dp_world(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_DP)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def cpu_fsdp_buffer(fake_dp_world: None) -> Callable[..., Any]:
+    """``build(model, unit_classes, **ddp_config_fields)`` -> a ParamAndGradBuffer on CPU."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import FSDPDistributedIndex
+
+    def build(model: torch.nn.Module, unit_classes: Sequence[type], **ddp_kwargs: Any) -> Any:
+        mesh = init_device_mesh("cpu", (FAKE_DP, 1), mesh_dim_names=("dp", "tp"))
+        index = FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
+                                     expt_device_mesh=mesh)
+        cfg = DistributedDataParallelConfig(
+            data_parallel_sharding_strategy="optim_grads_params", use_distributed_optimizer=True,
+            fsdp_double_buffer=True, **ddp_kwargs)
+        policy = pgb.BucketingPolicy(fsdp_unit_modules=list(unit_classes))
+        return pgb.ParamAndGradBuffer(cfg, model, policy, index, device=torch.device("cpu"))
+
+    return build
