@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 from hfsdp.bench import pretrain_launch
 from hfsdp.bench.configs import GRAPH_FLAGS, GRAPH_WARMUP_STEPS, MAXPOOL_FLAG

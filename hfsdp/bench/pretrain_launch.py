@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from hfsdp.bench.results import RunResult
 from hfsdp.functional import logparse

@@ -36,13 +36,13 @@ def test_chunked_step_is_bit_identical(cls):
     torch.manual_seed(1)
     for _ in range(4):
         grads = [torch.randn_like(p) for p in ref_params]
-        for p, q, g in zip(ref_params, new_params, grads):
+        for p, q, g in zip(ref_params, new_params, grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
         ref.step()
         new.step()
-        for p, q in zip(ref_params, new_params):
+        for p, q in zip(ref_params, new_params, strict=True):
             assert torch.equal(p, q)
-    for p, q in zip(ref_params, new_params):
+    for p, q in zip(ref_params, new_params, strict=True):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(ref.state[p][key], new.state[q][key])
         assert float(ref.state[p]["step"]) == float(new.state[q]["step"]) == 4.0
