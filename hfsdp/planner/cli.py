@@ -4,6 +4,10 @@ Takes pretrain_gpt.py / pretrain_hybrid.py model flags (parsed by Megatron's own
 ``--plan-*`` options, builds the model on the meta device, computes the FSDP units and bucket
 layout with Megatron-FSDP's own functions, and prints the max-pool / rank-matched / analytic
 minimum pool sizes and what 0.18.2's FixedPool would pool.
+
+The model is the default one with the given flags on top, or only the given flags with
+``--plan-no-defaults`` ([Note: planner flags] in setup.py). Inconsistent flags are one sentence
+and exit status 2 (``HFSDP_DEBUG=1`` for the trace).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from hfsdp.planner import layout as layout_mod
 from hfsdp.planner import model as model_mod
 from hfsdp.planner import report, setup
 from hfsdp.training import fsdp_units
+from hfsdp.usererror import run_cli
 
 
 def resolve_unit_classes(value: Optional[str], strategy: str = "optim_grads_params") -> list[type]:
@@ -73,10 +78,13 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--hidden-size" not in argv and "--num-layers" not in argv:
-        argv = list(setup.DEFAULT_MODEL_FLAGS) + argv  # default: the benchmark's hybrid
-    args = setup.parse(argv)
+    return run_cli("fsdp_memory_planner", lambda: _main(list(sys.argv[1:] if argv is None else argv)))
+
+
+def _main(argv: list[str]) -> int:
+    full, note = setup.model_argv(argv)
+    print(f"fsdp_memory_planner: {note}", file=sys.stderr)
+    args = setup.parse(full, note)
     lay, results = plan_from_args(args)
     print("\n".join(report.format_report(lay, results)))
     if args.plan_json:

@@ -5,6 +5,14 @@ Megatron's ``validate_args`` and model constructors read the world size, paralle
 requested world size (collectives are no-ops, no peers needed), ``initialize_model_parallel``
 without gloo groups, and an assumed device architecture (``--plan-device-arch``, default 9 =
 Hopper). Only shapes and group sizes matter to the plan.
+
+[Note: planner flags] The model is ``DEFAULT_MODEL_FLAGS`` with the user's flags on top: each
+flag given replaces the default one (argparse keeps the last value), so ``--hidden-size 2048``
+alone plans the default model at hidden 2048. ``--num-layers`` without a pattern plans a GPT
+model (the default hybrid pattern is dropped). ``--plan-no-defaults`` plans only the flags given.
+Inconsistent flags are a :class:`~hfsdp.usererror.UserError` naming them: our own checks of the
+shapes first (``check_model``), then Megatron's ``validate_args`` and ``TransformerConfig``, whose
+assertions and ``ValueError``s are turned into one sentence (``HFSDP_DEBUG=1`` shows the trace).
 """
 
 from __future__ import annotations
@@ -12,7 +20,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import traceback
+from pathlib import Path
 from typing import Sequence
+
+from hfsdp.usererror import UserError
 
 DEFAULT_MODEL_FLAGS = (
     # The default benchmark model: hybrid, pattern M*E x4, hidden 1024 (236.5M params).
@@ -28,31 +40,114 @@ DEFAULT_MODEL_FLAGS = (
 ).split()
 
 
+NO_DEFAULTS = "--plan-no-defaults"
+FIX = "fix the flags (scripts/fsdp_memory_planner.py --help lists them); docs/memory-planner.md has examples"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def model_argv(user: Sequence[str]) -> tuple[list[str], str]:
+    """The flags to parse (see the note) and a line saying which model that is."""
+    user = list(user)
+    if NO_DEFAULTS in user:
+        return [a for a in user if a != NO_DEFAULTS], f"planning only the given flags ({NO_DEFAULTS})"
+    defaults = list(DEFAULT_MODEL_FLAGS)
+    if "--num-layers" in user and "--hybrid-layer-pattern" not in user:
+        at = defaults.index("--hybrid-layer-pattern")
+        del defaults[at:at + 2]  # a GPT model: its depth comes from --num-layers
+    given = sorted({a for a in user if a.startswith("--") and a in DEFAULT_MODEL_FLAGS})
+    note = ("planning the default model (hfsdp/planner/setup.py DEFAULT_MODEL_FLAGS)"
+            + (f" with your {', '.join(given)}" if given else "")
+            + f"; {NO_DEFAULTS} plans only the flags you give")
+    return defaults + user, note
+
+
+_AT_LEAST_ONE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                 "max_position_embeddings", "micro_batch_size", "global_batch_size", "vocab_size",
+                 "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """Shape checks Megatron does with bare asserts, or not at all (see the note)."""
+    for dest in _AT_LEAST_ONE:
+        value = getattr(args, dest, None)
+        if value is not None and value < 1:
+            raise UserError(f"{_flag(dest)} must be >= 1, got {value}", FIX)
+    if args.hidden_size and args.num_attention_heads and args.hidden_size % args.num_attention_heads:
+        raise UserError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
+                        f"{args.num_attention_heads}, so the heads cannot split it", FIX)
+    experts, topk = getattr(args, "num_experts", None), getattr(args, "moe_router_topk", None)
+    if experts and topk and topk > experts:
+        raise UserError(f"--moe-router-topk {topk} is larger than --num-experts {experts}", FIX)
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern is not None:
+        from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+
+        allowed = Symbols.VALID_LAYERS | {Symbols.PIPE, Symbols.MTP_SEPARATOR}
+        if not pattern.strip():
+            raise UserError("--hybrid-layer-pattern is empty, so the model has no layers",
+                            "give one symbol per layer, e.g. --hybrid-layer-pattern 'M*EM*E' "
+                            f"(symbols: {' '.join(sorted(Symbols.VALID_LAYERS))})")
+        if bad := sorted(set(pattern) - allowed):
+            raise UserError(f"--hybrid-layer-pattern {pattern!r} has {', '.join(map(repr, bad))}, not a layer symbol",
+                            f"use {' '.join(sorted(Symbols.VALID_LAYERS))} (and | between pipeline stages)")
+
+
+def megatron_rejection(exc: BaseException, note: str) -> UserError:
+    """Megatron's assertion or ValueError as one sentence (its message, else the failed line)."""
+    text = str(exc).strip()
+    if not text:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        text = f"{frame.line} ({Path(frame.filename).name}:{frame.lineno})"
+    return UserError(f"Megatron rejects these flags: {text} [{note}]", FIX)
+
+
 def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("memory planner")
-    g.add_argument("--plan-dp-size", type=int, default=2,
+    g.add_argument(NO_DEFAULTS, action="store_true",
+                   help="Plan only the flags given (default: they override the default model's).")
+    g.add_argument("--plan-dp-size", type=positive_int, default=2,
                    help="Data-parallel size to plan for (world = dp x tp x pp x cp).")
     g.add_argument("--fsdp-unit-modules", type=str, default=None,
                    help="Comma-separated unit classes (dotted paths or TransformerLayer, "
                         "MoETransformerLayer, MambaLayer); 'megatron-0.18.2' for 0.18.2's "
                         "[TransformerLayer]; 'none' for no units. Default: the fork's "
                         "TransformerLayer,MoETransformerLayer,MambaLayer.")
-    g.add_argument("--plan-align-bytes", type=int, default=256,
+    g.add_argument("--plan-align-bytes", type=positive_int, default=256,
                    help="Arena offset alignment used by the max-pool plan.")
-    g.add_argument("--plan-device-arch", type=int, default=9,
+    g.add_argument("--plan-device-arch", type=positive_int, default=9,
                    help="GPU major arch assumed by validate_args on a CPU box.")
     g.add_argument("--plan-json", type=str, default=None, help="Also write the plan as JSON.")
     return parser
 
 
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse and validate like pretrain_gpt.py, with ``--plan-*`` extras; returns args."""
+def parse(argv: Sequence[str], note: str = "") -> argparse.Namespace:
+    """Parse and validate like pretrain_gpt.py, with ``--plan-*`` extras; returns args.
+
+    Inconsistent flags raise UserError (see the note); ``note`` says which model was asked for.
+    """
     import megatron.training.arguments as margs
 
-    parser = argparse.ArgumentParser(description="Megatron-FSDP memory planner", allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="fsdp_memory_planner", description="Megatron-FSDP memory planner",
+                                     allow_abbrev=False)
     parser = margs.add_megatron_arguments(parser)
     parser = add_planner_args(parser)
     args = parser.parse_args(list(argv))
+    check_model(args)
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     tp = args.tensor_model_parallel_size
     pp = args.pipeline_model_parallel_size
@@ -64,6 +159,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
             margs.validate_args(args, {})
+        from megatron.training.argument_utils import core_transformer_config_from_args
+
+        core_transformer_config_from_args(args)  # TransformerConfig's own checks, before any build
+    except (AssertionError, ValueError) as exc:
+        raise megatron_rejection(exc, note) from exc
     finally:
         margs.get_device_arch_version = saved
     if getattr(args, "padded_vocab_size", None) is None:
@@ -75,7 +175,7 @@ def padded_vocab_size(args: argparse.Namespace) -> int:
     """Vocab padded like Megatron's tokenizer builder (multiple of divisor x TP)."""
     vocab = args.vocab_size
     if vocab is None:
-        raise SystemExit("memory planner: pass --vocab-size (e.g. with --tokenizer-type NullTokenizer)")
+        raise UserError("the model has no vocabulary size", "pass --vocab-size N (e.g. with --tokenizer-type NullTokenizer)")
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     return -(-vocab // multiple) * multiple
 
