@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Callable, TextIO
 
 DEBUG_ENV = "HFSDP_DEBUG"
@@ -36,6 +37,16 @@ class UserError(Exception):
         self.cause = cause
         self.fix = fix
         super().__init__(f"{cause}\n  -> {fix}")
+
+
+def rejection(exc: BaseException, what: str, fix: str) -> UserError:
+    """A validation ``AssertionError``/``ValueError`` from code we call (Megatron's ``validate_args``)
+    as a UserError: its message, or for a bare ``assert`` the line that failed."""
+    text = str(exc).strip()
+    if not text:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        text = f"{frame.line} ({Path(frame.filename).name}:{frame.lineno})"
+    return UserError(f"{what}: {text}", fix)
 
 
 def debug_enabled(environ: dict[str, str] | None = None) -> bool:

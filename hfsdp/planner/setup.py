@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import traceback
-from pathlib import Path
 from typing import Sequence
 
-from hfsdp.usererror import UserError
+from hfsdp.usererror import UserError, rejection
 
 DEFAULT_MODEL_FLAGS = (
     # The default benchmark model: hybrid, pattern M*E x4, hidden 1024 (236.5M params).
@@ -107,15 +105,6 @@ def check_model(args: argparse.Namespace) -> None:
                             f"use {' '.join(sorted(Symbols.VALID_LAYERS))} (and | between pipeline stages)")
 
 
-def megatron_rejection(exc: BaseException, note: str) -> UserError:
-    """Megatron's assertion or ValueError as one sentence (its message, else the failed line)."""
-    text = str(exc).strip()
-    if not text:
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        text = f"{frame.line} ({Path(frame.filename).name}:{frame.lineno})"
-    return UserError(f"Megatron rejects these flags: {text} [{note}]", FIX)
-
-
 def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("memory planner")
     g.add_argument(NO_DEFAULTS, action="store_true",
@@ -163,7 +152,7 @@ def parse(argv: Sequence[str], note: str = "") -> argparse.Namespace:
 
         core_transformer_config_from_args(args)  # TransformerConfig's own checks, before any build
     except (AssertionError, ValueError) as exc:
-        raise megatron_rejection(exc, note) from exc
+        raise rejection(exc, f"Megatron rejects these flags [{note}]", FIX) from exc
     finally:
         margs.get_device_arch_version = saved
     if getattr(args, "padded_vocab_size", None) is None:
