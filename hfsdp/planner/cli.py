@@ -5,22 +5,23 @@ Takes pretrain_gpt.py / pretrain_hybrid.py model flags (parsed by Megatron's own
 layout with Megatron-FSDP's own functions, and prints the max-pool / rank-matched / analytic
 minimum pool sizes and what 0.18.2's FixedPool would pool.
 
-The model is the default one with the given flags on top, or only the given flags with
-``--plan-no-defaults`` ([Note: planner flags] in setup.py). Inconsistent flags are one sentence
-and exit status 2 (``HFSDP_DEBUG=1`` for the trace).
+The model is the one the given flags define when they set its depth, else the default model
+with the given flags on top ([Note: planner flags] in setup.py). Inconsistent flags are one
+sentence and exit status 2 (``HFSDP_DEBUG=1`` for the trace).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import traceback
 from typing import Any, Optional, Sequence
 
 from hfsdp.planner import layout as layout_mod
 from hfsdp.planner import model as model_mod
 from hfsdp.planner import report, setup
 from hfsdp.training import fsdp_units
-from hfsdp.usererror import run_cli
+from hfsdp.usererror import rejection, run_cli
 
 
 def resolve_unit_classes(value: Optional[str], strategy: str = "optim_grads_params") -> list[type]:
@@ -57,7 +58,14 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
     model_mod.ensure_selective_scan_stub()
     setup.init_fake_parallel_state(args)
     try:
-        model = model_mod.build_meta_model(args)
+        try:
+            model = model_mod.build_meta_model(args)
+        except AssertionError as exc:
+            # Megatron's layer constructors check shapes with asserts (e.g. Mamba heads vs groups):
+            # bad flags, said in one sentence. An assert of ours is a bug and keeps its traceback.
+            if "/megatron/" not in traceback.extract_tb(exc.__traceback__)[-1].filename:
+                raise
+            raise rejection(exc, "Megatron cannot build this model", setup.FIX) from exc
         lay = layout_mod.compute_layout(
             model,
             unit_classes=resolve_unit_classes(args.fsdp_unit_modules, args.data_parallel_sharding_strategy),

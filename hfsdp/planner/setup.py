@@ -6,13 +6,16 @@ requested world size (collectives are no-ops, no peers needed), ``initialize_mod
 without gloo groups, and an assumed device architecture (``--plan-device-arch``, default 9 =
 Hopper). Only shapes and group sizes matter to the plan.
 
-[Note: planner flags] The model is ``DEFAULT_MODEL_FLAGS`` with the user's flags on top: each
-flag given replaces the default one (argparse keeps the last value), so ``--hidden-size 2048``
-alone plans the default model at hidden 2048. ``--num-layers`` without a pattern plans a GPT
-model (the default hybrid pattern is dropped). ``--plan-no-defaults`` plans only the flags given.
-Inconsistent flags are a :class:`~hfsdp.usererror.UserError` naming them: our own checks of the
-shapes first (``check_model``), then Megatron's ``validate_args`` and ``TransformerConfig``, whose
-assertions and ``ValueError``s are turned into one sentence (``HFSDP_DEBUG=1`` shows the trace).
+[Note: planner flags] Flags that give the model's depth (``--num-layers`` or
+``--hybrid-layer-pattern``) mean "plan my model": only the given flags are parsed, exactly as
+``pretrain_*.py`` would get them, and missing essentials (hidden size, heads, sequence length,
+micro-batch size) are named. Without them the flags tweak the default model
+(``DEFAULT_MODEL_FLAGS``): each one replaces the default's value (argparse keeps the last), so
+``--hidden-size 2048`` alone plans the default model at hidden 2048. Never a mix the user did not
+ask for: defaults are not slipped into a model the user defined. Inconsistent flags are a
+:class:`~hfsdp.usererror.UserError` naming them: our own shape checks first (``check_model``),
+then Megatron's ``validate_args`` and ``TransformerConfig``, whose assertions and
+``ValueError``s become one sentence (``HFSDP_DEBUG=1`` shows the trace).
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ DEFAULT_MODEL_FLAGS = (
 ).split()
 
 
-NO_DEFAULTS = "--plan-no-defaults"
+DEPTH_FLAGS = ("--num-layers", "--hybrid-layer-pattern")
 FIX = "fix the flags (scripts/fsdp_memory_planner.py --help lists them); docs/memory-planner.md has examples"
+_ESSENTIAL = ("hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
 
 
 def positive_int(text: str) -> int:
@@ -53,20 +57,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+def own_model(user: Sequence[str]) -> bool:
+    """Whether the flags define the model themselves (see the note)."""
+    return any(a in DEPTH_FLAGS or a.startswith(tuple(f + "=" for f in DEPTH_FLAGS)) for a in user)
+
+
 def model_argv(user: Sequence[str]) -> tuple[list[str], str]:
     """The flags to parse (see the note) and a line saying which model that is."""
     user = list(user)
-    if NO_DEFAULTS in user:
-        return [a for a in user if a != NO_DEFAULTS], f"planning only the given flags ({NO_DEFAULTS})"
-    defaults = list(DEFAULT_MODEL_FLAGS)
-    if "--num-layers" in user and "--hybrid-layer-pattern" not in user:
-        at = defaults.index("--hybrid-layer-pattern")
-        del defaults[at:at + 2]  # a GPT model: its depth comes from --num-layers
-    given = sorted({a for a in user if a.startswith("--") and a in DEFAULT_MODEL_FLAGS})
+    if own_model(user):
+        return user, "planning the model your flags define (no defaults added: they set its depth)"
+    given = sorted({a.split("=", 1)[0] for a in user if a.split("=", 1)[0] in DEFAULT_MODEL_FLAGS})
     note = ("planning the default model (hfsdp/planner/setup.py DEFAULT_MODEL_FLAGS)"
             + (f" with your {', '.join(given)}" if given else "")
-            + f"; {NO_DEFAULTS} plans only the flags you give")
-    return defaults + user, note
+            + f"; give {' or '.join(DEPTH_FLAGS)} to plan a model from your flags alone")
+    return list(DEFAULT_MODEL_FLAGS) + user, note
 
 
 _AT_LEAST_ONE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
@@ -81,6 +86,10 @@ def _flag(dest: str) -> str:
 
 def check_model(args: argparse.Namespace) -> None:
     """Shape checks Megatron does with bare asserts, or not at all (see the note)."""
+    if missing := [_flag(d) for d in _ESSENTIAL if getattr(args, d, None) is None]:
+        raise UserError(f"the model your flags define lacks {', '.join(missing)}",
+                        f"add them (your {' / '.join(DEPTH_FLAGS)} means: plan only the flags given), or drop "
+                        f"{' and '.join(DEPTH_FLAGS)} to plan the default model with your other flags")
     for dest in _AT_LEAST_ONE:
         value = getattr(args, dest, None)
         if value is not None and value < 1:
@@ -107,8 +116,6 @@ def check_model(args: argparse.Namespace) -> None:
 
 def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("memory planner")
-    g.add_argument(NO_DEFAULTS, action="store_true",
-                   help="Plan only the flags given (default: they override the default model's).")
     g.add_argument("--plan-dp-size", type=positive_int, default=2,
                    help="Data-parallel size to plan for (world = dp x tp x pp x cp).")
     g.add_argument("--fsdp-unit-modules", type=str, default=None,

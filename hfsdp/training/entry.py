@@ -74,8 +74,9 @@ def require_cuda() -> None:
            else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU or driver")
     raise UserError(
         f"training needs CUDA GPUs and {why}; the flags themselves are valid",
-        "run on a machine with NVIDIA GPUs (e.g. `torchrun --nproc-per-node N pretrain_gpt.py ...`); on this "
-        "machine `python scripts/fsdp_memory_planner.py <the same model flags>` plans the memory without a GPU",
+        "run on a machine with NVIDIA GPUs (`torchrun --nproc-per-node N <this script> <the same flags>`); on this "
+        "machine `python scripts/fsdp_memory_planner.py --plan-dp-size N <the same flags>` plans the memory "
+        "without a GPU (N: the data-parallel size)",
     )
 
 

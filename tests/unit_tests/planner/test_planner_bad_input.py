@@ -22,9 +22,12 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize(("argv", "expected"), [
     (["--hidden-size", "1000"], "--hidden-size 1000 is not a multiple of --num-attention-heads 16"),
     (["--num-attention-heads", "7"], "--hidden-size 1024 is not a multiple of --num-attention-heads 7"),
-    (["--num-layers", "-2"], "--num-layers must be >= 1, got -2"),
-    (["--hybrid-layer-pattern", ""], "--hybrid-layer-pattern is empty"),
-    (["--hybrid-layer-pattern", "M*X"], "--hybrid-layer-pattern 'M*X' has 'X'"),
+    (["--num-layers", "-2", "--num-attention-heads", "16", "--hidden-size", "1024", "--seq-length", "64",
+      "--micro-batch-size", "1"], "--num-layers must be >= 1, got -2"),
+    (["--hybrid-layer-pattern", "", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+      "--micro-batch-size", "1"], "--hybrid-layer-pattern is empty"),
+    (["--hybrid-layer-pattern", "M*X", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+      "--micro-batch-size", "1"], "--hybrid-layer-pattern 'M*X' has 'X'"),
     (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
     (["--num-experts", "4", "--moe-router-topk", "8"], "--moe-router-topk 8 is larger than --num-experts 4"),
@@ -32,6 +35,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     (["--plan-dp-size", "-1"], "--plan-dp-size: must be >= 1"),
     (["--plan-align-bytes", "0"], "--plan-align-bytes: must be >= 1"),
     (["--seq-length", "2048"], "Megatron rejects these flags"),  # > --max-position-embeddings 1024
+    (["--mamba-num-groups", "3"], "Megatron cannot build this model: nheads must be evenly divisible by ngroups"),
 ])
 def test_inconsistent_flags_are_one_sentence(capsys, argv, expected):
     rc, out, err = run(capsys, *argv)
@@ -43,9 +47,10 @@ def test_inconsistent_flags_are_one_sentence(capsys, argv, expected):
 def test_one_model_flag_keeps_the_other_defaults(capsys):
     rc, out, err = run(capsys, "--hidden-size", "2048")
     assert rc == 0, err[-2000:]
-    assert "FixedPool" in out and "--plan-no-defaults" in err  # says which model it planned
+    assert "FixedPool" in out and "planning the default model" in err and "--hidden-size" in err
 
 
-def test_plan_no_defaults_plans_only_the_given_flags(capsys):
-    rc, _, err = run(capsys, "--plan-no-defaults", "--hidden-size", "2048")
-    assert rc == 2 and "--plan-no-defaults" in err and "Traceback" not in err, err[-2000:]
+def test_a_model_of_your_own_gets_no_defaults_and_names_what_it_lacks(capsys):
+    rc, _, err = run(capsys, "--num-layers", "4", "--hidden-size", "2048")
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    assert "lacks --num-attention-heads, --seq-length, --micro-batch-size" in err

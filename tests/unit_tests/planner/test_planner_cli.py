@@ -11,7 +11,7 @@ pytest.importorskip("megatron.core.models.hybrid.hybrid_local_layer_specs")
 
 from hfsdp.planner import cli  # noqa: E402
 
-TINY = ("--plan-no-defaults --hybrid-layer-pattern M*EM*E --hidden-size 64 --num-attention-heads 4 "
+TINY = ("--hybrid-layer-pattern M*EM*E --hidden-size 64 --num-attention-heads 4 "
         "--ffn-hidden-size 128 --num-experts 4 --moe-ffn-hidden-size 48 --moe-router-topk 2 "
         "--mamba-num-heads 4 --mamba-head-dim 32 --mamba-num-groups 2 "
         "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --bf16 "

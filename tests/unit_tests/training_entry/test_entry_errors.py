@@ -6,6 +6,7 @@ Each run is a fresh ``python pretrain_gpt.py ...`` (no torchrun, 1 rank), as a u
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,9 +78,17 @@ def test_hfsdp_debug_shows_the_traceback():
 
 @pytest.mark.skipif(HAVE_CUDA, reason="checks the message on a machine without CUDA")
 def test_a_valid_configuration_on_a_cpu_machine_says_training_needs_gpus():
-    script = "pretrain_hybrid.py"
-    proc = pretrain("--hybrid-layer-pattern", "M*", "--disable-mamba-mem-eff-path", script=script)
+    script = "pretrain_gpt.py"
+    proc = pretrain(script=script)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"{script}: error: training needs CUDA GPUs" in proc.stderr and "fsdp_memory_planner.py" in proc.stderr
     assert "Traceback" not in proc.stderr and "Found no NVIDIA driver" not in proc.stderr
     assert "Megatron requires CUDA" not in proc.stderr
+    # The advice for this machine: the memory planner with the same flags, which needs no GPU.
+    planner = next(c for c in re.findall(r"`([^`]+)`", proc.stderr) if "fsdp_memory_planner.py" in c)
+    argv = planner.replace("--plan-dp-size N", "--plan-dp-size 1").replace("<the same flags>", "").split()
+    assert argv[:2] == ["python", "scripts/fsdp_memory_planner.py"], planner
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    plan = subprocess.run([sys.executable, *argv[1:], *TINY], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert plan.returncode == 0 and "FixedPool" in plan.stdout, plan.stderr[-3000:]
