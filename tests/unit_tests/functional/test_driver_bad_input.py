@@ -219,3 +219,24 @@ def test_cli_prints_a_sentence_not_a_traceback(tmp_path, text):
     debug = subprocess.run([sys.executable, "-m", "hfsdp.functional.run_case", str(case)], cwd=REPO_ROOT,
                            capture_output=True, text=True, env={**env, "HFSDP_DEBUG": "1"}, timeout=120)
     assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_the_golden_advice_re_records_and_then_passes(tmp_path, monkeypatch, capsys):
+    """A malformed golden fails naming the way out; running that command fixes it."""
+    import re
+
+    from hfsdp.functional import run_case as driver
+
+    monkeypatch.setenv("HFSDP_FUNCTIONAL_OUT", str(tmp_path / "out"))
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    case = make_case(tmp_path / "cases", trainer=trainer)
+    g = good_golden()
+    g["lm loss"]["values"] = {}
+    (case / "golden_values_dev_dgx_h200.json").write_text(json.dumps(g))
+    assert driver.main([str(case)]) == 1
+    out = capsys.readouterr().out
+    (advice,) = [c for c in re.findall(r"`([^`]+)`", out) if "--record" in c]
+    assert advice == f"python -m hfsdp.functional.run_case {case} --record"
+    assert driver.main(advice.split()[3:]) == 0
+    assert driver.main([str(case)]) == 0

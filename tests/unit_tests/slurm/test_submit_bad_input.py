@@ -63,6 +63,9 @@ def test_missing_sbatch_is_a_sentence(tmp_path):
     assert proc.returncode == 2 and "sbatch" in proc.stderr and "--dry-run" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "l" / "jobs.json").exists()
+    dry = subprocess.run([sys.executable, "-m", "hfsdp.slurm.submit", str(CASE), "--log-dir", str(tmp_path / "l"),
+                          "--dry-run"], cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert dry.returncode == 0 and (tmp_path / "l" / "jobs.json").is_file()  # the advice works
 
 
 @pytest.mark.parametrize("text", ["{not json", '{"a": 1}', '[{"case": 3}]'])
