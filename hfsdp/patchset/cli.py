@@ -19,6 +19,7 @@ from hfsdp.usererror import run_cli
 
 from .check import check_against, check_base
 from .diff import local_diff, series_diff
+from .errors import PatchsetError
 from .export import export_queue
 from .lint import lint
 from .lock import writing
@@ -158,4 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     project = Project(args.root.resolve()) if args.root else Project.default()
-    return run_cli("patchset", lambda: args.func(project, args))
+
+    def run() -> int:
+        if not (project.patches_dir / "series").is_file() and not (project.patches_dir / "base.toml").is_file():
+            raise PatchsetError(f"{project.root} is not a checkout of this project (no patches/series or "
+                                "patches/base.toml)", "pass the checkout with --root, or run scripts/patchset from it")
+        return args.func(project, args)
+
+    return run_cli("patchset", run)

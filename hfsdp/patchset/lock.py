@@ -45,8 +45,11 @@ def checkout_lock(root: Path, verb: str) -> Iterator[None]:
                 f"wait for it to finish, then run `scripts/patchset {verb}` again (the lock ends with that process)",
             ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"`scripts/patchset {verb}` (pid {os.getpid()}, since {time.strftime('%H:%M:%S')})\n".encode(), 0)
-        yield
+        os.pwrite(fd, f"`scripts/patchset {verb}` (pid {os.getpid()}, since {time.strftime('%H:%M:%S')})".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # no stale holder named once we are done
     finally:
         os.close(fd)  # closing releases the flock
 

@@ -103,7 +103,8 @@ def make_queue(project: Project, dest: Path, sdist: Path | None = None) -> Queue
         raise PatchsetError(f"{dest} exists and is not an empty folder", "pick a new folder for the queue")
     if project.root.resolve() in dest.resolve().parents:
         raise PatchsetError(f"{dest} is inside the checkout {project.root}",
-                            "make the queue outside the checkout, e.g. `scripts/patchset queue --dir ../queue`")
+                            "make the queue outside the checkout, e.g. "
+                            f"`scripts/patchset queue --dir {project.root.parent / (project.root.name + '-queue')}`")
     pin = project.pin()
     patches = project.series()
     source = locate_sdist(pin, sdist)

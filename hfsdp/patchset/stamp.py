@@ -101,7 +101,8 @@ def read_stamp_file(path: Path) -> Stamp | None:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise _corrupt(path, f"not readable JSON: {exc}") from exc
     if not isinstance(data, dict):
-        raise _corrupt(path, f"a JSON {type(data).__name__}, not an object")
+        kind = {list: "a list", str: "a string", bool: "true/false", int: "a number", float: "a number"}
+        raise _corrupt(path, f"JSON {kind.get(type(data), 'null')}, not an object")
     if data.get("schema") not in _READABLE_SCHEMAS:
         raise _corrupt(path, f"schema {data.get('schema')!r}, this tool reads {_READABLE_SCHEMAS}")
     strings = ("base_version", "sdist_sha256", "fork_version")

@@ -92,7 +92,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _main(argv: list[str]) -> int:
     full, note = setup.model_argv(argv)
     print(f"fsdp_memory_planner: {note}", file=sys.stderr)
-    args = setup.parse(full, note)
+    args = setup.parse(full)
     lay, results = plan_from_args(args)
     print("\n".join(report.format_report(lay, results)))
     if args.plan_json:

@@ -131,15 +131,17 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def parse(argv: Sequence[str], note: str = "") -> argparse.Namespace:
+def parse(argv: Sequence[str]) -> argparse.Namespace:
     """Parse and validate like pretrain_gpt.py, with ``--plan-*`` extras; returns args.
 
-    Inconsistent flags raise UserError (see the note); ``note`` says which model was asked for.
+    Inconsistent flags raise UserError (see the note).
     """
     import megatron.training.arguments as margs
 
+    # Megatron's parser has hundreds of flags: a usage line listing them all would bury the error.
     parser = argparse.ArgumentParser(prog="fsdp_memory_planner", description="Megatron-FSDP memory planner",
-                                     allow_abbrev=False)
+                                     usage="%(prog)s [pretrain flags ...] [--plan-dp-size N] [--plan-json FILE] "
+                                           "[--fsdp-unit-modules LIST] (--help lists all)", allow_abbrev=False)
     parser = margs.add_megatron_arguments(parser)
     parser = add_planner_args(parser)
     args = parser.parse_args(list(argv))
@@ -159,7 +161,7 @@ def parse(argv: Sequence[str], note: str = "") -> argparse.Namespace:
 
         core_transformer_config_from_args(args)  # TransformerConfig's own checks, before any build
     except (AssertionError, ValueError) as exc:
-        raise rejection(exc, f"Megatron rejects these flags [{note}]", FIX) from exc
+        raise rejection(exc, "Megatron rejects these flags", FIX) from exc
     finally:
         margs.get_device_arch_version = saved
     if getattr(args, "padded_vocab_size", None) is None:

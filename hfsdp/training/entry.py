@@ -25,7 +25,11 @@ from hfsdp.diagnostics import install_stack_dump_signal
 from hfsdp.patchset.guard import ensure_fork
 from hfsdp.usererror import UserError, rejection, run_cli
 
-FLAGS_FIX = "fix the flags; `python pretrain_gpt.py --help` lists every flag and its choices"
+
+
+def flags_fix() -> str:
+    script = os.path.basename(sys.argv[0]) if sys.argv[0].endswith(".py") else "pretrain_gpt.py"
+    return f"fix the flags; `python {script} --help` lists every flag and its choices"
 
 # Tokenizer default matches upstream's GPT entry point; mock-data runs pass
 # `--tokenizer-type NullTokenizer --vocab-size N`.
@@ -58,7 +62,7 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
     try:
         args = parse_and_validate_args(args_defaults=dict(ARGS_DEFAULTS))
     except (AssertionError, ValueError) as exc:  # Megatron validates flags with asserts and ValueErrors
-        raise rejection(exc, "invalid flags", FLAGS_FIX) from exc
+        raise rejection(exc, "invalid flags", flags_fix()) from exc
     family = specs.resolve_family(args, forced_family)
     specs.use_transformer_engine(args)  # clear error before any CUDA/NCCL work
     return args, family
@@ -106,7 +110,7 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     try:
         args, family = parse_args(argv, forced_family)
     except SpecError as exc:
-        raise UserError(str(exc), FLAGS_FIX) from exc
+        raise UserError(str(exc), flags_fix()) from exc
     require_cuda()
     units = fsdp_units.install_unit_override()
     if install_digest_from_env() is not None:

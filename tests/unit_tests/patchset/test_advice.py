@@ -192,3 +192,16 @@ def test_refresh_into_an_earlier_patch_that_conflicts(fake: Env, capsys) -> None
     (step,) = commands(err.split("-> ", 1)[1])
     assert run_advice(fake, step, capsys, NAME="line-thirty") == 0
     assert "+line_30 = 'mine'" in (fake.project.patches_dir / "line-thirty.patch").read_text()
+
+
+def test_queue_inside_the_checkout_suggests_a_folder_beside_it(fake: Env, capsys) -> None:
+    err = error_of(fake, capsys, "queue", "--dir", str(fake.project.root / "pq"))
+    (step,) = commands(err.split("-> ", 1)[1])
+    assert run_advice(fake, step, capsys) == 0
+    assert (fake.project.root.parent / "proj-queue" / ".git").is_dir()
+
+
+def test_a_folder_that_is_not_a_checkout(tmp_path, capsys) -> None:
+    capsys.readouterr()
+    assert main(["--root", str(tmp_path), "status"]) == 2
+    assert "is not a checkout of this project" in capsys.readouterr().err

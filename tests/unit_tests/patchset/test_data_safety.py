@@ -260,7 +260,7 @@ def test_one_writer_at_a_time(fake: Env, capsys) -> None:
 
     cli(fake, "materialize")
     make_stale(fake)
-    with open(fake.project.root / ".patchset.lock", "a+") as held:
+    with open(fake.project.root / ".patchset.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another writer is running
         held.write("`scripts/patchset export` (pid 4242)")
         held.flush()
