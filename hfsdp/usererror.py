@@ -39,6 +39,23 @@ class UserError(Exception):
         super().__init__(f"{cause}\n  -> {fix}")
 
 
+def positive(kind: type = int) -> Callable[[str], object]:
+    """argparse ``type=``: a number of ``kind`` that is > 0 (argparse then says which option is wrong)."""
+    import argparse
+
+    def parse(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def rejection(exc: BaseException, what: str, fix: str) -> UserError:
     """A validation ``AssertionError``/``ValueError`` from code we call (Megatron's ``validate_args``)
     as a UserError: its message, or for a bare ``assert`` the line that failed."""

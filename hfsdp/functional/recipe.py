@@ -118,6 +118,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _int_at_least(raw: Mapping[str, Any], key: str, default: int, minimum: int, where: str) -> int:
+    value = raw.get(key, default)
+    if not _is_int(value) or value < minimum:
+        raise RecipeError(f"{where}{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _flag_value(raw: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise RecipeError(f"{where}{key} must be true or false, got {value!r}")
+    return value
+
+
 def _env_map(raw: Any, where: str) -> dict[str, str | None]:
     if raw is None:
         return {}
@@ -171,13 +185,9 @@ def _checks(raw: Any, where: str) -> Checks:
             except re.error as exc:
                 raise RecipeError(f"{where} {key}: {pattern!r} is not a valid regular expression ({exc})") from exc
         patterns[key] = tuple(value)
-    minimum = raw.get("min_iterations", 0)
-    if not _is_int(minimum) or minimum < 0:
-        raise RecipeError(f"{where} min_iterations must be an integer >= 0, got {minimum!r}")
-    decreases = raw.get("loss_decreases", False)
-    if not isinstance(decreases, bool):
-        raise RecipeError(f"{where} loss_decreases must be true or false, got {decreases!r}")
-    return Checks(patterns["log_absent"], patterns["log_present"], minimum, decreases)
+    return Checks(patterns["log_absent"], patterns["log_present"],
+                  _int_at_least(raw, "min_iterations", 0, 0, f"{where} "),
+                  _flag_value(raw, "loss_decreases", False, f"{where} "))
 
 
 def _resume_compare(raw: Any, test_type: str, where: str) -> ResumeCompare:
@@ -258,12 +268,8 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
     if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
         raise RecipeError(f"{path}: METRICS must be a list of metric names (e.g. [lm loss, num-zeros]), "
                           f"got {metrics!r}")
-    nproc = raw.get("NPROC", 2)
-    if not _is_int(nproc) or nproc < 1:
-        raise RecipeError(f"{path}: NPROC must be an integer >= 1, got {nproc!r}")
-    require_golden = raw.get("REQUIRE_GOLDEN", True)
-    if not isinstance(require_golden, bool):
-        raise RecipeError(f"{path}: REQUIRE_GOLDEN must be true or false, got {require_golden!r}")
+    nproc = _int_at_least(raw, "NPROC", 2, 1, f"{path}: ")
+    require_golden = _flag_value(raw, "REQUIRE_GOLDEN", True, f"{path}: ")
     compare_to = raw.get("COMPARE_TO")
     if compare_to is not None and (not isinstance(compare_to, str)
                                    or not (case_dir / compare_to / "model_config.yaml").is_file()):

@@ -43,7 +43,7 @@ from hfsdp import proc
 from hfsdp.functional import golden, logparse, outdir
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch_env import add_env_option, job_env, parse_assignments
-from hfsdp.usererror import UserError, run_cli
+from hfsdp.usererror import UserError, positive, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULT_MARK = "HFSDP-FUNCTIONAL RESULT"
@@ -330,29 +330,15 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     return result
 
 
-def _positive(kind: type) -> object:
-    def parse(text: str) -> object:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="run_case", description=__doc__.split("\n")[0])
     parser.add_argument("case_dir", type=Path)
     parser.add_argument("--record", action="store_true", help="write goldens instead of comparing")
-    parser.add_argument("--nproc", type=_positive(int), default=None, help="processes per node (default: NPROC)")
-    parser.add_argument("--nnodes", type=_positive(int), default=1)
+    parser.add_argument("--nproc", type=positive(int), default=None, help="processes per node (default: NPROC)")
+    parser.add_argument("--nnodes", type=positive(int), default=1)
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--master-addr", default="127.0.0.1")
-    parser.add_argument("--master-port", type=_positive(int), default=int(os.environ.get("MASTER_PORT", 29500)))
+    parser.add_argument("--master-port", type=positive(int), default=int(os.environ.get("MASTER_PORT", 29500)))
     parser.add_argument("--compare-to", type=Path, default=None,
                         help="another case whose lm loss curve must be identical")
     parser.add_argument("--output-dir", type=Path, default=None,
@@ -360,9 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "a folder holding test cases")
     parser.add_argument("--environment", default="dev")
     parser.add_argument("--platform", default="dgx_h200")
-    parser.add_argument("--timeout-s", type=_positive(float), default=None,
+    parser.add_argument("--timeout-s", type=positive(float), default=None,
                         help="end a run after this long (stacks, then SIGTERM, then SIGKILL; hfsdp/proc.py)")
-    parser.add_argument("--exit-duration-in-mins", type=_positive(float), default=None,
+    parser.add_argument("--exit-duration-in-mins", type=positive(float), default=None,
                         help="forwarded to Megatron (SLURM jobs derive it from the time limit)")
     parser.add_argument("--evaluate-log", type=Path, default=None,
                         help="judge this existing log instead of launching (srun-per-GPU mode)")

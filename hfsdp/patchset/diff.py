@@ -9,14 +9,13 @@ a read-only checkout.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 
 from . import gitops
 from .errors import PatchsetError
 from .project import Project
-from .scan import census, scan
+from .scan import census, copy_edits, scan
 from .series import Patch, parse_patch
 from .source import locate_sdist
 from .stamp import read_stamp
@@ -52,13 +51,7 @@ def local_diff(project: Project, sdist: Path | None = None) -> str:
     edits = census(scan(project.megatron_dir), stamp.files, pin.members).edits
     with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:
         queue = build_queue(pin, locate_sdist(pin, sdist), patches, Path(tmp) / "q")
-        for path, kind in edits.items():
-            dest = queue.repo / path
-            if kind == "deleted":
-                dest.unlink(missing_ok=True)
-            else:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(project.root / path, dest)
+        copy_edits(edits, project.root, queue.repo)
         gitops.git(["add", "-A", "."], cwd=queue.repo)
         return gitops.git(["diff", "--cached", "--no-color", "--no-renames", "--full-index", "HEAD"],
                           cwd=queue.repo).stdout

@@ -11,7 +11,6 @@ which ``status`` and ``diff`` show and nothing rebuilds over.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -21,7 +20,7 @@ from .errors import REBASE_EDITS_FIX, PatchsetError, SeriesError
 from .export import plan_export, today, write_plan
 from .lock import writing
 from .project import Project
-from .scan import census, hash_files, scan
+from .scan import census, copy_edits, hash_files, scan
 from .series import Patch
 from .source import locate_sdist
 from .stamp import make_stamp, read_stamp, write_stamp_file
@@ -65,13 +64,7 @@ def _refresh(project: Project, patch: str | None, new: str | None, description: 
     target = _choose_target(patches, found.edits, patch, new)
     with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:
         queue = build_queue(pin, locate_sdist(pin, sdist), patches, Path(tmp) / "queue")
-        for path, kind in found.edits.items():
-            dest = queue.repo / path
-            if kind == "deleted":
-                dest.unlink(missing_ok=True)
-            else:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(project.root / path, dest)
+        copy_edits(found.edits, project.root, queue.repo)
         if new is not None:
             header = _new_header(description or f"{new}: describe why this change exists")
             gitops.commit_all(queue.repo, f"{new}\n\n{header}\n")

@@ -18,11 +18,12 @@ refuse (or go to a backup with ``--backup``) and kept entries move with the tree
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from .source import sha256_file
 
 CACHE_DIRS = frozenset({"__pycache__", ".pytest_cache"})
 CACHE_SUFFIXES = (".pyc", ".pyo")
@@ -36,14 +37,6 @@ class Entry:
 
     kind: str  # "file" | "link" | "dir"
     digest: str = ""
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def is_cache(rel: PurePosixPath) -> bool:
@@ -75,7 +68,7 @@ def scan(folder: Path, prefix: str = "megatron") -> dict[str, Entry]:
             elif entry.is_dir():
                 walk(path)
             elif entry.is_file():
-                out[name(path)] = Entry("file", sha256_of(path))
+                out[name(path)] = Entry("file", sha256_file(path))
             else:
                 out[name(path)] = Entry("other")  # a fifo or socket: cannot be copied
 
@@ -145,6 +138,17 @@ def carry(kept: dict[str, Entry], old_root: Path, new_root: Path) -> None:
         elif entry.kind == "file":
             shutil.copy2(source, target)
         # "other" (fifo/socket) cannot be copied: materialize refuses before getting here
+
+
+def copy_edits(edits: dict[str, str], src_root: Path, dst_root: Path) -> None:
+    """Make ``dst_root`` (a queue) hold the edited files of ``src_root``: copy modified/added, delete deleted."""
+    for path, kind in edits.items():
+        dest = dst_root / path
+        if kind == "deleted":
+            dest.unlink(missing_ok=True)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src_root / path, dest)
 
 
 def describe(paths: list[str], limit: int = 20) -> str:

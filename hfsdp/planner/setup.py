@@ -25,7 +25,7 @@ import contextlib
 import io
 from typing import Sequence
 
-from hfsdp.usererror import UserError, rejection
+from hfsdp.usererror import UserError, positive, rejection
 
 DEFAULT_MODEL_FLAGS = (
     # The default benchmark model: hybrid, pattern M*E x4, hidden 1024 (236.5M params).
@@ -44,17 +44,6 @@ DEFAULT_MODEL_FLAGS = (
 DEPTH_FLAGS = ("--num-layers", "--hybrid-layer-pattern")
 FIX = "fix the flags (scripts/fsdp_memory_planner.py --help lists them); docs/memory-planner.md has examples"
 _ESSENTIAL = ("hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def own_model(user: Sequence[str]) -> bool:
@@ -116,16 +105,16 @@ def check_model(args: argparse.Namespace) -> None:
 
 def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("memory planner")
-    g.add_argument("--plan-dp-size", type=positive_int, default=2,
+    g.add_argument("--plan-dp-size", type=positive(), default=2,
                    help="Data-parallel size to plan for (world = dp x tp x pp x cp).")
     g.add_argument("--fsdp-unit-modules", type=str, default=None,
                    help="Comma-separated unit classes (dotted paths or TransformerLayer, "
                         "MoETransformerLayer, MambaLayer); 'megatron-0.18.2' for 0.18.2's "
                         "[TransformerLayer]; 'none' for no units. Default: the fork's "
                         "TransformerLayer,MoETransformerLayer,MambaLayer.")
-    g.add_argument("--plan-align-bytes", type=positive_int, default=256,
+    g.add_argument("--plan-align-bytes", type=positive(), default=256,
                    help="Arena offset alignment used by the max-pool plan.")
-    g.add_argument("--plan-device-arch", type=positive_int, default=9,
+    g.add_argument("--plan-device-arch", type=positive(), default=9,
                    help="GPU major arch assumed by validate_args on a CPU box.")
     g.add_argument("--plan-json", type=str, default=None, help="Also write the plan as JSON.")
     return parser

@@ -24,7 +24,7 @@ from hfsdp.atomic import write_text_atomic
 from hfsdp.functional.recipe import load_recipe
 from hfsdp.launch_env import add_env_option, parse_assignments
 from hfsdp.slurm.sbatch import JobSpec, write_sbatch
-from hfsdp.usererror import UserError, run_cli
+from hfsdp.usererror import UserError, positive, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = "jobs.json"
@@ -74,23 +74,13 @@ def submit(spec: JobSpec, dry_run: bool = False) -> dict:
     return entry
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="submit", description=__doc__.split("\n")[0])
     parser.add_argument("cases", nargs="+", type=Path)
     parser.add_argument("--log-dir", type=Path, required=True)
-    parser.add_argument("--nodes", type=_positive_int, default=1)
-    parser.add_argument("--gpus-per-node", type=_positive_int, default=2)
-    parser.add_argument("--time", type=_positive_int, default=30, help="job time limit (minutes)")
+    parser.add_argument("--nodes", type=positive(), default=1)
+    parser.add_argument("--gpus-per-node", type=positive(), default=2)
+    parser.add_argument("--time", type=positive(), default=30, help="job time limit (minutes)")
     parser.add_argument("--exit-buffer-min", type=float, default=5.0)
     parser.add_argument("--launcher", choices=("torchrun", "srun"), default="torchrun")
     parser.add_argument("--partition", default=None)

@@ -13,9 +13,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from patchset_fake import ALLOC_PATCH, TRAIN_PATCH, Env, patch_text
+from patchset_fake import ALLOC_PATCH, TRAIN_PATCH, Env, patch_text, save_during_build
 
-from hfsdp.patchset import materialize as materialize_mod
 from hfsdp.patchset.cli import main
 
 
@@ -51,16 +50,12 @@ def error_of(env: Env, capsys, *args: str) -> str:
     return capsys.readouterr().err
 
 
-def series_with(env: Env, alloc: str = ALLOC_PATCH, desc: str = "Add maxpool flag") -> None:
-    env.write_series({"alloc.patch": patch_text(desc, alloc), "train.patch": patch_text("Fork training", TRAIN_PATCH)})
-
-
 def test_edits_on_a_tree_whose_patches_were_pulled(fake: Env, capsys) -> None:
     """materialize (and refresh) refuse; diff > my.patch, materialize --backup, git apply, refresh."""
     main(["--root", str(fake.project.root), "materialize"])
     init = fake.project.megatron_dir / "core" / "__init__.py"
     init.write_text("VALUE = 2  # my edit\n")
-    series_with(fake, ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))  # git pull
+    fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))  # git pull
     err = error_of(fake, capsys, "materialize")
     assert "megatron/core/__init__.py" in err
     assert error_of(fake, capsys, "refresh").split("-> ")[1] == err.split("-> ")[1]  # same way out
@@ -83,7 +78,7 @@ def test_edits_on_a_tree_whose_patches_were_pulled(fake: Env, capsys) -> None:
 
 def test_stale_tree_without_edits_refresh_says_materialize(fake: Env, capsys) -> None:
     main(["--root", str(fake.project.root), "materialize"])
-    series_with(fake, desc="Reworded")
+    fake.series_with(desc="Reworded")
     err = error_of(fake, capsys, "refresh")
     assert commands(err.split("-> ", 1)[1]) == ["scripts/patchset materialize"]
     assert run_advice(fake, "scripts/patchset materialize", capsys) == 0
@@ -129,17 +124,10 @@ def test_kept_path_needed_by_the_new_tree(fake: Env, capsys) -> None:
 
 def test_changed_during_build_then_the_edit_is_saved(fake: Env, monkeypatch, capsys) -> None:
     main(["--root", str(fake.project.root), "materialize"])
-    series_with(fake, desc="Reworded")
+    fake.series_with(desc="Reworded")
     edited = fake.project.megatron_dir / "core" / "__init__.py"
-    real = materialize_mod.build_queue
-
-    def build(*a, **k):
-        edited.write_text("VALUE = 5\n")
-        return real(*a, **k)
-
-    monkeypatch.setattr(materialize_mod, "build_queue", build)
+    save_during_build(monkeypatch, edited, "VALUE = 5\n")
     err = error_of(fake, capsys, "materialize")
-    monkeypatch.setattr(materialize_mod, "build_queue", real)
     assert commands(err.split("-> ", 1)[1]) == ["scripts/patchset materialize"]
     rerun = error_of(fake, capsys, "materialize")  # the re-run says how to save the edit first
     steps = commands(rerun.split("-> ", 1)[1])
@@ -152,7 +140,7 @@ def test_changed_during_build_then_the_edit_is_saved(fake: Env, monkeypatch, cap
 def test_export_after_the_patches_changed(fake: Env, tmp_path: Path, capsys) -> None:
     queue = tmp_path / "q"
     main(["--root", str(fake.project.root), "queue", "--dir", str(queue)])
-    series_with(fake, ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))
+    fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))
     before = {p.name: p.read_bytes() for p in fake.project.patches_dir.iterdir()}
     err = error_of(fake, capsys, "export", "--queue", str(queue))
     assert "alloc.patch" in err

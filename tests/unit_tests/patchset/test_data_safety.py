@@ -9,9 +9,8 @@ import os
 from pathlib import Path
 
 import pytest
-from patchset_fake import ALLOC_PATCH, TRAIN_PATCH, Env, patch_text, tree_digest
+from patchset_fake import ALLOC_PATCH, Env, patch_text, save_during_build, tree_digest
 
-from hfsdp.patchset import materialize as materialize_mod
 from hfsdp.patchset.cli import main
 
 
@@ -25,8 +24,7 @@ def patches_digest(env: Env) -> dict[str, bytes]:
 
 def make_stale(env: Env) -> None:
     """A series change that touches no file of the tree (as a pull of a reworded header would)."""
-    env.write_series({"alloc.patch": patch_text("Add maxpool flag, reworded", ALLOC_PATCH),
-                      "train.patch": patch_text("Fork training", TRAIN_PATCH)})
+    env.series_with(desc="Add maxpool flag, reworded")
 
 
 def test_rebuild_keeps_what_the_tool_did_not_make(fake: Env, capsys) -> None:
@@ -72,13 +70,7 @@ def test_an_edit_saved_during_a_build_is_not_lost(fake: Env, monkeypatch, capsys
     cli(fake, "materialize")
     make_stale(fake)
     edited = fake.project.megatron_dir / "core" / "__init__.py"
-    real_build = materialize_mod.build_queue
-
-    def build_while_the_user_saves(*args, **kwargs):
-        edited.write_text("VALUE = 42  # saved in the editor while the tree was rebuilt\n")
-        return real_build(*args, **kwargs)
-
-    monkeypatch.setattr(materialize_mod, "build_queue", build_while_the_user_saves)
+    save_during_build(monkeypatch, edited, "VALUE = 42  # saved in the editor while the tree was rebuilt\n")
     capsys.readouterr()
     assert cli(fake, "materialize") != 0
     assert "megatron/core/__init__.py" in capsys.readouterr().err
@@ -110,9 +102,7 @@ def test_export_refuses_to_write_part_of_its_output(fake: Env, tmp_path: Path, c
 def test_following_the_does_not_apply_advice_loses_no_patch(fake: Env, tmp_path: Path, capsys) -> None:
     """A broken context line: materialize's advice (queue, fix, continue, export) must work."""
     cli(fake, "materialize")
-    broken = ALLOC_PATCH.replace(" line_20 = 20\n", " line_20 = 2000\n")
-    fake.write_series({"alloc.patch": patch_text("Add maxpool flag", broken),
-                       "train.patch": patch_text("Fork training", TRAIN_PATCH)})
+    fake.series_with(ALLOC_PATCH.replace(" line_20 = 20\n", " line_20 = 2000\n"))
     capsys.readouterr()
     assert cli(fake, "materialize") == 2
     advice = capsys.readouterr().err
@@ -158,9 +148,7 @@ def test_export_of_a_queue_lacking_patches_deletes_none(fake: Env, tmp_path: Pat
 def test_diff_after_a_pull_shows_only_the_local_edit(fake: Env, capsys) -> None:
     cli(fake, "materialize")
     (fake.project.megatron_dir / "core" / "__init__.py").write_text("VALUE = 2  # mine\n")
-    pulled = ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'")
-    fake.write_series({"alloc.patch": patch_text("Add maxpool flag", pulled),
-                       "train.patch": patch_text("Fork training", TRAIN_PATCH)})
+    fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))
     capsys.readouterr()
     assert cli(fake, "diff") == 0
     diff = capsys.readouterr().out

@@ -31,9 +31,9 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
     (["--num-experts", "4", "--moe-router-topk", "8"], "--moe-router-topk 8 is larger than --num-experts 4"),
-    (["--plan-dp-size", "0"], "--plan-dp-size: must be >= 1"),
-    (["--plan-dp-size", "-1"], "--plan-dp-size: must be >= 1"),
-    (["--plan-align-bytes", "0"], "--plan-align-bytes: must be >= 1"),
+    (["--plan-dp-size", "0"], "--plan-dp-size: must be > 0"),
+    (["--plan-dp-size", "-1"], "--plan-dp-size: must be > 0"),
+    (["--plan-align-bytes", "0"], "--plan-align-bytes: must be > 0"),
     (["--seq-length", "2048"], "Megatron rejects these flags"),  # > --max-position-embeddings 1024
     (["--mamba-num-groups", "3"], "Megatron cannot build this model: nheads must be evenly divisible by ngroups"),
 ])

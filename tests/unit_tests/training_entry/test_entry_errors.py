@@ -12,15 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_entry import TINY  # the tiny dense GPT every entry test uses
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-TINY = [
-    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
-    "--use-cpu-initialization", "--num-layers", "2", "--hidden-size", "64",
-    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "4", "--lr", "1e-4",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-]
 HAVE_CUDA = subprocess.run([sys.executable, "-c", "import torch, sys; sys.exit(torch.cuda.is_available())"]
                            ).returncode == 1
 
@@ -64,14 +58,8 @@ def test_flag_errors_are_user_errors_naming_the_flag():
     assert proc.stdout.count("FIX: fix the flags; `python pretrain_gpt.py --help`") == len(CASES)
 
 
-def test_the_script_prints_a_sentence_and_exits_2():
-    proc = pretrain("--nccl-comm-warmup", "--distributed-backend", "gloo")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "pretrain_gpt.py: error: invalid flags: --nccl-comm-warmup warms NCCL communicators" in proc.stderr
-    assert "Traceback" not in proc.stderr and "(set HFSDP_DEBUG=1 for a traceback)" in proc.stderr
-
-
 def test_hfsdp_debug_shows_the_traceback():
+    """The script's own run: exit status 2, and the traceback only because HFSDP_DEBUG=1 asks for it."""
     proc = pretrain("--megatron-fsdp-max-pool-double-buffer", debug=True)
     assert proc.returncode == 2 and "Traceback" in proc.stderr and "_validate_max_pool_double_buffer" in proc.stderr
 
