@@ -668,7 +668,7 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env, variant: str) 
 
     ``fork``: this tree's FixedPool (its backup allocator keeps bucket storage, patch P1).
     ``emulate-0.18.2-backup``: the backup swapped back to 0.18.2's TemporaryBucketAllocator,
-    which drops the bucket on free (F2), to show what unpatched users hit. The outcome is
+    which drops the bucket on free, to show what unpatched users hit. The outcome is
     written to JSON and then held to what docs/gpu-results.md reports for (g).
     """
     payload: list[Any] = [None]
@@ -738,8 +738,8 @@ def check_fixedpool_outcome(rec: dict[str, Any]) -> None:
 
     On this configuration FixedPool (this fork's backup, and 0.18.2's emulated) trains all steps
     with finite losses, but pools only unit 0 (attention): unit 1 (Mamba) is silently outside the
-    pool (F1/F4). If FixedPool starts to crash, or to pool the Mamba unit, this fails and the
-    finding must be re-measured and re-documented.
+    pool, so neither registrable nor address-stable. If FixedPool starts to crash, or to pool the
+    Mamba unit, this fails and the finding must be re-measured and re-documented.
     """
     tail = rec.get("output_tail", "")[-2000:]
     assert rec["returncode"] != "timeout", f"FixedPool child hung past {FIXEDPOOL_TIMEOUT_S} s:\n{tail}"
