@@ -62,7 +62,8 @@ def command(flags: Sequence[str], nproc: int, steps: int) -> list[str]:
 
 
 def report_env(report_path: str) -> dict[str, str]:
-    return {**os.environ, run_report.ENV: report_path}
+    """The variable that makes a run write its report (layered on the caller's environment)."""
+    return {run_report.ENV: report_path}
 
 
 def result(config: str, repeat: int, log_path: str, report_path: str, *, warmup_steps: int,

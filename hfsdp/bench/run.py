@@ -3,6 +3,9 @@
 Every (repeat, configuration) pair is a fresh ``torchrun`` of :mod:`hfsdp.bench.worker`, launched
 in an interleaved, rotated order; the planner runs once (CPU-only subprocess) for the planned pool
 sizes. Results: a table on stdout, JSON and a PNG chart (see docs/benchmark.md).
+
+Each run is a process group with a timeout (:func:`hfsdp.proc.run_group`) that gets the caller's
+environment unchanged plus ``--env KEY=VALUE`` ([Note: launch environment] in hfsdp/launch_env.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import glob
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,7 +24,9 @@ from typing import Any, Optional, Sequence
 from hfsdp.bench import configs as cfgs
 from hfsdp.bench import pretrain_launch
 from hfsdp.bench import results as res
-from hfsdp.safety import NVLS_SAFE_ENV
+from hfsdp.launch_env import add_env_option, job_env, parse_assignments
+from hfsdp.proc import run_group
+from hfsdp.usererror import run_cli
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -61,7 +65,9 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         "caches so the first timed run is not slower than the rest).")
     p.add_argument("--chart-from", default=None,
                    help="Only (re)draw --out-png from an existing results JSON (no GPU).")
+    add_env_option(p)
     opts = p.parse_args(argv[:split])
+    opts.env = parse_assignments(opts.env)
     if opts.repeats < 3:
         print(f"note: --repeats {opts.repeats} < 3; medians over so few runs are noisy")
     return opts, argv[split + 1:]
@@ -95,51 +101,6 @@ def planned_pools(flags: Sequence[str], nproc: int) -> dict[str, dict[str, int]]
     }
 
 
-# Every GPU run keeps NVLink multicast off (GPU README); pinned here, not only by bootstrap.sh.
-NVLS_GUARDS = NVLS_SAFE_ENV
-
-
-def pin_nvls_guards() -> list[str]:
-    """Set the NVLS guards in this process (inherited by every torchrun); returns changed keys."""
-    changed = [k for k, v in NVLS_GUARDS.items() if os.environ.get(k) != v]
-    os.environ.update(NVLS_GUARDS)
-    return changed
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def run_in_group(cmd: Sequence[str], log: Any, timeout_s: float,
-                 grace_s: float = 10.0, env: Optional[dict[str, str]] = None) -> "int | str":
-    """Run ``cmd`` in its own process group; on timeout end the whole group, return "timeout".
-
-    Killing only torchrun would leave its workers running (in session 6 they kept writing
-    profiles, competing for the host with the next run).
-    """
-    proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=env)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pgid = proc.pid  # start_new_session: the leader's pid is the group id
-        os.killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            proc.poll()  # reap the leader so a zombie does not keep the group "alive"
-            time.sleep(0.1)
-        try:
-            os.killpg(pgid, signal.SIGKILL)  # whatever ignored SIGTERM
-        except ProcessLookupError:
-            pass  # the group ended within the grace period
-        proc.wait()
-        return "timeout"
-
-
 def profiling(opts: argparse.Namespace) -> bool:
     """Profiling passes run in the bench worker (in-process hooks); timing runs in pretrain."""
     return bool(opts.profile_dir or opts.pyprofile_dir or opts.memory_trace_dir)
@@ -161,7 +122,8 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
            *(["--memory-trace-dir", opts.memory_trace_dir] if opts.memory_trace_dir else []),
            "--", *flags, *config.flags]
     with open(log, "w") as f:
-        rc = run_in_group(cmd, f, timeout_s or opts.run_timeout)
+        ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout, env=job_env(os.environ, opts.env), stdout=f)
+    rc = "timeout" if ended.timed_out else ended.returncode
     if rc != 0 or not os.path.exists(result):
         with open(log) as f:
             tail = f.read()[-3000:]
@@ -177,9 +139,10 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     stem = os.path.join(workdir, f"{config.name}-{repeat}")
     steps = opts.warmup_steps + opts.timed_steps
     cmd = pretrain_launch.command([*flags, *config.flags], opts.nproc, steps)
+    env = job_env(os.environ, opts.env, pretrain_launch.report_env(f"{stem}.report.json"))
     with open(f"{stem}.log", "w") as f:
-        rc = run_in_group(cmd, f, timeout_s or opts.run_timeout,
-                          env=pretrain_launch.report_env(f"{stem}.report.json"))
+        ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout, env=env, stdout=f)
+    rc = "timeout" if ended.timed_out else ended.returncode
     try:
         if rc != 0:
             raise pretrain_launch.RunFailed(f"rc={rc}")
@@ -201,7 +164,11 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    opts, extra = parse(sys.argv[1:] if argv is None else argv)
+    return run_cli("benchmark_double_buffer", lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: Sequence[str]) -> int:
+    opts, extra = parse(argv)
     if opts.chart_from:
         from hfsdp.bench.chart import write_chart
 
@@ -212,9 +179,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f"{doc['meta'].get('preset')} model, {doc['meta'].get('nproc')} GPUs")
         print(f"wrote {opts.out_png}")
         return 0
-    changed = pin_nvls_guards()
-    if changed:
-        print(f"note: pinned {', '.join(f'{k}={NVLS_GUARDS[k]}' for k in changed)} (NVLS off)")
     flags = cfgs.model_flags(opts.preset, extra)
     wanted = [c.strip() for c in opts.configs.split(",") if c.strip()]
     graphed = [n for n in wanted if n in cfgs.CONFIGS and cfgs.CONFIGS[n].graphed]
@@ -279,7 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc,
         "repeats": opts.repeats, "warmup_steps": opts.warmup_steps,
         "timed_steps": opts.timed_steps, "order": order, "skipped": skipped,
-        "failures": failures, "primed": primed,
+        "failures": failures, "primed": primed, "env": opts.env,
         "configs": {n: cfgs.CONFIGS[n].description for n in wanted if n in cfgs.CONFIGS},
         "torch": _torch_version(), "wall_s": round(time.time() - start, 1),
     }

@@ -18,12 +18,16 @@ Thresholds (upstream ``CHECK_THRESHOLDS``, plus one deliberate change):
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from hfsdp.atomic import write_text_atomic
 from hfsdp.functional.logparse import Metrics
+from hfsdp.usererror import UserError
 
 ITER_TIME_WARMUP = 3
 RTOL = {"num-zeros": 0.20}
@@ -61,16 +65,124 @@ def to_golden(metrics: Metrics, names: tuple[str, ...] | list[str]) -> dict:
     return out
 
 
+class GoldenError(UserError):
+    """A golden file that cannot be read or is not complete and finite; the message names it."""
+
+
+def _steps_text(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``"3-5, 9"``."""
+    runs: list[str] = []
+    for step in sorted(steps):
+        if runs and runs[-1].split("-")[-1] == str(step - 1):
+            runs[-1] = f"{runs[-1].split('-')[0]}-{step}"
+        else:
+            runs.append(str(step))
+    return ", ".join(runs)
+
+
+def _metric_problems(name: str, spec: Any) -> list[str]:
+    """Why one metric's entry is not complete and finite (empty list: it is)."""
+    if not isinstance(spec, dict):
+        return [f"{name}: expected an object with start_step, end_step, step_interval and values"]
+    values = spec.get("values")
+    if not isinstance(values, dict):
+        return [f"{name}: 'values' must be a mapping of step -> number, got {type(values).__name__}"]
+    if not values:
+        return [f"{name}: no values"]
+    problems: list[str] = []
+    steps: list[int] = []
+    for key, value in values.items():
+        try:
+            step = int(key)
+        except (TypeError, ValueError):
+            problems.append(f"{name}: step {key!r} is not an integer")
+            continue
+        steps.append(step)
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            problems.append(f"{name}: value at step {step} is not a finite number ({value!r})")
+            continue
+        try:
+            finite = math.isfinite(float(value))
+        except ValueError:
+            finite = False
+        if not finite:
+            problems.append(f"{name}: value at step {step} is not a finite number ({value!r})")
+    bounds = [spec.get(k) for k in ("start_step", "end_step", "step_interval")]
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds) or bounds[2] < 1:
+        problems.append(f"{name}: start_step, end_step and step_interval must be integers (interval >= 1), "
+                        f"got {bounds}")
+    elif steps:
+        start, end, interval = bounds
+        expected = set(range(start, end + 1, interval))
+        if missing := sorted(expected - set(steps)):
+            problems.append(f"{name}: steps {_steps_text(missing)} missing between start_step {start} "
+                            f"and end_step {end}")
+        if extra := sorted(set(steps) - expected):
+            problems.append(f"{name}: steps {_steps_text(extra)} lie outside start_step {start}..end_step {end} "
+                            f"(interval {interval})")
+    return problems
+
+
+def check_golden(obj: Any, names: tuple[str, ...] | list[str]) -> list[str]:
+    """Problems that make a golden object unusable for ``names``: every metric complete and finite."""
+    if not isinstance(obj, dict):
+        return [f"expected a JSON object of metrics, got {type(obj).__name__}"]
+    problems: list[str] = []
+    for name in names:
+        if name not in obj:
+            problems.append(f"{name}: missing")
+        else:
+            problems.extend(_metric_problems(name, obj[name]))
+    return problems
+
+
+def read_golden(path: Path, names: tuple[str, ...] | list[str]) -> Metrics:
+    """Load a golden file for ``names``; a GoldenError names the file and everything wrong with it."""
+    path = Path(path)
+    fix = f"re-record it with `python -m hfsdp.functional.run_case {path.parent} --record` on the golden's platform"
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise GoldenError(f"golden {path} cannot be read as JSON: {exc}", fix) from exc
+    problems = check_golden(obj, names)
+    if problems:
+        raise GoldenError(f"golden {path} is not complete and finite: " + "; ".join(problems), fix)
+    return from_golden({name: obj[name] for name in names})
+
+
+def uncovered_steps(expected: Metrics, actual: Metrics, names: tuple[str, ...] | list[str]) -> list[str]:
+    """Steps a run logged that the golden does not hold (a golden shorter than the run)."""
+    out = []
+    for name in names:
+        beyond = sorted(set(actual.get(name, {})) - set(expected.get(name, {})))
+        if beyond:
+            last = max(expected.get(name, {}), default=None)
+            out.append(f"{name}: the run logged steps {_steps_text(beyond)}, the golden stops at step {last}")
+    return out
+
+
 def from_golden(obj: dict) -> Metrics:
     return {name: {int(k): float(v) for k, v in spec["values"].items()} for name, spec in obj.items()}
 
 
 def load(path: Path) -> Metrics:
-    return from_golden(json.loads(Path(path).read_text()))
+    """Every metric of a golden (or metrics.json) file, each checked complete and finite."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise GoldenError(f"{path} cannot be read as JSON: {exc}", "re-create it with the functional driver") from exc
+    return read_golden(path, list(obj) if isinstance(obj, dict) else [])
 
 
 def save(path: Path, metrics: Metrics, names: tuple[str, ...] | list[str]) -> None:
-    Path(path).write_text(json.dumps(to_golden(metrics, names), indent=2, sort_keys=True) + "\n")
+    """Write atomically (a reader never sees half a file)."""
+    write_text_atomic(Path(path), json.dumps(to_golden(metrics, names), indent=2, sort_keys=True) + "\n")
+
+
+def incomplete_metrics(metrics: Metrics, names: tuple[str, ...] | list[str]) -> list[str]:
+    """Why ``metrics`` cannot be recorded as a golden for ``names`` (empty list: it can)."""
+    return check_golden(to_golden(metrics, names), names)
 
 
 def _iter_time_rtol() -> float:

@@ -28,6 +28,7 @@ anything else -> ``str(value)``. ``${VAR}`` placeholders are filled from the pat
 from __future__ import annotations
 
 import os
+import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +36,23 @@ from typing import Any, Mapping
 
 import yaml
 
+from hfsdp.usererror import UserError
+
 TEST_TYPES = ("regular", "ckpt-resume", "smoke")
 DEFAULT_METRICS = ("lm loss", "num-zeros")
+KEYS = ("ENV_VARS", "MODEL_ARGS", "MODEL_ARGS_2", "ENV_VARS_2", "TEST_TYPE", "METRICS", "TRAINING_SCRIPT",
+        "NPROC", "COMPARE_TO", "CHECKS", "REQUIRE_GOLDEN", "RESUME_COMPARE")
+CHECK_KEYS = ("log_absent", "log_present", "min_iterations", "loss_decreases")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RECIPE_FIX = "fix model_config.yaml; docs/functional-tests.md lists every key and its type"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class RecipeError(ValueError):
-    """The model_config.yaml is malformed."""
+class RecipeError(UserError):
+    """The model_config.yaml is missing or malformed; the message names the file."""
+
+    def __init__(self, cause: str, fix: str = RECIPE_FIX) -> None:
+        super().__init__(cause, fix)
 
 
 @dataclass(frozen=True)
@@ -91,20 +103,91 @@ class Recipe:
     @property
     def train_iters(self) -> int:
         value = self.model_args.get("--train-iters")
+        where = f"{self.case_dir / 'model_config.yaml'}: MODEL_ARGS"
         if value is None:
-            raise RecipeError(f"{self.case_dir}: MODEL_ARGS has no --train-iters")
-        return int(value)
+            raise RecipeError(f"{where} has no --train-iters", "add --train-iters N to MODEL_ARGS")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RecipeError(f"{where} --train-iters must be an integer >= 1, got {value!r}")
+        return value
 
     def golden_path(self, environment: str = "dev", platform: str = "dgx_h200") -> Path:
         return self.case_dir / f"golden_values_{environment}_{platform}.json"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_at_least(raw: Mapping[str, Any], key: str, default: int, minimum: int, where: str) -> int:
+    value = raw.get(key, default)
+    if not _is_int(value) or value < minimum:
+        raise RecipeError(f"{where}{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _flag_value(raw: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise RecipeError(f"{where}{key} must be true or false, got {value!r}")
+    return value
 
 
 def _env_map(raw: Any, where: str) -> dict[str, str | None]:
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
-        raise RecipeError(f"{where} must be a mapping, got {type(raw).__name__}")
-    return {str(k): (None if v is None else str(v)) for k, v in raw.items()}
+        raise RecipeError(f"{where} must be a mapping of variable names to values, got {type(raw).__name__}")
+    out: dict[str, str | None] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or not _ENV_NAME.match(key):
+            raise RecipeError(f"{where}: {key!r} is not an environment variable name")
+        if isinstance(value, (Mapping, list, tuple)):
+            raise RecipeError(f"{where} {key}: a value must be a string, number, or null (unset), "
+                              f"got {type(value).__name__}")
+        out[key] = None if value is None else str(value)
+    return out
+
+
+def _model_args(raw: Any, where: str, required: bool) -> dict[str, Any]:
+    if raw is None or raw == {}:
+        if required:
+            raise RecipeError(f"{where} is missing: the case has nothing to launch",
+                              "add MODEL_ARGS with the training flags, e.g. `MODEL_ARGS: {--train-iters: 10, ...}` "
+                              "(see the cases under tests/functional_tests/test_cases)")
+        return {}
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"{where} must be a mapping of flags to values, got {type(raw).__name__}")
+    for flag, value in raw.items():
+        if not isinstance(flag, str) or not flag.startswith("--"):
+            raise RecipeError(f"{where} key {flag!r} is not a flag (flags start with --)")
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(v, (Mapping, list, tuple)) for v in items):
+            raise RecipeError(f"{where} {flag}: a value must be a scalar, true/false/null, or a list of scalars")
+    return dict(raw)
+
+
+def _checks(raw: Any, where: str) -> Checks:
+    if raw is None:
+        return Checks()
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"{where} must be a mapping with keys {', '.join(CHECK_KEYS)}")
+    unknown = sorted(set(map(str, raw)) - set(CHECK_KEYS))
+    if unknown:
+        raise RecipeError(f"{where} has unknown keys {unknown}; known: {', '.join(CHECK_KEYS)}")
+    patterns: dict[str, tuple[str, ...]] = {}
+    for key in ("log_absent", "log_present"):
+        value = raw.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+            raise RecipeError(f"{where} {key} must be a list of regular expressions, got {value!r}")
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise RecipeError(f"{where} {key}: {pattern!r} is not a valid regular expression ({exc})") from exc
+        patterns[key] = tuple(value)
+    return Checks(patterns["log_absent"], patterns["log_present"],
+                  _int_at_least(raw, "min_iterations", 0, 0, f"{where} "),
+                  _flag_value(raw, "loss_decreases", False, f"{where} "))
 
 
 def _resume_compare(raw: Any, test_type: str, where: str) -> ResumeCompare:
@@ -123,56 +206,92 @@ def _resume_compare(raw: Any, test_type: str, where: str) -> ResumeCompare:
         except ValueError:
             pass
     # An exact first step shows the weights loaded; a loose rtol could hide a lost optimizer state.
-    if isinstance(exact, bool) or not isinstance(exact, int) or exact < 1:
+    if not _is_int(exact) or exact < 1:
         raise RecipeError(f"{where}: exact_steps must be an int >= 1, got {exact!r}")
     if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol <= 1e-3:
         raise RecipeError(f"{where}: rtol must be a number in [0, 1e-3], got {rtol!r}")
     return ResumeCompare(exact_steps=exact, rtol=float(rtol))
 
 
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{path} is not valid YAML{where}: {problem}", "fix the YAML syntax") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path} cannot be read: {exc}", "check the file's permissions and encoding") from exc
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"{path} must be a mapping of keys ({', '.join(KEYS[:3])}, ...), "
+                          f"got a YAML {type(raw).__name__}")
+    return dict(raw)
+
+
+def _training_script(raw: Any, path: Path) -> str:
+    if raw is None:
+        return "pretrain_gpt.py"
+    if not isinstance(raw, str) or not raw.split():
+        raise RecipeError(f"{path}: TRAINING_SCRIPT must name a script (relative to the repository) "
+                          f"or `-m module`, got {raw!r}")
+    first = raw.split()
+    if first[0] == "-m":
+        if len(first) < 2:
+            raise RecipeError(f"{path}: TRAINING_SCRIPT {raw!r} names no module after -m")
+        return raw
+    if not (REPO_ROOT / first[0]).is_file():
+        raise RecipeError(f"{path}: TRAINING_SCRIPT {first[0]} does not exist (looked in {REPO_ROOT})",
+                          "name a script relative to the repository root, or `-m package.module`")
+    return raw
+
+
 def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
-    """Parse ``<case_dir>/model_config.yaml``."""
+    """Parse and check ``<case_dir>/model_config.yaml``; every error names the file."""
     case_dir = Path(case_dir).resolve()
     path = case_dir / "model_config.yaml"
     if not path.is_file():
-        raise RecipeError(f"{path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
-    unknown = set(raw) - {
-        "ENV_VARS", "MODEL_ARGS", "MODEL_ARGS_2", "ENV_VARS_2", "TEST_TYPE", "METRICS",
-        "TRAINING_SCRIPT", "NPROC", "COMPARE_TO", "CHECKS", "REQUIRE_GOLDEN", "RESUME_COMPARE",
-    }
+        raise RecipeError(f"{path} does not exist, so {case_dir} is not a test case",
+                          "pass a case folder that holds model_config.yaml, e.g. "
+                          "tests/functional_tests/test_cases/smoke/cpu_gloo_smoke")
+    raw = _read_yaml(path)
+    unknown = sorted(set(map(str, raw)) - set(KEYS))
     if unknown:
-        raise RecipeError(f"{path}: unknown keys {sorted(unknown)}")
+        raise RecipeError(f"{path}: unknown keys {unknown}", f"use only {', '.join(KEYS)}")
     test_type = raw.get("TEST_TYPE", "regular")
     if test_type not in TEST_TYPES:
         raise RecipeError(f"{path}: TEST_TYPE {test_type!r} not in {TEST_TYPES}")
-    model_args = raw.get("MODEL_ARGS") or {}
-    if not isinstance(model_args, Mapping):
-        raise RecipeError(f"{path}: MODEL_ARGS must be a mapping")
-    checks_raw = raw.get("CHECKS") or {}
-    checks = Checks(
-        log_absent=tuple(checks_raw.get("log_absent", ())),
-        log_present=tuple(checks_raw.get("log_present", ())),
-        min_iterations=int(checks_raw.get("min_iterations", 0)),
-        loss_decreases=bool(checks_raw.get("loss_decreases", False)),
-    )
-    resume_compare = _resume_compare(raw.get("RESUME_COMPARE"), test_type, f"{path}: RESUME_COMPARE")
+    model_args = _model_args(raw.get("MODEL_ARGS"), f"{path}: MODEL_ARGS", required=True)
+    metrics = raw.get("METRICS", list(DEFAULT_METRICS))
+    if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
+        raise RecipeError(f"{path}: METRICS must be a list of metric names (e.g. [lm loss, num-zeros]), "
+                          f"got {metrics!r}")
+    nproc = _int_at_least(raw, "NPROC", 2, 1, f"{path}: ")
+    require_golden = _flag_value(raw, "REQUIRE_GOLDEN", True, f"{path}: ")
+    compare_to = raw.get("COMPARE_TO")
+    if compare_to is not None and (not isinstance(compare_to, str)
+                                   or not (case_dir / compare_to / "model_config.yaml").is_file()):
+        raise RecipeError(f"{path}: COMPARE_TO {compare_to} is not a case folder (no "
+                          f"{case_dir / str(compare_to) / 'model_config.yaml'})",
+                          "name a sibling case relative to this one, e.g. ../hybrid_mcore_local_fsdp_no_db")
     recipe = Recipe(
         case_dir=case_dir,
         model=case_dir.parent.name,
         name=case_dir.name,
         env_vars=_env_map(raw.get("ENV_VARS"), f"{path}: ENV_VARS"),
-        model_args=dict(model_args),
-        model_args_2=dict(raw.get("MODEL_ARGS_2") or {}),
+        model_args=model_args,
+        model_args_2=_model_args(raw.get("MODEL_ARGS_2"), f"{path}: MODEL_ARGS_2", required=False),
         env_vars_2=_env_map(raw.get("ENV_VARS_2"), f"{path}: ENV_VARS_2"),
         test_type=test_type,
-        metrics=tuple(raw.get("METRICS") or DEFAULT_METRICS),
-        training_script=str(raw.get("TRAINING_SCRIPT", "pretrain_gpt.py")),
-        nproc=int(raw.get("NPROC", 2)),
-        compare_to=raw.get("COMPARE_TO"),
-        checks=checks,
-        require_golden=bool(raw.get("REQUIRE_GOLDEN", True)),
-        resume_compare=resume_compare,
+        metrics=tuple(metrics),
+        training_script=_training_script(raw.get("TRAINING_SCRIPT"), path),
+        nproc=nproc,
+        compare_to=compare_to,
+        checks=_checks(raw.get("CHECKS"), f"{path}: CHECKS"),
+        require_golden=require_golden,
+        resume_compare=_resume_compare(raw.get("RESUME_COMPARE"), test_type, f"{path}: RESUME_COMPARE"),
     )
     if recipe.test_type == "ckpt-resume":
         _ = recipe.train_iters

@@ -1,7 +1,7 @@
 """Run one functional-test case, write its metrics, and judge it against goldens.
 
     python -m hfsdp.functional.run_case <case_dir> [--record] [--nproc N]
-        [--compare-to <other_case_dir>] [--output-dir DIR] [--platform dgx_h200]
+        [--compare-to <other_case_dir>] [--output-dir DIR] [--platform dgx_h200] [--env KEY=VALUE]
 
 Per case (``TEST_TYPE``):
 * ``regular`` / ``smoke``: one torchrun launch.
@@ -16,8 +16,14 @@ Per case (``TEST_TYPE``):
 Outputs under ``<output-dir>`` (default ``$HFSDP_FUNCTIONAL_OUT`` or ``<repo>/out/functional``
 ``/<model>/<case>``): ``run1.log`` [``run2.log``], ``metrics.json`` (golden format), and
 ``result.json``. The last stdout line is ``HFSDP-FUNCTIONAL RESULT <model>/<case>: PASS|FAIL``;
-the exit status is 0 only on PASS. ``--record`` writes ``golden_values_<env>_<platform>.json``
-into the case directory instead of comparing against it.
+the exit status is 0 only on PASS (2 for input it refuses, with a sentence; hfsdp/usererror.py).
+``--record`` writes ``golden_values_<env>_<platform>.json`` into the case directory instead of
+comparing against it, only from a passing run whose metrics are complete and finite.
+
+The runs get the caller's environment unchanged, plus the case's ``ENV_VARS`` and ``--env``
+([Note: launch environment] in hfsdp/launch_env.py). The output folder is cleared before a run
+only if the driver made it ([Note: output folders] in outdir.py); a golden must be complete and
+finite and cover every step the run logged, or the case fails naming what is missing.
 """
 
 from __future__ import annotations
@@ -28,23 +34,19 @@ import math
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
-import threading
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from hfsdp.diagnostics import AFTER_ENV, STACK_DUMP_SIGNAL, descendant_pids, handles_signal
-from hfsdp.functional import golden, logparse
+from hfsdp import proc
+from hfsdp.functional import golden, logparse, outdir
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
-from hfsdp.safety import NVLS_SAFE_ENV
+from hfsdp.launch_env import add_env_option, job_env, parse_assignments
+from hfsdp.usererror import UserError, positive, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULT_MARK = "HFSDP-FUNCTIONAL RESULT"
-SAFE_ENV = NVLS_SAFE_ENV  # every GPU run keeps NVLink multicast off
 
 
 @dataclass(frozen=True)
@@ -124,21 +126,16 @@ def build_command(recipe: Recipe, argv: Sequence[str], launch: Launch,
     return cmd
 
 
-def run_env(env_vars: dict[str, str | None]) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(SAFE_ENV)
-    for key, value in env_vars.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
+def run_env(env_vars: Mapping[str, str | None], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment, then the case's ENV_VARS, then ``--env`` (see launch_env.py)."""
+    env = job_env(os.environ, env_vars, extra or {})
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
     )
     return env
 
 
-STACK_DUMP_GRACE_S = 5.0  # time the ranks get to write their stacks before SIGTERM
+STACK_DUMP_GRACE_S = proc.STACK_GRACE_S  # time the ranks get to write their stacks before SIGTERM
 
 
 def run_problem(rec: "RunRecord", n: int) -> str | None:
@@ -153,44 +150,22 @@ def run_problem(rec: "RunRecord", n: int) -> str | None:
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float | None) -> RunRecord:
-    """Run ``cmd`` in its own process group, tee output to ``log``; kill the group on timeout."""
+    """Run ``cmd`` as a process group (hfsdp.proc), tee its output to ``log`` and stdout."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    timed_out = threading.Event()
     with open(log, "w") as sink:
         sink.write("$ " + " ".join(cmd) + "\n")
         sink.flush()
-        if timeout_s:  # ranks also dump their stacks on their own just before the kill
-            env = {**env, AFTER_ENV: str(max(timeout_s - 2 * STACK_DUMP_GRACE_S, 1.0))}
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, errors="replace",
-                                start_new_session=True)
 
-        def on_timeout() -> None:
-            timed_out.set()
-            # Ask each rank for its Python stacks first (hfsdp.diagnostics): a hang's evidence.
-            # Only processes that catch it: the default action of SIGUSR1 is to terminate.
-            for pid in filter(handles_signal, descendant_pids(proc.pid)):
-                try:
-                    os.kill(pid, STACK_DUMP_SIGNAL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(STACK_DUMP_GRACE_S)
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-        timer = threading.Timer(timeout_s, on_timeout) if timeout_s else None
-        if timer:
-            timer.start()
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        def tee(line: str) -> None:
             sink.write(line)
             sys.stdout.write(line)
-        rc = proc.wait()
-        if timer:
-            timer.cancel()
-    return RunRecord(str(log), rc, timed_out.is_set())
+
+        res = proc.run_group(cmd, timeout_s=timeout_s, env=env, cwd=REPO_ROOT, on_line=tee,
+                             stack_grace_s=STACK_DUMP_GRACE_S)
+        if res.timed_out or res.stragglers:
+            sink.write(f"[hfsdp] run ended: rc={res.returncode} timed_out={res.timed_out} "
+                       f"signals={','.join(res.signals) or '-'} stragglers={res.stragglers}\n")
+    return RunRecord(str(log), res.returncode, res.timed_out)
 
 
 def prepare_resume(ckpt_dir: Path, half: int, final: int) -> None:
@@ -236,31 +211,37 @@ def compare_curves(name: str, a: logparse.Metrics, b: logparse.Metrics,
 def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = False,
              compare_to: Path | None = None, output_root: Path | None = None,
              environment: str = "dev", platform: str = "dgx_h200",
-             evaluate_log: Path | None = None) -> Result:
+             evaluate_log: Path | None = None, env: Mapping[str, str] | None = None) -> Result:
     """Run and judge one case; see the module docstring.
 
     ``evaluate_log`` judges an existing log instead of launching (the srun-per-GPU SLURM mode
-    launches the ranks itself and calls this afterwards; single-run cases only).
+    launches the ranks itself and calls this afterwards; single-run cases only). ``env`` is
+    ``--env``: set in the launched runs on top of the caller's environment and ENV_VARS.
     """
     recipe = load_recipe(case_dir)
     launch = launch or Launch(nproc=recipe.nproc)
     if launch.nnodes > 1 and recipe.test_type == "ckpt-resume":
-        raise ValueError("ckpt-resume cases run on one node (the resume step edits the checkpoint)")
+        raise UserError(f"{recipe.model}/{recipe.name} is a ckpt-resume case, which runs on one node "
+                        "(the resume step edits the checkpoint)", "run it with --nnodes 1")
+    if output_root is not None:
+        outdir.check_root(output_root)
     out = output_dir_for(recipe, output_root)
     if launch.nnodes > 1:
         out = out / f"node{launch.node_rank}"  # per-node logs; no cross-node file races
     result = Result(case=f"{recipe.model}/{recipe.name}")
     if evaluate_log is not None:
         if recipe.test_type == "ckpt-resume":
-            raise ValueError("--evaluate-log handles single-run cases only")
-        out.mkdir(parents=True, exist_ok=True)
+            raise UserError(f"{recipe.model}/{recipe.name} is a ckpt-resume case; --evaluate-log judges "
+                            "single-run cases only", "run it without --evaluate-log (the driver launches both runs)")
+        outdir.prepare(out, clear=False)
+        if not Path(evaluate_log).is_file():
+            raise UserError(f"--evaluate-log {evaluate_log} does not exist",
+                            "pass the log the training wrote (the srun-per-GPU sbatch script tees it to run1.log)")
         rec1 = RunRecord(str(evaluate_log), 0, False)
     else:
-        if out.exists():
-            shutil.rmtree(out)  # a stale checkpoint would turn run 1 into a resume
-        out.mkdir(parents=True)
+        outdir.prepare(out, clear=True)  # a stale checkpoint would turn run 1 into a resume
         argv1 = args_to_argv(recipe.model_args, path_variables(out))
-        rec1 = run_logged(build_command(recipe, argv1, launch), run_env(recipe.env_vars),
+        rec1 = run_logged(build_command(recipe, argv1, launch), run_env(recipe.env_vars, env),
                           out / "run1.log", launch.timeout_s)
     variables = path_variables(out)
     result.runs.append(rec1)
@@ -279,7 +260,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         else:
             argv2 = args_to_argv(merged_args(recipe.model_args, recipe.model_args_2), variables)
             env2 = merged_env(recipe.env_vars, recipe.env_vars_2)
-            rec2 = run_logged(build_command(recipe, argv2, launch), run_env(env2),
+            rec2 = run_logged(build_command(recipe, argv2, launch), run_env(env2, env),
                               out / "run2.log", launch.timeout_s)
             result.runs.append(rec2)
             metrics2 = logparse.parse_file(rec2.log)
@@ -312,22 +293,36 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         if not other_metrics_path.is_file():
             sub = run_case(Path(other), launch=launch, output_root=output_root,
                            environment=environment, platform=platform,
-                           record=False)
+                           record=False, env=env)
             if sub.status != "PASS" and not other_metrics_path.is_file():
                 result.fail(f"compare-to case {sub.case} failed: {sub.reasons}")
         if other_metrics_path.is_file():
-            compare_curves(f"vs {other_recipe.model}/{other_recipe.name}",
-                           golden.load(other_metrics_path), metrics, None, result)
+            try:
+                other_metrics = golden.load(other_metrics_path)
+            except golden.GoldenError as exc:
+                result.fail(f"compare-to case {other_recipe.model}/{other_recipe.name}: {exc.cause}")
+            else:
+                compare_curves(f"vs {other_recipe.model}/{other_recipe.name}", other_metrics, metrics, None, result)
 
     if record:
-        if result.status == "PASS":
+        missing = golden.incomplete_metrics(metrics, recipe.metrics)
+        if missing:
+            result.fail(f"not recording goldens: the run's metrics are not complete and finite ({'; '.join(missing)})")
+        elif result.status == "PASS":
             golden.save(golden_path, metrics, list(recipe.metrics))
             print(f"recorded {golden_path}")
         else:
             result.fail("not recording goldens from a failing run")
     elif golden_path.is_file():
-        for p in golden.compare(golden.load(golden_path), metrics, list(recipe.metrics)):
-            result.fail(f"golden: {p}")
+        try:
+            expected = golden.read_golden(golden_path, recipe.metrics)
+        except golden.GoldenError as exc:
+            result.fail(f"{exc.cause} -> {exc.fix}")
+        else:
+            for p in golden.compare(expected, metrics, list(recipe.metrics)):
+                result.fail(f"golden {golden_path.name}: {p}")
+            for p in golden.uncovered_steps(expected, metrics, recipe.metrics):
+                result.fail(f"golden {golden_path.name}: {p}; re-record it with --record")
     elif recipe.require_golden:
         result.fail(f"no golden {golden_path.name}; record one with --record on {platform}")
 
@@ -336,38 +331,50 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="run_case", description=__doc__.split("\n")[0])
     parser.add_argument("case_dir", type=Path)
     parser.add_argument("--record", action="store_true", help="write goldens instead of comparing")
-    parser.add_argument("--nproc", type=int, default=None, help="processes per node (default: NPROC)")
-    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--nproc", type=positive(int), default=None, help="processes per node (default: NPROC)")
+    parser.add_argument("--nnodes", type=positive(int), default=1)
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--master-addr", default="127.0.0.1")
-    parser.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)))
+    parser.add_argument("--master-port", type=positive(int), default=int(os.environ.get("MASTER_PORT", 29500)))
     parser.add_argument("--compare-to", type=Path, default=None,
                         help="another case whose lm loss curve must be identical")
-    parser.add_argument("--output-dir", type=Path, default=None, help="root for case outputs")
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help="root for case outputs (default $HFSDP_FUNCTIONAL_OUT or out/functional); never "
+                             "a folder holding test cases")
     parser.add_argument("--environment", default="dev")
     parser.add_argument("--platform", default="dgx_h200")
-    parser.add_argument("--timeout-s", type=float, default=None, help="kill a run after this long")
-    parser.add_argument("--exit-duration-in-mins", type=float, default=None,
+    parser.add_argument("--timeout-s", type=positive(float), default=None,
+                        help="end a run after this long (stacks, then SIGTERM, then SIGKILL; hfsdp/proc.py)")
+    parser.add_argument("--exit-duration-in-mins", type=positive(float), default=None,
                         help="forwarded to Megatron (SLURM jobs derive it from the time limit)")
     parser.add_argument("--evaluate-log", type=Path, default=None,
                         help="judge this existing log instead of launching (srun-per-GPU mode)")
+    add_env_option(parser)
     ns = parser.parse_args(argv)
-    recipe = load_recipe(ns.case_dir)
-    launch = Launch(
-        nproc=ns.nproc or recipe.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
-        master_addr=ns.master_addr, master_port=ns.master_port, timeout_s=ns.timeout_s,
-        exit_duration_in_mins=ns.exit_duration_in_mins,
-    )
-    result = run_case(ns.case_dir, launch=launch, record=ns.record, compare_to=ns.compare_to,
-                      output_root=ns.output_dir, environment=ns.environment, platform=ns.platform,
-                      evaluate_log=ns.evaluate_log)
-    for reason in result.reasons:
-        print(f"  - {reason}")
-    print(f"{RESULT_MARK} {result.case}: {result.status}", flush=True)
-    return 0 if result.status == "PASS" else 1
+
+    def run() -> int:
+        if not 0 <= ns.node_rank < ns.nnodes:
+            raise UserError(f"--node-rank {ns.node_rank} is not in [0, --nnodes {ns.nnodes})",
+                            "pass the node's index, 0 for the first node")
+        extra_env = parse_assignments(ns.env)
+        recipe = load_recipe(ns.case_dir)
+        launch = Launch(
+            nproc=ns.nproc or recipe.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
+            master_addr=ns.master_addr, master_port=ns.master_port, timeout_s=ns.timeout_s,
+            exit_duration_in_mins=ns.exit_duration_in_mins,
+        )
+        result = run_case(ns.case_dir, launch=launch, record=ns.record, compare_to=ns.compare_to,
+                          output_root=ns.output_dir, environment=ns.environment, platform=ns.platform,
+                          evaluate_log=ns.evaluate_log, env=extra_env)
+        for reason in result.reasons:
+            print(f"  - {reason}")
+        print(f"{RESULT_MARK} {result.case}: {result.status}", flush=True)
+        return 0 if result.status == "PASS" else 1
+
+    return run_cli("run_case", run)
 
 
 if __name__ == "__main__":

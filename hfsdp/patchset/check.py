@@ -31,7 +31,7 @@ def check_base(project: Project, sdist: Path | None = None) -> int:
     """Apply the whole series to a fresh pristine base; raise PatchDoesNotApply on failure."""
     pin = project.pin()
     patches = project.series()
-    with tempfile.TemporaryDirectory(prefix=".patchset-tmp-", dir=project.root) as tmp:
+    with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:  # not in the checkout: it may be read-only
         build_queue(pin, locate_sdist(pin, sdist), patches, Path(tmp) / "queue")
     return len(patches)
 
@@ -57,7 +57,7 @@ def check_against(project: Project, target: str) -> list[CheckResult]:
     if path is None:
         path = _download_unpinned(other)
     results: list[CheckResult] = []
-    with tempfile.TemporaryDirectory(prefix=".patchset-tmp-", dir=project.root) as tmp:
+    with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:
         repo = Path(tmp) / "newer"
         repo.mkdir()
         gitops.init_repo(repo)

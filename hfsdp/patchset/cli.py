@@ -1,5 +1,10 @@
 """``scripts/patchset`` / ``python -m hfsdp.patchset``: quilt/gbp-pq style verbs for the series.
 
+Verbs that write (materialize, refresh, export) hold the checkout's lock and write all or
+nothing; the read-only verbs (status, check, diff, lint) write nothing in the checkout, so
+they work on a read-only one. Errors are two lines, cause and way out, exit status 2; set
+``HFSDP_DEBUG=1`` for a traceback (hfsdp/usererror.py). README, "What the tools guarantee".
+
 Standard library only: it runs inside pip's isolated build environment during
 ``pip install -e .`` as well as from a plain checkout.
 """
@@ -8,18 +13,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
-from . import gitops
+from hfsdp.usererror import run_cli
+
 from .check import check_against, check_base
+from .diff import local_diff, series_diff
 from .errors import PatchsetError
+from .export import export_queue
 from .lint import lint
-from .materialize import materialize, tree_status
+from .lock import writing
+from .materialize import kept_summary, materialize, tree_status
 from .project import Project
-from .queue import export_queue, make_queue, refresh
-from .source import locate_sdist
-from .tree import build_queue, read_stamp
+from .queue import continue_queue, make_queue
+from .refresh import refresh
 
 
 def _cmd_materialize(project: Project, args: argparse.Namespace) -> int:
@@ -32,11 +39,14 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
     pin = project.pin()
     print(f"base:    {pin.distribution} {pin.version} (sha256 {pin.sha256[:16]}...)")
     print(f"fork:    {pin.fork_version}")
+    for item in st.leftovers:
+        print(f"litter:  {item.path.name}: left by a killed run; the next writing command will {item.action}")
     if not st.exists:
         print("tree:    megatron/ not materialized -> run `scripts/patchset materialize`")
         return 1
     if not st.stamped:
-        print("tree:    megatron/ exists but has no stamp (not made by this tool)")
+        print("tree:    megatron/ exists but has no stamp (not made by this tool) -> "
+              "`scripts/patchset materialize --backup` keeps it as megatron.bak-* and builds a fresh one")
         return 1
     applied = set(st.applied)
     for name in st.series:
@@ -49,12 +59,18 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
         print(f"base:    STALE: {st.base_mismatch}")
     print("stamp:   " + ("up to date" if st.up_to_date else "STALE -> run `scripts/patchset materialize`"))
     if st.edits:
-        print(f"edits:   {len(st.edits)} file(s) differ from the stamp -> `scripts/patchset diff` / `refresh`")
+        how = "`scripts/patchset diff` / `refresh`" if st.up_to_date else "`scripts/patchset diff`, then see materialize's advice"
+        print(f"edits:   {len(st.edits)} file(s) differ from the stamp -> {how}")
         for path, kind in st.edits.items():
             print(f"  {kind:8} {path}")
     else:
         print("edits:   none")
-    return 0 if st.up_to_date and not st.edits else 1
+    if st.kept:
+        print(f"kept:    {len(st.kept)} entr{'y' if len(st.kept) == 1 else 'ies'} not made by this tool "
+              "(a rebuild carries them over)")
+        for line in kept_summary(st.kept):
+            print(f"  {line}")
+    return 0 if st.up_to_date and not st.edits and not st.leftovers else 1
 
 
 def _cmd_check(project: Project, args: argparse.Namespace) -> int:
@@ -88,31 +104,20 @@ def _cmd_lint(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(project: Project, args: argparse.Namespace) -> int:
-    pin = project.pin()
-    with tempfile.TemporaryDirectory(prefix=".patchset-tmp-", dir=project.root) as tmp:
-        queue = build_queue(pin, locate_sdist(pin, args.sdist), project.series(), Path(tmp) / "q")
-        if args.series:
-            sys.stdout.write(gitops.diff_commits(queue.repo, queue.base, "HEAD"))
-            return 0
-        if read_stamp(project.root) is None:
-            raise PatchsetError("megatron/ is not materialized", "run `scripts/patchset materialize`")
-        from .queue import _sync_tree
-
-        _sync_tree(project.root, queue.repo, pin.members)
-        gitops.git(["add", "-A", "."], cwd=queue.repo)
-        sys.stdout.write(gitops.git(["diff", "--cached", "--no-color", "--no-renames", "HEAD"], cwd=queue.repo).stdout)
+    sys.stdout.write(series_diff(project, args.sdist) if args.series else local_diff(project, args.sdist))
     return 0
 
 
 def _cmd_queue(project: Project, args: argparse.Namespace) -> int:
-    queue = make_queue(project, args.dir, args.sdist)
-    print(f"patchset: queue at {args.dir}: base {queue.base[:12]} (tag patchset/base) + {len(queue.commits)} commits")
-    print("  edit with git (commit --fixup, rebase -i, new commits), then `scripts/patchset export --queue DIR`")
+    queue = continue_queue(project, args.dir) if args.cont else make_queue(project, args.dir, args.sdist)
+    print(f"patchset: queue at {args.dir}: base {queue.base[:12]} (tag patchset/base) + all patches as commits")
+    print(f"  edit with git (commit --fixup, rebase -i, new commits), then `scripts/patchset export --queue {args.dir}`")
     return 0
 
 
 def _cmd_export(project: Project, args: argparse.Namespace) -> int:
-    export_queue(project, args.queue, args.sdist)
+    with writing(project, f"export --queue {args.queue}", print):
+        export_queue(project, args.queue, args.sdist, drop=tuple(args.drop))
     return 0
 
 
@@ -139,10 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--series", action="store_true")
     p.set_defaults(func=_cmd_diff)
     p = sub.add_parser("queue", help="gbp-pq import: a git repo with one commit per patch, for editing")
-    p.add_argument("--dir", type=Path, required=True)
+    p.add_argument("--dir", type=Path, required=True, help="a new folder outside the checkout")
+    p.add_argument("--continue", dest="cont", action="store_true",
+                   help="after fixing the patch a queue stopped at: commit it and apply the rest")
     p.set_defaults(func=_cmd_queue)
-    p = sub.add_parser("export", help="gbp-pq export: rewrite patches/ and series from a queue")
+    p = sub.add_parser("export", help="gbp-pq export: rewrite patches/ and series from a queue (all or nothing)")
     p.add_argument("--queue", type=Path, required=True)
+    p.add_argument("--drop", action="append", default=[], metavar="NAME.patch",
+                   help="a patch of the series the queue no longer has, to be removed (repeatable)")
     p.set_defaults(func=_cmd_export)
     return parser
 
@@ -150,8 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     project = Project(args.root.resolve()) if args.root else Project.default()
-    try:
-        return int(args.func(project, args))
-    except PatchsetError as exc:
-        print(f"patchset: error: {exc.cause}\n  -> {exc.fix}", file=sys.stderr)
-        return exc.exit_code
+
+    def run() -> int:
+        if not (project.patches_dir / "series").is_file() and not (project.patches_dir / "base.toml").is_file():
+            raise PatchsetError(f"{project.root} is not a checkout of this project (no patches/series or "
+                                "patches/base.toml)", "pass the checkout with --root, or run scripts/patchset from it")
+        return args.func(project, args)
+
+    return run_cli("patchset", run)

@@ -1,21 +1,18 @@
 """Errors raised by the patch tooling.
 
 Every error names the cause and the way out, because these messages surface inside
-``pip install -e .`` output where users have nothing else to go on.
+``pip install -e .`` output where users have nothing else to go on. Every command a ``fix``
+suggests is run by a test (tests/unit_tests/patchset/test_advice.py); ``DIR`` in a fix stands
+for a new folder of the user's choice.
 """
 
 from __future__ import annotations
 
+from hfsdp.usererror import UserError
 
-class PatchsetError(Exception):
-    """Base class: ``cause`` says what went wrong, ``fix`` says what to do about it."""
 
-    exit_code = 2
-
-    def __init__(self, cause: str, fix: str) -> None:
-        self.cause = cause
-        self.fix = fix
-        super().__init__(f"{cause}\n  -> {fix}")
+class PatchsetError(UserError):
+    """Base class: ``cause`` says what went wrong, ``fix`` says what to do about it (exit status 2)."""
 
 
 class HashMismatch(PatchsetError):
@@ -39,8 +36,10 @@ class PatchDoesNotApply(PatchsetError):
         where = ", ".join(files) if files else "(git did not name a file)"
         super().__init__(
             f"patch {patch} does not apply without fuzz (file: {where}).\n{detail.strip()}",
-            f"rebase it: `scripts/patchset queue --dir /tmp/pq`, fix the commit for {patch} there, "
-            "then `scripts/patchset export --queue /tmp/pq`. The materialized tree was not changed.",
+            f"rebase it in a queue: `scripts/patchset queue --dir DIR` (DIR: a new folder) stops at {patch} "
+            "with the hunks that fit applied and the others in .rej files; apply those by hand, delete the "
+            "*.rej files, run `scripts/patchset queue --continue --dir DIR`, then `scripts/patchset export "
+            "--queue DIR`. The materialized tree was not changed.",
         )
 
 
@@ -62,3 +61,15 @@ class SeriesError(PatchsetError):
 
 class ToolMissing(PatchsetError):
     """A required external tool (git) is missing."""
+
+
+# The way out for a tree with local edits whose patches changed since it was built (a pull);
+# the test suite runs each of these commands (tests/unit_tests/patchset/test_advice.py).
+REBASE_EDITS_FIX = (
+    "the edits were made on the tree of the previous patches, so they cannot be folded into the current "
+    "ones directly. Carry them over: `scripts/patchset diff > my.patch` (exactly your edits, against the "
+    "tree as it was built), `scripts/patchset materialize --backup` (rebuilds; the edited tree is kept as "
+    "megatron.bak-*), `git apply my.patch` (re-applies them; resolve any conflict by hand), then fold them "
+    "into a patch: `scripts/patchset refresh` (into the patch that owns the files) or "
+    "`scripts/patchset refresh --new NAME` (a new patch at the end)."
+)

@@ -38,11 +38,12 @@ _FAILED_FILE = re.compile(
 )
 
 
-def git(args: list[str], cwd: Path, check: bool = True, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+def git(args: list[str], cwd: Path, check: bool = True, input_text: str | None = None,
+        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run git with a neutral environment; raise PatchsetError with git's words on failure."""
     if shutil.which("git") is None:
         raise ToolMissing("git is not installed", "install git (apt-get install git); it applies the patch series")
-    env = {**os.environ, **_ENV}
+    env = {**os.environ, **_ENV, **(extra_env or {})}
     env.pop("GIT_DIR", None)
     env.pop("GIT_WORK_TREE", None)
     env.pop("GIT_INDEX_FILE", None)
@@ -50,7 +51,9 @@ def git(args: list[str], cwd: Path, check: bool = True, input_text: str | None =
         ["git", *_DIFF_OPTS, *args], cwd=cwd, env=env, text=True, capture_output=True, input=input_text
     )
     if check and proc.returncode != 0:
-        raise PatchsetError(f"git {' '.join(args)} failed in {cwd}: {proc.stderr.strip()}", "see git's message above")
+        raise PatchsetError(f"git {' '.join(args)} failed in {cwd}: {proc.stderr.strip()}",
+                            "git's own message above says why; if the folder is not a queue made by "
+                            "`scripts/patchset queue`, make one")
     return proc
 
 
@@ -79,6 +82,16 @@ def apply_patch(repo: Path, name: str, diff: str, reverse: bool = False, check_o
     if proc.returncode != 0:
         files = sorted({m["a"] or m["b"] for m in _FAILED_FILE.finditer(proc.stderr)})
         raise PatchDoesNotApply(name, files, proc.stderr)
+
+
+def apply_with_rejects(repo: Path, diff: str) -> str:
+    """Apply the hunks of ``diff`` that fit; the others go to ``<file>.rej``. Returns git's report."""
+    proc = git(["apply", "--reject", "--whitespace=nowarn", "-C3", "-"], cwd=repo, check=False, input_text=diff)
+    return proc.stderr
+
+
+def is_clean(repo: Path) -> bool:
+    return not git(["status", "--porcelain"], cwd=repo).stdout.strip()
 
 
 def diff_commits(repo: Path, old: str, new: str) -> str:

@@ -1,22 +1,30 @@
-"""Materialize ``megatron/`` atomically, and report its state.
+"""Materialize ``megatron/`` atomically, keep what the tool did not make, and report the tree's state.
 
-Rules (issue #2): build in a temporary folder beside the target and swap it into place; an
-up-to-date stamp means nothing to do; a tree with local edits is never overwritten.
+Rules: one writer per checkout (lock.py), leftovers of killed writers recovered first
+(litter.py); an up-to-date tree is left alone, its local edits included; a rebuild happens in a
+temporary folder beside the target, carries over every kept entry (scan.py's note), and is
+swapped in only if nothing changed in the old tree meanwhile (swap.py's note); a tree with edits,
+or one this tool did not make, is never replaced except with ``--backup``, which keeps it whole.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from .errors import DirtyTree, ForeignTree
+from . import litter
+from .errors import REBASE_EDITS_FIX, DirtyTree, ForeignTree, PatchsetError
+from .lock import writing
 from .project import Project
+from .scan import STAMP_NAME, Census, Entry, carry, census, conflicts, describe, hash_files, scan
 from .source import locate_sdist
-from .tree import STAMP_NAME, Stamp, build_queue, local_edits, read_stamp, write_stamp
+from .stamp import CorruptStamp, Stamp, make_stamp, read_stamp, write_stamp_file
+from .swap import TMP_PREFIX, backup_name, swap_in
+from .tree import build_queue
 
 
 @dataclass
@@ -30,20 +38,25 @@ class TreeStatus:
     series: list[str] = field(default_factory=list)  # patch names in patches/series
     changed_patches: list[str] = field(default_factory=list)  # listed in both, file differs
     edits: dict[str, str] = field(default_factory=dict)
+    kept: dict[str, Entry] = field(default_factory=dict)  # not made by this tool; a rebuild keeps them
     base_mismatch: str | None = None
+    leftovers: list[litter.Litter] = field(default_factory=list)  # of killed writers (litter.py)
 
 
 def tree_status(project: Project) -> TreeStatus:
+    """Read-only: nothing in the checkout is written."""
     pin = project.pin()
     patches = project.series()
     names = [p.name for p in patches]
+    leftovers = litter.find(project.root, pin.members)
     if not project.megatron_dir.exists():
-        return TreeStatus(False, False, False, series=names)
+        return TreeStatus(False, False, False, series=names, leftovers=leftovers)
     stamp = read_stamp(project.root)
     if stamp is None:
-        return TreeStatus(True, False, False, series=names)
+        return TreeStatus(True, False, False, series=names, leftovers=leftovers)
     applied = dict(stamp.patches)
     current = dict(Stamp.expected_patches(patches))
+    found = census(scan(project.megatron_dir), stamp.files, pin.members)
     status = TreeStatus(
         exists=True,
         stamped=True,
@@ -51,59 +64,108 @@ def tree_status(project: Project) -> TreeStatus:
         applied=[n for n, _ in stamp.patches],
         series=names,
         changed_patches=[n for n in names if n in applied and applied[n] != current[n]],
-        edits=local_edits(project.root, pin, stamp),
+        edits=found.edits,
+        kept=found.kept,
+        leftovers=leftovers,
     )
     if stamp.base_version != pin.version or stamp.sdist_sha256 != pin.sha256:
         status.base_mismatch = f"tree built from {stamp.base_version} ({stamp.sdist_sha256[:12]}), pin is {pin.version} ({pin.sha256[:12]})"
     return status
 
 
-def _refuse_if_unsafe(project: Project) -> Stamp | None:
-    """Raise when replacing megatron/ could lose someone's work; return its stamp otherwise."""
-    target = project.megatron_dir
-    if not target.exists():
-        return None
+def local_edits(project: Project) -> dict[str, str]:
+    """Files that differ from the stamp: path -> 'modified' | 'added' | 'deleted' ({} if unstamped)."""
     stamp = read_stamp(project.root)
+    return {} if stamp is None else census(scan(project.megatron_dir), stamp.files, project.pin().members).edits
+
+
+def _refuse_if_unsafe(project: Project, stamp: Stamp | None, found: Census | None) -> None:
+    """Raise when replacing megatron/ could lose someone's work (without --backup)."""
+    target = project.megatron_dir
     if stamp is None:
         if any(target.iterdir()):
             raise ForeignTree(
                 f"{target} exists but has no {STAMP_NAME}: it was not made by this tool, so it may hold your work",
-                f"move it away (mv {target} {target}.mine), then run `scripts/patchset materialize` again",
+                f"move it away (`mv {target} {target}.mine`) and run `scripts/patchset materialize` again, or "
+                "run `scripts/patchset materialize --backup` (moves it to megatron.bak-* and rebuilds)",
             )
-        return None
-    edits = local_edits(project.root, project.pin(), stamp)
-    if edits:
-        listing = "\n".join(f"    {kind:8} {path}" for path, kind in list(edits.items())[:20])
-        more = f"\n    ... and {len(edits) - 20} more" if len(edits) > 20 else ""
+        return
+    assert found is not None
+    if found.edits:
+        listing = describe([f"{kind:8} {path}" for path, kind in found.edits.items()])
         raise DirtyTree(
-            f"{target} has local edits that a rebuild would overwrite; nothing was changed:\n{listing}{more}",
-            "save them into a patch first: `scripts/patchset refresh` (adds them to the patch that owns "
-            "the files), `scripts/patchset refresh --new NAME` (a new patch at the end of the series), or "
-            "`scripts/patchset diff > my.patch`; then re-run. `--backup` keeps a copy and rebuilds anyway.",
+            f"{target} has local edits that a rebuild would overwrite; nothing was changed:\n{listing}",
+            REBASE_EDITS_FIX,  # only a stale tree is rebuilt without --backup
         )
-    return stamp
 
 
-def materialize(project: Project, sdist: Path | None = None, backup: bool = False, log=print) -> bool:
+def materialize(project: Project, sdist: Path | None = None, backup: bool = False,
+                log: Callable[[str], None] = print) -> bool:
     """Make megatron/ match the pin and the series. Returns True if the tree was rebuilt."""
+    if not backup and _report_up_to_date(project, log):
+        return False  # nothing to write: no lock needed (a read-only checkout or a busy one is fine)
+    with writing(project, "materialize" + (" --backup" if backup else ""), log):
+        return _materialize(project, sdist, backup, log)
+
+
+def _report_up_to_date(project: Project, log: Callable[[str], None]) -> bool:
+    pin, patches = project.pin(), project.series()
+    stamp = read_stamp(project.root) if project.megatron_dir.exists() else None
+    if stamp is None or not stamp.matches(pin, patches):
+        return False
+    edits = census(scan(project.megatron_dir), stamp.files, pin.members).edits
+    note = f"; {len(edits)} local edit(s) left as they are" if edits else ""
+    log(f"patchset: megatron/ is up to date ({pin.fork_version}, {len(patches)} patches); nothing to do{note}")
+    return True
+
+
+def _materialize(project: Project, sdist: Path | None, backup: bool, log: Callable[[str], None]) -> bool:
     pin = project.pin()
     patches = project.series()
-    stamp = read_stamp(project.root) if project.megatron_dir.exists() else None
-    if stamp is not None and stamp.matches(pin, patches) and not local_edits(project.root, pin, stamp):
-        log(f"patchset: megatron/ is up to date ({pin.fork_version}, {len(patches)} patches); nothing to do")
+    target = project.megatron_dir
+    snapshot = scan(target)
+    try:
+        stamp = read_stamp(project.root) if target.exists() else None
+    except CorruptStamp:
+        if not backup:
+            raise
+        stamp = None  # --backup: the whole tree goes to megatron.bak-*; nothing is classified
+    found = census(snapshot, stamp.files, pin.members) if stamp is not None else None
+    if not backup and _report_up_to_date(project, log):  # again, under the lock
         return False
-    if not backup:
-        _refuse_if_unsafe(project)  # --backup moves a foreign or edited tree aside instead
+    if target.exists() and not backup:
+        _refuse_if_unsafe(project, stamp, found)
+    kept = found.kept if found is not None else {}
+    if unmovable := [p for p, e in kept.items() if e.kind == "other"]:
+        raise PatchsetError(f"megatron/ holds entries that cannot be carried into a rebuilt tree:\n{describe(unmovable)}",
+                            "move them out of megatron/, then run `scripts/patchset materialize` again")
     source = locate_sdist(pin, sdist)
     started = time.monotonic()
-    scratch = Path(tempfile.mkdtemp(prefix=".patchset-tmp-", dir=project.root))
+    scratch = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=project.root))
     try:
         queue = build_queue(pin, source, patches, scratch / "queue")
         shutil.rmtree(queue.repo / ".git")
-        write_stamp(queue.repo, pin, patches)
-        _swap_into_place(project, queue.repo / "megatron", backup=backup)
+        write_stamp_file(queue.repo, make_stamp(pin, patches, hash_files(queue.repo, pin.members)))
+        built = queue.repo / "megatron"
+        if clashing := conflicts(kept, queue.repo):
+            if not backup:
+                raise PatchsetError(
+                    "the new tree has files where megatron/ holds things this tool did not make; nothing was "
+                    f"changed:\n{describe(clashing)}",
+                    "move those out of megatron/ and run `scripts/patchset materialize` again, or run "
+                    "`scripts/patchset materialize --backup` (the old tree, with them, is kept as megatron.bak-*)",
+                )
+            kept = {p: e for p, e in kept.items() if p not in clashing}  # they stay in the backup
+        carry(kept, project.root, queue.repo)
+        keep_as = backup_name(project.root, "megatron") if backup and target.exists() else None
+        kept_at = swap_in(target, built, snapshot, scan, "scripts/patchset materialize", keep_old_as=keep_as)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    if kept_at is not None:
+        log(f"patchset: previous tree kept at {kept_at}")
+    if kept:
+        log(f"patchset: carried {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} not made by this tool into "
+            "the new tree")
     log(
         f"patchset: materialized megatron/ = {pin.distribution} {pin.version} + {len(patches)} patches "
         f"-> {pin.fork_version} in {time.monotonic() - started:.1f}s"
@@ -111,22 +173,7 @@ def materialize(project: Project, sdist: Path | None = None, backup: bool = Fals
     return True
 
 
-def _swap_into_place(project: Project, built: Path, backup: bool) -> None:
-    """Replace megatron/ with ``built``; on any failure the old tree is restored."""
-    target = project.megatron_dir
-    if not target.exists():
-        os.replace(built, target)
-        return
-    parked = project.root / f".patchset-old-{os.getpid()}-{time.time_ns()}"
-    os.replace(target, parked)
-    try:
-        os.replace(built, target)
-    except BaseException:
-        os.replace(parked, target)
-        raise
-    if backup:
-        keep = project.root / f"megatron.bak-{time.strftime('%Y%m%d-%H%M%S')}"
-        os.replace(parked, keep)
-        print(f"patchset: previous tree kept at {keep}")
-    else:
-        shutil.rmtree(parked, ignore_errors=True)
+def kept_summary(kept: dict[str, Entry], limit: int = 10) -> list[str]:
+    """Lines for ``status``: the first ``limit`` kept entries, then a count of the rest."""
+    return [f"{e.kind:4} {p}" + (f" -> {e.digest}" if e.kind == "link" else "") for p, e in list(kept.items())[:limit]] + (
+        [f"... and {len(kept) - limit} more"] if len(kept) > limit else [])

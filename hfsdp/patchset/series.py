@@ -23,10 +23,11 @@ class Patch:
     header_text: str  # everything before the ``---`` separator, verbatim
     fields: dict[str, str]  # DEP-3 fields, continuation lines joined with "\n"
     diff: str  # ``diff --git ...`` onwards
+    text: str = ""  # the whole file as read (once: the stamp records exactly what was applied)
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
     @property
     def stem(self) -> str:
@@ -68,14 +69,21 @@ def parse_header(text: str) -> dict[str, str]:
 
 
 def read_patch(path: Path, name: str | None = None) -> Patch:
-    """Split a patch file into its header and its diff."""
+    """Read a patch file once and split it into its header and its diff."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError as exc:
         raise SeriesError(
             f"patch {path.name} is listed in patches/series but {path} does not exist",
             "restore the file or remove its line from patches/series",
         ) from exc
+    except UnicodeDecodeError as exc:
+        raise SeriesError(f"patch {path} is not UTF-8 text ({exc})", "restore it from git") from exc
+    return parse_patch(name or path.name, text, path)
+
+
+def parse_patch(name: str, text: str, path: Path) -> Patch:
+    """Split patch ``text`` into its DEP-3 header and its diff."""
     header_lines: list[str] = []
     lines = text.splitlines(keepends=True)
     for index, line in enumerate(lines):
@@ -85,11 +93,11 @@ def read_patch(path: Path, name: str | None = None) -> Patch:
             break
         header_lines.append(line)
     else:
-        raise SeriesError(f"patch {path.name} has no diff", "a patch is a DEP-3 header, a '---' line, then a git diff")
+        raise SeriesError(f"patch {name} has no diff", "a patch is a DEP-3 header, a '---' line, then a git diff")
     if "diff --git " not in diff:
-        raise SeriesError(f"patch {path.name} has no 'diff --git' section", "regenerate it with scripts/patchset export")
+        raise SeriesError(f"patch {name} has no 'diff --git' section", "regenerate it with scripts/patchset export")
     header_text = "".join(header_lines)
-    return Patch(name or path.name, path, header_text, parse_header(header_text), diff)
+    return Patch(name, path, header_text, parse_header(header_text), diff, text)
 
 
 def read_series_names(series_path: Path) -> list[str]:

@@ -4,18 +4,24 @@ Takes pretrain_gpt.py / pretrain_hybrid.py model flags (parsed by Megatron's own
 ``--plan-*`` options, builds the model on the meta device, computes the FSDP units and bucket
 layout with Megatron-FSDP's own functions, and prints the max-pool / rank-matched / analytic
 minimum pool sizes and what 0.18.2's FixedPool would pool.
+
+The model is the one the given flags define when they set its depth, else the default model
+with the given flags on top ([Note: planner flags] in setup.py). Inconsistent flags are one
+sentence and exit status 2 (``HFSDP_DEBUG=1`` for the trace).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import traceback
 from typing import Any, Optional, Sequence
 
 from hfsdp.planner import layout as layout_mod
 from hfsdp.planner import model as model_mod
 from hfsdp.planner import report, setup
 from hfsdp.training import fsdp_units
+from hfsdp.usererror import rejection, run_cli
 
 
 def resolve_unit_classes(value: Optional[str], strategy: str = "optim_grads_params") -> list[type]:
@@ -52,7 +58,14 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
     model_mod.ensure_selective_scan_stub()
     setup.init_fake_parallel_state(args)
     try:
-        model = model_mod.build_meta_model(args)
+        try:
+            model = model_mod.build_meta_model(args)
+        except AssertionError as exc:
+            # Megatron's layer constructors check shapes with asserts (e.g. Mamba heads vs groups):
+            # bad flags, said in one sentence. An assert of ours is a bug and keeps its traceback.
+            if "/megatron/" not in traceback.extract_tb(exc.__traceback__)[-1].filename:
+                raise
+            raise rejection(exc, "Megatron cannot build this model", setup.FIX) from exc
         lay = layout_mod.compute_layout(
             model,
             unit_classes=resolve_unit_classes(args.fsdp_unit_modules, args.data_parallel_sharding_strategy),
@@ -73,10 +86,13 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--hidden-size" not in argv and "--num-layers" not in argv:
-        argv = list(setup.DEFAULT_MODEL_FLAGS) + argv  # default: the benchmark's hybrid
-    args = setup.parse(argv)
+    return run_cli("fsdp_memory_planner", lambda: _main(list(sys.argv[1:] if argv is None else argv)))
+
+
+def _main(argv: list[str]) -> int:
+    full, note = setup.model_argv(argv)
+    print(f"fsdp_memory_planner: {note}", file=sys.stderr)
+    args = setup.parse(full)
     lay, results = plan_from_args(args)
     print("\n".join(report.format_report(lay, results)))
     if args.plan_json:

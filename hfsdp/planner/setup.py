@@ -5,6 +5,17 @@ Megatron's ``validate_args`` and model constructors read the world size, paralle
 requested world size (collectives are no-ops, no peers needed), ``initialize_model_parallel``
 without gloo groups, and an assumed device architecture (``--plan-device-arch``, default 9 =
 Hopper). Only shapes and group sizes matter to the plan.
+
+[Note: planner flags] Flags that give the model's depth (``--num-layers`` or
+``--hybrid-layer-pattern``) mean "plan my model": only the given flags are parsed, exactly as
+``pretrain_*.py`` would get them, and missing essentials (hidden size, heads, sequence length,
+micro-batch size) are named. Without them the flags tweak the default model
+(``DEFAULT_MODEL_FLAGS``): each one replaces the default's value (argparse keeps the last), so
+``--hidden-size 2048`` alone plans the default model at hidden 2048. Never a mix the user did not
+ask for: defaults are not slipped into a model the user defined. Inconsistent flags are a
+:class:`~hfsdp.usererror.UserError` naming them: our own shape checks first (``check_model``),
+then Megatron's ``validate_args`` and ``TransformerConfig``, whose assertions and
+``ValueError``s become one sentence (``HFSDP_DEBUG=1`` shows the trace).
 """
 
 from __future__ import annotations
@@ -13,6 +24,8 @@ import argparse
 import contextlib
 import io
 from typing import Sequence
+
+from hfsdp.usererror import UserError, positive, rejection
 
 DEFAULT_MODEL_FLAGS = (
     # The default benchmark model: hybrid, pattern M*E x4, hidden 1024 (236.5M params).
@@ -31,31 +44,100 @@ DEFAULT_MODEL_FLAGS = (
 ).split()
 
 
+DEPTH_FLAGS = ("--num-layers", "--hybrid-layer-pattern")
+FIX = "fix the flags (scripts/fsdp_memory_planner.py --help lists them); docs/memory-planner.md has examples"
+_ESSENTIAL = ("hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
+
+
+def own_model(user: Sequence[str]) -> bool:
+    """Whether the flags define the model themselves (see the note)."""
+    return any(a in DEPTH_FLAGS or a.startswith(tuple(f + "=" for f in DEPTH_FLAGS)) for a in user)
+
+
+def model_argv(user: Sequence[str]) -> tuple[list[str], str]:
+    """The flags to parse (see the note) and a line saying which model that is."""
+    user = list(user)
+    if own_model(user):
+        return user, "planning the model your flags define (no defaults added: they set its depth)"
+    given = sorted({a.split("=", 1)[0] for a in user if a.split("=", 1)[0] in DEFAULT_MODEL_FLAGS})
+    note = ("planning the default model (hfsdp/planner/setup.py DEFAULT_MODEL_FLAGS)"
+            + (f" with your {', '.join(given)}" if given else "")
+            + f"; give {' or '.join(DEPTH_FLAGS)} to plan a model from your flags alone")
+    return list(DEFAULT_MODEL_FLAGS) + user, note
+
+
+_AT_LEAST_ONE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                 "max_position_embeddings", "micro_batch_size", "global_batch_size", "vocab_size",
+                 "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """Shape checks Megatron does with bare asserts, or not at all (see the note)."""
+    if missing := [_flag(d) for d in _ESSENTIAL if getattr(args, d, None) is None]:
+        raise UserError(f"the model your flags define lacks {', '.join(missing)}",
+                        f"add them (your {' / '.join(DEPTH_FLAGS)} means: plan only the flags given), or drop "
+                        f"{' and '.join(DEPTH_FLAGS)} to plan the default model with your other flags")
+    for dest in _AT_LEAST_ONE:
+        value = getattr(args, dest, None)
+        if value is not None and value < 1:
+            raise UserError(f"{_flag(dest)} must be >= 1, got {value}", FIX)
+    if args.hidden_size and args.num_attention_heads and args.hidden_size % args.num_attention_heads:
+        raise UserError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
+                        f"{args.num_attention_heads}, so the heads cannot split it", FIX)
+    experts, topk = getattr(args, "num_experts", None), getattr(args, "moe_router_topk", None)
+    if experts and topk and topk > experts:
+        raise UserError(f"--moe-router-topk {topk} is larger than --num-experts {experts}", FIX)
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern is not None:
+        from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+
+        allowed = Symbols.VALID_LAYERS | {Symbols.PIPE, Symbols.MTP_SEPARATOR}
+        if not pattern.strip():
+            raise UserError("--hybrid-layer-pattern is empty, so the model has no layers",
+                            "give one symbol per layer, e.g. --hybrid-layer-pattern 'M*EM*E' "
+                            f"(symbols: {' '.join(sorted(Symbols.VALID_LAYERS))})")
+        if bad := sorted(set(pattern) - allowed):
+            raise UserError(f"--hybrid-layer-pattern {pattern!r} has {', '.join(map(repr, bad))}, not a layer symbol",
+                            f"use {' '.join(sorted(Symbols.VALID_LAYERS))} (and | between pipeline stages)")
+
+
 def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("memory planner")
-    g.add_argument("--plan-dp-size", type=int, default=2,
+    g.add_argument("--plan-dp-size", type=positive(), default=2,
                    help="Data-parallel size to plan for (world = dp x tp x pp x cp).")
     g.add_argument("--fsdp-unit-modules", type=str, default=None,
                    help="Comma-separated unit classes (dotted paths or TransformerLayer, "
                         "MoETransformerLayer, MambaLayer); 'megatron-0.18.2' for 0.18.2's "
                         "[TransformerLayer]; 'none' for no units. Default: the fork's "
                         "TransformerLayer,MoETransformerLayer,MambaLayer.")
-    g.add_argument("--plan-align-bytes", type=int, default=256,
+    g.add_argument("--plan-align-bytes", type=positive(), default=256,
                    help="Arena offset alignment used by the max-pool plan.")
-    g.add_argument("--plan-device-arch", type=int, default=9,
+    g.add_argument("--plan-device-arch", type=positive(), default=9,
                    help="GPU major arch assumed by validate_args on a CPU box.")
     g.add_argument("--plan-json", type=str, default=None, help="Also write the plan as JSON.")
     return parser
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse and validate like pretrain_gpt.py, with ``--plan-*`` extras; returns args."""
+    """Parse and validate like pretrain_gpt.py, with ``--plan-*`` extras; returns args.
+
+    Inconsistent flags raise UserError (see the note).
+    """
     import megatron.training.arguments as margs
 
-    parser = argparse.ArgumentParser(description="Megatron-FSDP memory planner", allow_abbrev=False)
+    # Megatron's parser has hundreds of flags: a usage line listing them all would bury the error.
+    parser = argparse.ArgumentParser(prog="fsdp_memory_planner", description="Megatron-FSDP memory planner",
+                                     usage="%(prog)s [pretrain flags ...] [--plan-dp-size N] [--plan-json FILE] "
+                                           "[--fsdp-unit-modules LIST] (--help lists all)", allow_abbrev=False)
     parser = margs.add_megatron_arguments(parser)
     parser = add_planner_args(parser)
     args = parser.parse_args(list(argv))
+    check_model(args)
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     tp = args.tensor_model_parallel_size
     pp = args.pipeline_model_parallel_size
@@ -67,6 +149,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
             margs.validate_args(args, {})
+        from megatron.training.argument_utils import core_transformer_config_from_args
+
+        core_transformer_config_from_args(args)  # TransformerConfig's own checks, before any build
+    except (AssertionError, ValueError) as exc:
+        raise rejection(exc, "Megatron rejects these flags", FIX) from exc
     finally:
         margs.get_device_arch_version = saved
     if getattr(args, "padded_vocab_size", None) is None:
@@ -81,7 +168,7 @@ def padded_vocab_size(args: argparse.Namespace) -> int:
     """Vocab padded like Megatron's tokenizer builder (multiple of divisor x TP)."""
     vocab = args.vocab_size
     if vocab is None:
-        raise SystemExit("memory planner: pass --vocab-size (e.g. with --tokenizer-type NullTokenizer)")
+        raise UserError("the model has no vocabulary size", "pass --vocab-size N (e.g. with --tokenizer-type NullTokenizer)")
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     return -(-vocab // multiple) * multiple
 

@@ -10,17 +10,21 @@ import argparse
 import sys
 from pathlib import Path
 
+from hfsdp.functional import outdir
 from hfsdp.functional.recipe import args_to_argv, load_recipe
 from hfsdp.functional.run_case import output_dir_for, path_variables, script_target
+from hfsdp.usererror import UserError, run_cli
 
 
 def command(case_dir: Path, output_root: Path | None, exit_mins: float | None,
             python: str = sys.executable) -> list[str]:
     recipe = load_recipe(case_dir)
     if recipe.test_type == "ckpt-resume":
-        raise SystemExit("srun-per-GPU mode runs single-run cases only; use the torchrun launcher")
-    out = output_dir_for(recipe, output_root)
-    out.mkdir(parents=True, exist_ok=True)
+        raise UserError(f"{case_dir} is a ckpt-resume case; srun-per-GPU mode runs single-run cases only",
+                        "submit it with --launcher torchrun")
+    if output_root is not None:
+        outdir.check_root(output_root)
+    out = outdir.prepare(output_dir_for(recipe, output_root), clear=True)  # no stale checkpoint
     argv = args_to_argv(recipe.model_args, path_variables(out))
     if exit_mins is not None and "--exit-duration-in-mins" not in argv:
         argv += ["--exit-duration-in-mins", f"{exit_mins:g}"]
@@ -28,16 +32,23 @@ def command(case_dir: Path, output_root: Path | None, exit_mins: float | None,
     return (["env", *env] if env else []) + [python, *script_target(recipe), *argv]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="launch_cmd", description=__doc__.split("\n")[0])
     parser.add_argument("case_dir", type=Path)
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--exit-duration-in-mins", type=float, default=None)
-    ns = parser.parse_args()
-    for arg in command(ns.case_dir, ns.output_dir, ns.exit_duration_in_mins):
-        assert "\n" not in arg, f"argument with a newline cannot be passed line-wise: {arg!r}"
-        print(arg)
+    ns = parser.parse_args(argv)
+
+    def run() -> int:
+        args = command(ns.case_dir, ns.output_dir, ns.exit_duration_in_mins)
+        if bad := [a for a in args if "\n" in a]:
+            raise UserError(f"argument {bad[0]!r} holds a newline and cannot be passed one per line",
+                            "remove the newline from the case's MODEL_ARGS / ENV_VARS")
+        print("\n".join(args))
+        return 0
+
+    return run_cli("launch_cmd", run)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

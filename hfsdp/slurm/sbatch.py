@@ -1,6 +1,6 @@
 """Generate sbatch scripts that run functional-test cases.
 
-Two launch styles (conventions brief §2.6):
+Two launch styles:
 
 * ``torchrun`` (default, like Megatron's functional tests): ``srun --ntasks-per-node=1`` starts
   one driver per node; each runs ``python -m hfsdp.functional.run_case`` which launches torchrun
@@ -15,6 +15,11 @@ falling back to the generator's ``--time``), passes ``--exit-duration-in-mins`` 
 buffer to Megatron so it checkpoints and exits cleanly, and wraps the driver in ``timeout`` so a
 hung collective cannot outlive the job. ``set -o pipefail`` plus ``srun --kill-on-bad-exit=1``
 make any failing rank fail the job with a non-zero exit code.
+
+Environment: sbatch hands the submitting shell's environment to the job (its default,
+``--export=ALL``); the script exports only what ``JobSpec.env`` (``submit --env KEY=VALUE``)
+names, and ``PYTHONPATH``. Nothing else is forced ([Note: launch environment] in
+hfsdp/launch_env.py).
 """
 
 from __future__ import annotations
@@ -23,10 +28,10 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hfsdp.safety import NVLS_SAFE_ENV
+from hfsdp.atomic import write_text_atomic
+from hfsdp.usererror import UserError
 
 LAUNCHERS = ("torchrun", "srun")
-SAFE_ENV = NVLS_SAFE_ENV  # exported by every job
 
 
 @dataclass(frozen=True)
@@ -55,11 +60,24 @@ class JobSpec:
         return f"hfsdp-{self.case_dir.parent.name}-{self.case_dir.name}"
 
     def validate(self) -> None:
-        assert self.launcher in LAUNCHERS, f"launcher {self.launcher!r} not in {LAUNCHERS}"
-        assert self.nodes >= 1 and self.gpus_per_node >= 1, (self.nodes, self.gpus_per_node)
-        assert self.time_limit_min * 60 > self.kill_buffer_s, (
-            f"time limit {self.time_limit_min} min leaves no room for the {self.kill_buffer_s} s buffer"
-        )
+        """Raise a UserError for a spec no job could run with (explicit checks: ``python -O`` too)."""
+        if self.launcher not in LAUNCHERS:
+            raise UserError(f"launcher {self.launcher!r} is not one of {LAUNCHERS}", "pass --launcher torchrun or srun")
+        for name, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node),
+                            ("--time", self.time_limit_min)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{name} {value!r}: must be > 0", f"pass a positive whole number to {name}")
+        if self.time_limit_min * 60 <= self.kill_buffer_s:
+            raise UserError(
+                f"--time {self.time_limit_min} min leaves no room for the {self.kill_buffer_s} s the job keeps "
+                "to end a hung run before SLURM's own limit",
+                f"pass --time {self.kill_buffer_s // 60 + 2} or more (minutes)",
+            )
+        if not 0 <= self.exit_buffer_min < self.time_limit_min:
+            raise UserError(
+                f"--exit-buffer-min {self.exit_buffer_min:g} must be >= 0 and less than --time {self.time_limit_min}",
+                "Megatron stops that many minutes before the job's end; pass a smaller buffer or a longer --time",
+            )
 
 
 def exit_duration_minutes(time_limit_s: float, buffer_min: float) -> float:
@@ -101,11 +119,10 @@ def render_sbatch(spec: JobSpec) -> str:
         header.append(f"#SBATCH --account={spec.account}")
     header.extend(f"#SBATCH {line}" for line in spec.extra_sbatch)
 
-    env = {**SAFE_ENV, **spec.env}
     body = [
         "set -euo pipefail",
         f"cd {_q(spec.repo_root)}",
-        *(f"export {k}={_q(v)}" for k, v in sorted(env.items())),
+        *(f"export {k}={_q(v)}" for k, v in sorted(spec.env.items())),  # --env only
         f"export PYTHONPATH={_q(spec.repo_root)}${{PYTHONPATH:+:$PYTHONPATH}}",
         "",
         "# Time budget: the job's own limit when SLURM exports it, else what we asked for.",
@@ -152,8 +169,9 @@ def render_sbatch(spec: JobSpec) -> str:
 
 
 def write_sbatch(spec: JobSpec) -> Path:
-    """Write the script to ``<log_dir>/<job_name>.sbatch`` and return its path."""
+    """Write the script to ``<log_dir>/<job_name>.sbatch`` (atomically) and return its path."""
+    text = render_sbatch(spec)
     spec.log_dir.mkdir(parents=True, exist_ok=True)
     path = spec.log_dir / f"{spec.job_name}.sbatch"
-    path.write_text(render_sbatch(spec))
+    write_text_atomic(path, text)
     return path

@@ -2,9 +2,14 @@
 
     python -m hfsdp.slurm.submit <case_dir>... --log-dir DIR [--nodes 1] [--gpus-per-node 2]
         [--time 30] [--launcher torchrun|srun] [--partition P] [--cpu] [--record] [--dry-run]
+        [--env KEY=VALUE ...]
 
-Writes ``DIR/<job>.sbatch`` and appends ``{job_id, case, script, stdout}`` to ``DIR/jobs.json``,
-which ``python -m hfsdp.slurm.summary --log-dir DIR`` reads.
+Every case and every limit is checked before anything is written: a bad one refuses the whole
+submission with a sentence (exit 2). Then, per case, ``DIR/<job>.sbatch`` is written and
+submitted, and ``{job_id, case, script, stdout}`` is added to ``DIR/jobs.json`` (rewritten in one
+step after each submission, so it always lists exactly the jobs that exist), which
+``python -m hfsdp.slurm.summary --log-dir DIR`` reads. Jobs get the submitting environment
+(sbatch's default) plus ``--env``.
 """
 
 from __future__ import annotations
@@ -15,40 +20,67 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hfsdp.atomic import write_text_atomic
+from hfsdp.functional.recipe import load_recipe
+from hfsdp.launch_env import add_env_option, parse_assignments
 from hfsdp.slurm.sbatch import JobSpec, write_sbatch
+from hfsdp.usererror import UserError, positive, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = "jobs.json"
+_ENTRY_KEYS = {"case": str, "script": str}
 
 
-def load_manifest(log_dir: Path) -> list[dict]:
+def load_manifest(log_dir: Path, required: bool = False) -> list[dict]:
+    """The jobs recorded in ``log_dir/jobs.json`` ([] when absent, unless ``required``)."""
     path = log_dir / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else []
+    if not path.is_file():
+        if required:
+            raise UserError(f"{log_dir} has no {MANIFEST}: no jobs were submitted with this --log-dir",
+                            "pass the --log-dir given to `python -m hfsdp.slurm.submit`")
+        return []
+    fix = f"restore {path} or move it away (submitting again starts a new one)"
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{path} cannot be read as JSON: {exc}", fix) from exc
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and all(isinstance(e.get(k), t) for k, t in _ENTRY_KEYS.items())
+        and (e.get("job_id") is None or isinstance(e.get("job_id"), int)) for e in entries
+    ):
+        raise UserError(f"{path} is not a list of jobs ({{case, script, job_id, stdout}} objects)", fix)
+    return entries
 
 
 def submit(spec: JobSpec, dry_run: bool = False) -> dict:
     """Write and (unless ``dry_run``) sbatch one job; returns its manifest entry."""
+    manifest = load_manifest(spec.log_dir)
     script = write_sbatch(spec)
     entry = {"case": str(spec.case_dir), "script": str(script), "job_id": None, "stdout": None}
     if not dry_run:
-        proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+        try:
+            proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+        except FileNotFoundError:
+            raise UserError("sbatch is not installed here (not on PATH); the script was written to "
+                            f"{script} but not submitted",
+                            "run on a SLURM login node, or pass --dry-run to only write the scripts") from None
         if proc.returncode != 0:
-            raise RuntimeError(f"sbatch {script} failed: {proc.stderr.strip()}")
+            raise UserError(f"sbatch {script} failed: {proc.stderr.strip()}",
+                            "fix what sbatch reports (partition, account, limits) and submit again")
         job_id = int(proc.stdout.strip().split(";")[0])
         entry["job_id"] = job_id
         entry["stdout"] = str(spec.log_dir / f"{spec.job_name}-{job_id}.out")
-    manifest = load_manifest(spec.log_dir) + [entry]
-    (spec.log_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    write_text_atomic(spec.log_dir / MANIFEST, json.dumps(manifest + [entry], indent=2) + "\n")
     return entry
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="submit", description=__doc__.split("\n")[0])
     parser.add_argument("cases", nargs="+", type=Path)
     parser.add_argument("--log-dir", type=Path, required=True)
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus-per-node", type=int, default=2)
-    parser.add_argument("--time", type=int, default=30, help="job time limit (minutes)")
+    parser.add_argument("--nodes", type=positive(), default=1)
+    parser.add_argument("--gpus-per-node", type=positive(), default=2)
+    parser.add_argument("--time", type=positive(), default=30, help="job time limit (minutes)")
     parser.add_argument("--exit-buffer-min", type=float, default=5.0)
     parser.add_argument("--launcher", choices=("torchrun", "srun"), default="torchrun")
     parser.add_argument("--partition", default=None)
@@ -57,18 +89,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="write scripts, do not sbatch")
-    ns = parser.parse_args(argv)
-    log_dir = ns.log_dir.resolve()
-    for case in ns.cases:
-        spec = JobSpec(
-            case_dir=case.resolve(), repo_root=REPO_ROOT, log_dir=log_dir, nodes=ns.nodes,
-            gpus_per_node=ns.gpus_per_node, time_limit_min=ns.time,
-            exit_buffer_min=ns.exit_buffer_min, launcher=ns.launcher, partition=ns.partition,
-            account=ns.account, use_gpus=not ns.cpu, python=ns.python, record=ns.record,
-        )
-        entry = submit(spec, dry_run=ns.dry_run)
-        print(f"{entry['job_id'] or 'dry-run'}\t{entry['case']}\t{entry['script']}")
-    return 0
+    add_env_option(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+
+    def run() -> int:
+        log_dir = ns.log_dir.resolve()
+        env = parse_assignments(ns.env)
+        specs = []
+        for case in ns.cases:  # check everything first: a bad case or limit writes nothing
+            recipe = load_recipe(case)
+            if ns.launcher == "srun" and recipe.test_type == "ckpt-resume":
+                raise UserError(f"{case} is a ckpt-resume case; --launcher srun runs single-run cases only",
+                                "submit it with --launcher torchrun")
+            spec = JobSpec(
+                case_dir=recipe.case_dir, repo_root=REPO_ROOT, log_dir=log_dir, nodes=ns.nodes,
+                gpus_per_node=ns.gpus_per_node, time_limit_min=ns.time,
+                exit_buffer_min=ns.exit_buffer_min, launcher=ns.launcher, partition=ns.partition,
+                account=ns.account, use_gpus=not ns.cpu, python=ns.python, record=ns.record, env=env,
+            )
+            spec.validate()
+            specs.append(spec)
+        load_manifest(log_dir)  # a corrupt manifest refuses before any job is submitted
+        for spec in specs:
+            entry = submit(spec, dry_run=ns.dry_run)
+            print(f"{entry['job_id'] or 'dry-run'}\t{entry['case']}\t{entry['script']}")
+        return 0
+
+    return run_cli("submit", run)
 
 
 if __name__ == "__main__":

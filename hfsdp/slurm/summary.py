@@ -4,7 +4,8 @@
 
 A case PASSes only if its job ended ``COMPLETED`` with ``ExitCode=0:0`` *and* its output holds
 ``HFSDP-FUNCTIONAL RESULT ...: PASS``. Unfinished jobs show as RUNNING. Exit status: 0 if all
-passed, 1 if any failed, 2 if some are still running.
+passed, 1 if any failed, 3 if some are still running, 2 if the log folder is unusable (with a
+sentence saying why, like every tool here).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from pathlib import Path
 
 from hfsdp.slurm.scontrol import JobInfo, show_job
 from hfsdp.slurm.submit import load_manifest
+from hfsdp.usererror import run_cli
 
+STILL_RUNNING = 3  # 2 is every tool's "bad input" status (hfsdp/usererror.py)
 _RESULT = re.compile(r"HFSDP-FUNCTIONAL RESULT (\S+): (PASS|FAIL)")
 
 
@@ -54,24 +57,28 @@ def judge(entry: dict, info: JobInfo) -> CaseStatus:
 
 
 def summarize(log_dir: Path) -> list[CaseStatus]:
-    return [judge(e, show_job(e["job_id"])) for e in load_manifest(log_dir) if e.get("job_id")]
+    return [judge(e, show_job(e["job_id"])) for e in load_manifest(log_dir, required=True) if e.get("job_id")]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="summary", description=__doc__.split("\n")[0])
     parser.add_argument("--log-dir", type=Path, required=True)
     parser.add_argument("--wait", type=float, default=0.0, help="poll until done, up to N s")
     ns = parser.parse_args(argv)
-    deadline = time.monotonic() + ns.wait
-    rows = summarize(ns.log_dir)
+    return run_cli("summary", lambda: _report(ns.log_dir, ns.wait))
+
+
+def _report(log_dir: Path, wait: float) -> int:
+    deadline = time.monotonic() + wait
+    rows = summarize(log_dir)
     while any(r.verdict == "RUNNING" for r in rows) and time.monotonic() < deadline:
         time.sleep(2.0)
-        rows = summarize(ns.log_dir)
+        rows = summarize(log_dir)
     for r in rows:
         print(f"{r.verdict:8s} {r.job_id!s:>8s}  {r.case:50s} {r.detail}")
     if any(r.verdict == "FAIL" for r in rows):
         return 1
-    return 2 if any(r.verdict == "RUNNING" for r in rows) else 0
+    return STILL_RUNNING if any(r.verdict == "RUNNING" for r in rows) else 0
 
 
 if __name__ == "__main__":

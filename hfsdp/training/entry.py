@@ -6,10 +6,16 @@ FSDP unit list hook -> build the
 ``PretrainConfigContainer`` -> ``megatron.training.pretrain``.
 
 This module imports only the stdlib at import time so the guard runs before ``megatron`` loads.
+
+Errors ([Note: user errors] in hfsdp/usererror.py): a flag Megatron's validation rejects, a
+model family or spec that cannot be built, a stale or foreign ``megatron`` tree, and a machine
+without CUDA each end in one sentence with the way out and exit status 2; ``HFSDP_DEBUG=1``
+adds the traceback. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
@@ -17,6 +23,13 @@ from typing import Sequence
 
 from hfsdp.diagnostics import install_stack_dump_signal
 from hfsdp.patchset.guard import ensure_fork
+from hfsdp.usererror import UserError, rejection, run_cli
+
+
+
+def flags_fix() -> str:
+    script = os.path.basename(sys.argv[0]) if sys.argv[0].endswith(".py") else "pretrain_gpt.py"
+    return f"fix the flags; `python {script} --help` lists every flag and its choices"
 
 # Tokenizer default matches upstream's GPT entry point; mock-data runs pass
 # `--tokenizer-type NullTokenizer --vocab-size N`.
@@ -46,14 +59,40 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
 
     from hfsdp.training import specs
 
-    args = parse_and_validate_args(args_defaults=dict(ARGS_DEFAULTS))
+    try:
+        args = parse_and_validate_args(args_defaults=dict(ARGS_DEFAULTS))
+    except (AssertionError, ValueError) as exc:  # Megatron validates flags with asserts and ValueErrors
+        raise rejection(exc, "invalid flags", flags_fix()) from exc
     family = specs.resolve_family(args, forced_family)
     specs.use_transformer_engine(args)  # clear error before any CUDA/NCCL work
     return args, family
 
 
+def require_cuda() -> None:
+    """Training needs CUDA GPUs: say so, instead of torch's "Found no NVIDIA driver" deep inside."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    why = ("this torch is built without CUDA" if torch.version.cuda is None
+           else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU or driver")
+    raise UserError(
+        f"training needs CUDA GPUs and {why}; the flags themselves are valid",
+        "run on a machine with NVIDIA GPUs (`torchrun --nproc-per-node N <this script> <the same flags>`); on this "
+        "machine `python scripts/fsdp_memory_planner.py --plan-dp-size N <the same flags>` plans the memory "
+        "without a GPU (N: the data-parallel size)",
+    )
+
+
 def main(argv: Sequence[str] | None = None, forced_family: str | None = None) -> None:
-    """Run pretraining; ``forced_family='hybrid'`` is ``pretrain_hybrid.py``."""
+    """Run pretraining; ``forced_family='hybrid'`` is ``pretrain_hybrid.py``. Exits 2 on bad input."""
+    prog = os.path.basename(sys.argv[0]) or "pretrain"
+    rc = run_cli(prog, lambda: _main(argv, forced_family))
+    if rc:
+        sys.exit(rc)
+
+
+def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     program_start = time.time()
     install_stack_dump_signal()  # `kill -USR1 <pid>` prints this rank's stacks (hung jobs)
     ensure_fork()
@@ -65,9 +104,14 @@ def main(argv: Sequence[str] | None = None, forced_family: str | None = None) ->
     from hfsdp.determinism import ENV as PIN_ENV, pin_triton_autotune_from_env
     from hfsdp.digest import ENV as DIGEST_ENV, install_from_env as install_digest_from_env
     from hfsdp.training import data, fsdp_units, forward_step, model_provider, run_report
+    from hfsdp.training.specs import SpecError
 
     set_startup_timestamps(program_start=program_start, main_entry=time.time())
-    args, family = parse_args(argv, forced_family)
+    try:
+        args, family = parse_args(argv, forced_family)
+    except SpecError as exc:
+        raise UserError(str(exc), flags_fix()) from exc
+    require_cuda()
     units = fsdp_units.install_unit_override()
     if install_digest_from_env() is not None:
         print_rank_0(f"> hfsdp entry: {DIGEST_ENV} set, weight/optimizer digests are logged")

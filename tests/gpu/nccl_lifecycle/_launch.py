@@ -1,25 +1,30 @@
 """Bounded torchrun launcher shared by the NCCL-lifecycle GPU scripts (2 x H200).
 
 Each experiment runs as ``torchrun --nproc-per-node 2 <script> --child <args>`` under a hard
-timeout, so an NCCL hang is recorded as an outcome instead of eating the device budget.
+timeout (hfsdp.proc.run_group: stacks, then SIGTERM, then SIGKILL of the whole group), so an
+NCCL hang is recorded as an outcome, with each rank's stacks, instead of eating the device budget.
 """
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-SAFETY_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+sys.path.insert(0, str(REPO_ROOT))  # run as a script from tests/gpu/nccl_lifecycle
+
+from hfsdp.proc import run_group  # noqa: E402
+from hfsdp.safety import assert_guard  # noqa: E402
+
+# Stacks, then SIGTERM, then SIGKILL fit inside a job's timeout: run_all.sh's outer limits add up
+# the child timeouts, so a hang must not take longer than its timeout.
+STACK_GRACE_S, TERM_GRACE_S = 3.0, 5.0
 
 
 def assert_safety_env() -> None:
-    """These machines must keep NVLink multicast off (bootstrap.sh exports the values)."""
-    bad = {k: os.environ.get(k) for k, v in SAFETY_ENV.items() if os.environ.get(k) != v}
-    assert not bad, f"unsafe environment, expected {SAFETY_ENV}, got {bad}"
+    """These machines must keep NVLink multicast off (run_all.sh exports and checks the values)."""
+    assert_guard()
 
 
 def out_dir() -> Path:
@@ -35,18 +40,12 @@ def torchrun(script: str, args: List[str], timeout_s: float, nproc: int = 2) -> 
     env = dict(os.environ)
     # torchrun puts the script's folder on sys.path, not the repo root with megatron/.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    timed_out = False
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-    return {"cmd": " ".join(cmd[3:]), "rc": proc.returncode, "timed_out": timed_out,
-            "wall_s": round(time.monotonic() - start, 2), "tail": out[-3000:]}
+    lines: List[str] = []
+    ended = run_group(cmd, timeout_s=max(timeout_s - STACK_GRACE_S - TERM_GRACE_S, 1.0), env=env,
+                      on_line=lines.append, stack_grace_s=STACK_GRACE_S, term_grace_s=TERM_GRACE_S)
+    out = "".join(lines)
+    return {"cmd": " ".join(cmd[3:]), "rc": ended.returncode, "timed_out": ended.timed_out,
+            "signals": ended.signals, "wall_s": round(ended.seconds, 2), "tail": out[-3000:]}
 
 
 def write_results(name: str, results: Dict[str, Any]) -> Path:

@@ -5,9 +5,8 @@
 # CPU pre-flight (no GPU):  python tests/gpu/nccl_lifecycle/check_cpu.py
 set -u
 : "${OUT:=/tmp/nccl_lifecycle_out}"; export OUT
-for v in NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; do
-  [ "$(printenv "${v%%=*}")" = "${v#*=}" ] || { echo "refusing: $v not set"; exit 2; }
-done
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python -m hfsdp.safety || exit 2  # NVLink multicast must be off before any GPU work
 dir=$(dirname "$0")
 rc=0
 summary=()

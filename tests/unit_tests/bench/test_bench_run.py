@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 
 from hfsdp.bench import results as R
 from hfsdp.bench import run as B
+from hfsdp.proc import run_group
 
 
 @pytest.fixture
@@ -23,8 +26,6 @@ def fake_launch(monkeypatch):
                            peak_reserved_bytes=2**31), "log"
 
     monkeypatch.setattr(B, "launch", launch)
-    for key in B.NVLS_GUARDS:
-        monkeypatch.delenv(key, raising=False)
     return calls
 
 
@@ -58,11 +59,11 @@ def test_no_prime(fake_launch, tmp_path):
 def test_worker_gets_profile_stack_only_with_a_profile_dir(monkeypatch, tmp_path, own, expected):
     seen = []
 
-    def fake_run(cmd, log, timeout_s, env=None):
+    def fake_run(cmd, *, timeout_s, env, stdout):
         seen.append(cmd)
-        return 1
+        return run_group([sys.executable, "-c", "raise SystemExit(1)"])
 
-    monkeypatch.setattr(B, "run_in_group", fake_run)
+    monkeypatch.setattr(B, "run_group", fake_run)
     opts, _ = B.parse(own)
     B.launch(B.cfgs.CONFIGS["maxpool"], 0, ["--x"], opts, str(tmp_path))
     cmd = seen[0]
@@ -70,38 +71,34 @@ def test_worker_gets_profile_stack_only_with_a_profile_dir(monkeypatch, tmp_path
     assert worker_own == expected
 
 
-def test_timeout_ends_the_whole_process_group(tmp_path):
-    """A timed-out run must not leave torchrun's workers behind (they did in session 6)."""
-    import sys
-    import time
+def test_runs_get_the_callers_environment_plus_env(monkeypatch, tmp_path):
+    """No NVLS pinning by the product: NCCL_NVLS_ENABLE=1 reaches the worker, --env overrides it."""
+    seen = []
 
-    pidfile = tmp_path / "child.pid"
-    # The leader starts a child that ignores nothing and would outlive a leader-only kill.
-    script = ("import subprocess, sys, time; "
-              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-              f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(60)")
-    with open(tmp_path / "log", "w") as log:
-        t0 = time.monotonic()
-        rc = B.run_in_group([sys.executable, "-c", script], log, timeout_s=2, grace_s=2)
-    assert rc == "timeout" and time.monotonic() - t0 < 30
-    child = int(pidfile.read_text())
-    def alive(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
-        except FileNotFoundError:
-            return False
+    def fake_run(cmd, *, timeout_s, env, stdout):
+        seen.append(env)
+        return run_group([sys.executable, "-c", "import os; print(os.environ['NCCL_NVLS_ENABLE'])"],
+                           env=env, stdout=stdout)
 
-    for _ in range(50):
-        if not alive(child):
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"child {child} of the timed-out run is still alive")
+    monkeypatch.setattr(B, "run_group", fake_run)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    for own, expected in (([], "1"), (["--env", "NCCL_NVLS_ENABLE=0", "--env", "X=a=b"], "0")):
+        opts, _ = B.parse(own)
+        B.launch(B.cfgs.CONFIGS["no_db"], 0, [], opts, str(tmp_path))
+        assert seen[-1]["NCCL_NVLS_ENABLE"] == expected
+        assert (tmp_path / "no_db-0.log").read_text() == expected + "\n"
+    assert seen[-1]["X"] == "a=b"
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1"  # the runner's own environment is untouched
 
 
-def test_run_in_group_returns_the_exit_code(tmp_path):
-    import sys
+def test_main_leaves_the_environment_alone(fake_launch, monkeypatch, tmp_path):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+    B.main(["--configs", "no_db", "--repeats", "1", "--no-plan", "--no-chart", "--no-prime",
+            "--out-json", str(tmp_path / "r.json")])
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1" and "TORCH_SYMM_MEM_DISABLE_MULTICAST" not in os.environ
 
-    with open(tmp_path / "log", "w") as log:
-        assert B.run_in_group([sys.executable, "-c", "raise SystemExit(3)"], log, timeout_s=30) == 3
+
+def test_bad_env_option_is_a_sentence(capsys):
+    assert B.main(["--env", "NCCL_NVLS_ENABLE"]) == 2
+    assert "is not KEY=VALUE" in capsys.readouterr().err

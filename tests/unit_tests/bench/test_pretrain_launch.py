@@ -9,6 +9,7 @@ import pytest
 
 from hfsdp.bench import pretrain_launch as P
 from hfsdp.bench import run as B
+from hfsdp.proc import GroupResult
 from hfsdp.training import run_report
 
 MODEL = ["--micro-batch-size", "2", "--seq-length", "1024", "--num-layers", "2"]
@@ -76,16 +77,16 @@ def test_result_names_missing_steps_and_reports(tmp_path):
 def _fake_pretrain(monkeypatch, tmp_path, captured: bool):
     seen = []
 
-    def fake_run(cmd, log, timeout_s, env=None):
+    def fake_run(cmd, *, timeout_s, env, stdout):
         seen.append((cmd, env))
         steps = int(P.flag_value(cmd, "--train-iters"))
         src_log, src_report = _write_run(tmp_path, steps=steps, captured=captured)
-        log.write(open(src_log).read())
+        stdout.write(open(src_log).read())
         with open(env[run_report.ENV], "w") as f:
             f.write(open(src_report).read())
-        return 0
+        return GroupResult(returncode=0, timed_out=False, seconds=0.1)
 
-    monkeypatch.setattr(B, "run_in_group", fake_run)
+    monkeypatch.setattr(B, "run_group", fake_run)
     return seen
 
 

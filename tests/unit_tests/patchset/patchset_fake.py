@@ -99,6 +99,24 @@ class Env:
             (self.project.patches_dir / name).write_text(text)
         (self.project.patches_dir / "series").write_text("# test series\n" + "".join(f"{n}\n" for n in patches))
 
+    def series_with(self, alloc: str = ALLOC_PATCH, desc: str = "Add maxpool flag") -> None:
+        """The two-patch series with another alloc.patch (as a pull or an edit of it would make it)."""
+        self.write_series({"alloc.patch": patch_text(desc, alloc), "train.patch": patch_text("Fork training", TRAIN_PATCH)})
+
+
+def save_during_build(monkeypatch: pytest.MonkeyPatch, path: Path, text: str) -> None:
+    """Make the next materialize write ``text`` to ``path`` while it builds (an editor saving)."""
+    from hfsdp.patchset import materialize as materialize_mod
+
+    real = materialize_mod.build_queue
+
+    def build(*args, **kwargs):
+        path.write_text(text)
+        monkeypatch.setattr(materialize_mod, "build_queue", real)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(materialize_mod, "build_queue", build)
+
 
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Env:

@@ -16,7 +16,9 @@ from hfsdp.patchset.cli import main
 from hfsdp.patchset.errors import PatchDoesNotApply, SeriesError
 from hfsdp.patchset.lint import lint
 from hfsdp.patchset.materialize import materialize, tree_status
-from hfsdp.patchset.queue import export_queue, make_queue, refresh
+from hfsdp.patchset.export import export_queue
+from hfsdp.patchset.queue import make_queue
+from hfsdp.patchset.refresh import refresh
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 

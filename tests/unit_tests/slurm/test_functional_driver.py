@@ -68,8 +68,11 @@ def test_all_recipes_load_and_follow_conventions() -> None:
     for r in recipes:
         if r.model == "smoke":
             continue
-        assert r.nproc == 2 and r.model_args.get("--deterministic-mode") is True, r.name
-        assert r.env_vars.get("NCCL_NVLS_ENABLE") == "0", r.name
+        assert r.nproc in (1, 2) and r.model_args.get("--deterministic-mode") is True, r.name
+        # NVLink multicast is the environment's business (our tests/gpu scripts pin it off);
+        # a recipe users run under SLURM must not switch it off for them.
+        assert not {"NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                    "NVSHMEM_DISABLE_NVLS"} & set(r.env_vars), r.name
         assert r.model_args.get("--transformer-impl") == "local", r.name
         assert "lm loss" in r.metrics
         if r.compare_to:
@@ -170,6 +173,8 @@ for it in range(start + 1, iters + 1):
 def _resume_case(root: Path, trainer: Path, compare: str, drift: float) -> Path:
     case = root / "hybrid" / "resume"
     case.mkdir(parents=True)
+    if not trainer.exists():
+        trainer.write_text(FAKE_TRAINER)
     (case / "model_config.yaml").write_text(
         f"TRAINING_SCRIPT: {trainer}\nNPROC: 1\nTEST_TYPE: ckpt-resume\n{compare}"
         f"ENV_VARS_2:\n  FAKE_DRIFT: '{drift}'\nMETRICS:\n  - lm loss\nREQUIRE_GOLDEN: false\n"
@@ -215,7 +220,7 @@ def test_bad_resume_compare_is_rejected(tmp_path: Path, block: str, match: str) 
     case = _resume_case(tmp_path, tmp_path / "t.py", block, 0.0)
     with pytest.raises(RecipeError, match=match):
         load_recipe(case)
-    (case / "model_config.yaml").write_text("TEST_TYPE: regular\n" + block + "MODEL_ARGS: {}\n")
+    (case / "model_config.yaml").write_text("TEST_TYPE: regular\n" + block + "MODEL_ARGS: {--train-iters: 2}\n")
     with pytest.raises(RecipeError, match="only for TEST_TYPE ckpt-resume"):
         load_recipe(case)
 

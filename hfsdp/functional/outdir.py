@@ -1,0 +1,90 @@
+"""Output folders of the functional driver: it clears only folders it made, never a test case.
+
+[Note: output folders] A case's output folder is ``<output-dir>/<model>/<case>`` (plus
+``node<k>`` per node on several nodes). The driver clears it before a launch, because a stale
+checkpoint would turn run 1 into a resume. Clearing is allowed only when the folder
+
+* carries the driver's marker file (written when the driver created it), and
+* holds nothing at its top level but names the driver writes (logs, metrics, checkpoints, ...),
+
+and never when the folder is, lies inside, or contains a test case (``model_config.yaml`` or
+``golden_values_*.json``). Otherwise the run is refused and the offending path named: an
+``--output-dir`` pointing at the test cases once made the output folder the case folder itself.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+from pathlib import Path
+from hfsdp.usererror import UserError
+
+MARKER = ".hfsdp-functional-output"
+# Everything the driver (and the training it launches, through the path variables) puts at
+# the top level of a case's output folder.
+DRIVER_OUTPUTS = frozenset({MARKER, "run1.log", "run2.log", "metrics.json", "result.json", "checkpoints",
+                            "tensorboard", "data_cache"})
+CASE_FILES = ("model_config.yaml", "golden_values_*.json")
+ROOT_SCAN_DEPTH = 4  # <root>/[tests/functional_tests/]test_cases/<model>/<case>: deep enough, and bounded
+FIX = "pick an empty folder outside the test cases with --output-dir (or HFSDP_FUNCTIONAL_OUT)"
+
+
+def _case_files_below(folder: Path, max_depth: int | None = None, limit: int = 3) -> list[Path]:
+    """Up to ``limit`` test case files under ``folder`` (``max_depth`` folder levels down)."""
+    found: list[Path] = []
+    top = len(folder.parts)
+    for dirpath, dirnames, filenames in os.walk(folder):
+        here = Path(dirpath)
+        if max_depth is not None and len(here.parts) - top >= max_depth:
+            dirnames[:] = []
+        found += [here / n for n in filenames if any(fnmatch.fnmatch(n, pat) for pat in CASE_FILES)]
+        if len(found) >= limit:
+            return found[:limit]
+    return found
+
+
+def check_not_a_case(out: Path, max_depth: int | None = None) -> None:
+    """Refuse an output folder that is, lies inside, or contains a test case."""
+    out = out.resolve()
+    for folder in (out, *out.parents):
+        if (folder / "model_config.yaml").is_file():
+            what = "is the test case" if folder == out else f"is inside the test case {folder}"
+            raise UserError(f"output folder {out} {what}; a run would write into (and a rerun clear) "
+                            f"the case's model_config.yaml and goldens", FIX)
+    if out.is_dir() and (found := _case_files_below(out, max_depth)):
+        raise UserError(f"output folder {out} holds test case files ({', '.join(map(str, found))}); "
+                        "the driver clears its output folder before a run", FIX)
+
+
+def foreign_entries(out: Path) -> list[str]:
+    """Top-level entries of ``out`` that the driver did not make (all of them without the marker)."""
+    names = sorted(p.name for p in out.iterdir())
+    if MARKER not in names:
+        return names or []
+    return [n for n in names if n not in DRIVER_OUTPUTS]
+
+
+def prepare(out: Path, clear: bool) -> Path:
+    """Make ``out`` ready for a run (see the note); returns it. ``clear`` empties a previous run."""
+    check_not_a_case(out)
+    if out.exists():
+        if not out.is_dir():
+            raise UserError(f"output folder {out} exists and is a file", FIX)
+        if clear:
+            if foreign := foreign_entries(out):
+                shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+                raise UserError(
+                    f"output folder {out} exists and holds {shown}, not made by the functional driver "
+                    f"(it clears only folders it made: {MARKER} marker, driver outputs only)",
+                    f"{FIX}; or, if those are yours to lose, remove {out} yourself",
+                )
+            shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).touch()
+    return out
+
+
+def check_root(root: Path) -> None:
+    """Refuse an ``--output-dir`` that is or holds test cases (they sit a few levels down)."""
+    check_not_a_case(root, max_depth=ROOT_SCAN_DEPTH)

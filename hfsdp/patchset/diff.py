@@ -1,0 +1,65 @@
+"""``diff``: local edits in ``megatron/`` as a patch, against the tree *as it was built*.
+
+The tree as built is rebuilt from the patch texts its stamp records (stamp.py), not from
+``patches/``: after a pull changed a patch, a diff against the new series would contain a hunk
+that silently undoes the pulled change. Kept entries (scan.py) are not edits and are not in the
+diff. Read-only: the scratch queue lives in the system's temporary folder, so ``diff`` works on
+a read-only checkout.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from . import gitops
+from .errors import PatchsetError
+from .project import Project
+from .scan import census, copy_edits, scan
+from .series import Patch, parse_patch
+from .source import locate_sdist
+from .stamp import read_stamp
+from .tree import build_queue
+
+
+def as_built_patches(project: Project) -> list[Patch]:
+    """The patches megatron/ was built from, in order (from the stamp; the series if it still matches)."""
+    pin = project.pin()
+    stamp = read_stamp(project.root)
+    if stamp is None:
+        raise PatchsetError("megatron/ is not materialized, so it has no local edits",
+                            "run `scripts/patchset materialize`")
+    if stamp.texts is not None:
+        return [parse_patch(name, stamp.texts[name], project.patches_dir / name) for name, _ in stamp.patches]
+    patches = project.series()
+    if not stamp.matches(pin, patches):
+        raise PatchsetError(
+            "megatron/ was built by an older version of this tool from patches that have changed since, and "
+            "its stamp does not record them, so its edits cannot be separated from the patch changes",
+            "restore the patches it was built from (e.g. `git stash` your patch changes), run "
+            "`scripts/patchset diff > my.patch`, then bring the patch changes back",
+        )
+    return patches
+
+
+def local_diff(project: Project, sdist: Path | None = None) -> str:
+    """The edits of megatron/ against its as-built tree, as a git diff (empty if none)."""
+    pin = project.pin()
+    patches = as_built_patches(project)
+    stamp = read_stamp(project.root)
+    assert stamp is not None, "as_built_patches returned without a stamp"
+    edits = census(scan(project.megatron_dir), stamp.files, pin.members).edits
+    with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:
+        queue = build_queue(pin, locate_sdist(pin, sdist), patches, Path(tmp) / "q")
+        copy_edits(edits, project.root, queue.repo)
+        gitops.git(["add", "-A", "."], cwd=queue.repo)
+        return gitops.git(["diff", "--cached", "--no-color", "--no-renames", "--full-index", "HEAD"],
+                          cwd=queue.repo).stdout
+
+
+def series_diff(project: Project, sdist: Path | None = None) -> str:
+    """The whole series as one diff against the pristine base."""
+    pin = project.pin()
+    with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:
+        queue = build_queue(pin, locate_sdist(pin, sdist), project.series(), Path(tmp) / "q")
+        return gitops.diff_commits(queue.repo, queue.base, "HEAD")

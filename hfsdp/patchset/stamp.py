@@ -1,0 +1,128 @@
+"""The stamp of a materialized tree: what it was built from, and the text of every patch applied.
+
+``megatron/.patchset-stamp.json`` (schema 2) holds the base pin, the fork version, the applied
+patches (name + sha256, in order), the sha256 of every file the build wrote, and the applied
+patches' full text. The texts let ``diff`` rebuild the tree *as it was built*, so local edits are
+always shown against that tree, even after ``patches/`` changed (a pull): a diff against the new
+series would silently undo the pulled change. Schema-1 stamps (no texts) are still read.
+
+A stamp that is not a JSON object of this shape is a :class:`CorruptStamp`, never a traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hfsdp.atomic import write_text_atomic
+
+from .errors import PatchsetError
+from .pin import BasePin
+from .scan import STAMP_NAME
+from .series import Patch
+
+STAMP_SCHEMA = 2
+_READABLE_SCHEMAS = (1, 2)
+
+
+class CorruptStamp(PatchsetError):
+    """The stamp file exists but is not one this tool wrote."""
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """What a materialized tree was built from, and the hash of every file it got."""
+
+    base_version: str
+    sdist_sha256: str
+    fork_version: str
+    patches: tuple[tuple[str, str], ...]  # (name, sha256 of the patch file), in order
+    files: dict[str, str]
+    texts: dict[str, str] | None = None  # name -> patch text as applied (None: schema-1 stamp)
+
+    @staticmethod
+    def expected_patches(patches: list[Patch]) -> tuple[tuple[str, str], ...]:
+        return tuple((p.name, p.sha256) for p in patches)
+
+    def matches(self, pin: BasePin, patches: list[Patch]) -> bool:
+        return (
+            self.base_version == pin.version
+            and self.sdist_sha256 == pin.sha256
+            and self.patches == self.expected_patches(patches)
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "schema": STAMP_SCHEMA,
+                "base_version": self.base_version,
+                "sdist_sha256": self.sdist_sha256,
+                "fork_version": self.fork_version,
+                "patches": [{"name": n, "sha256": h} for n, h in self.patches],
+                "files": self.files,
+                "patch_texts": self.texts or {},
+            },
+            indent=1,
+            sort_keys=True,
+        ) + "\n"
+
+
+def make_stamp(pin: BasePin, patches: list[Patch], files: dict[str, str]) -> Stamp:
+    return Stamp(pin.version, pin.sha256, pin.fork_version, Stamp.expected_patches(patches), files,
+                 {p.name: p.text for p in patches})
+
+
+def write_stamp_file(tree_root: Path, stamp: Stamp) -> None:
+    """Write ``tree_root/megatron/<stamp>`` in one step."""
+    write_text_atomic(tree_root / "megatron" / STAMP_NAME, stamp.to_json())
+
+
+def _corrupt(path: Path, why: str) -> CorruptStamp:
+    return CorruptStamp(
+        f"stamp {path} is not one this tool wrote ({why}), so which files are yours cannot be told",
+        "`scripts/patchset materialize --backup` moves the tree to megatron.bak-* (nothing is deleted) "
+        "and builds a fresh one",
+    )
+
+
+def read_stamp(tree_root: Path) -> Stamp | None:
+    """The stamp of ``tree_root/megatron``, or None if absent. A malformed stamp is a CorruptStamp."""
+    return read_stamp_file(tree_root / "megatron" / STAMP_NAME)
+
+
+def read_stamp_file(path: Path) -> Stamp | None:
+    """A stamp file (also one inside a parked tree), or None if absent."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise _corrupt(path, f"not readable JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        kind = {list: "a list", str: "a string", bool: "true/false", int: "a number", float: "a number"}
+        raise _corrupt(path, f"JSON {kind.get(type(data), 'null')}, not an object")
+    if data.get("schema") not in _READABLE_SCHEMAS:
+        raise _corrupt(path, f"schema {data.get('schema')!r}, this tool reads {_READABLE_SCHEMAS}")
+    strings = ("base_version", "sdist_sha256", "fork_version")
+    if not all(isinstance(data.get(k), str) for k in strings):
+        raise _corrupt(path, f"{', '.join(strings)} must be strings")
+    patches, files, texts = data.get("patches"), data.get("files"), data.get("patch_texts")
+    if not isinstance(patches, list) or not all(
+        isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("sha256"), str) for p in patches
+    ):
+        raise _corrupt(path, "'patches' must be a list of {name, sha256}")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise _corrupt(path, "'files' must map paths to sha256 digests")
+    if texts is not None and (not isinstance(texts, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in texts.items())):
+        raise _corrupt(path, "'patch_texts' must map patch names to text")
+    pairs = tuple((p["name"], p["sha256"]) for p in patches)
+    if texts is not None and data["schema"] >= 2:
+        bad = [n for n, h in pairs if n not in texts or hashlib.sha256(texts[n].encode("utf-8")).hexdigest() != h]
+        if bad:
+            raise _corrupt(path, f"the recorded text of {', '.join(bad)} does not match its sha256")
+    else:
+        texts = None
+    return Stamp(data["base_version"], data["sdist_sha256"], data["fork_version"], pairs, dict(files), texts)

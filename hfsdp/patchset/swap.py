@@ -1,0 +1,79 @@
+"""Replace a folder with a fully built one, and lose nothing that changed while it was built.
+
+[Note: guarded swap] Writers build the new ``megatron/`` or ``patches/`` in a temporary folder
+beside it, validate it, then call :func:`swap_in`: park the old folder (rename), rename the new
+one into place, and re-read the parked folder. If anything in it differs from the snapshot the
+build started from (an editor saved a file meanwhile), the swap is undone and the run refused,
+naming the files; otherwise the parked folder is deleted, or kept as a backup. Renames within
+one filesystem are atomic, so a reader sees the old folder or the new one; a run killed between
+the two renames leaves a ``.patchset-old-*`` folder that the next writer restores (litter.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from .errors import PatchsetError
+from .scan import changed_between, describe
+
+OLD_PREFIX = ".patchset-old-"
+TMP_PREFIX = ".patchset-tmp-"
+
+
+class ChangedDuringBuild(PatchsetError):
+    """Files changed while the replacement was being built; nothing was replaced."""
+
+
+def parked_name(root: Path, what: str) -> Path:
+    return root / f"{OLD_PREFIX}{what}-{os.getpid()}-{time.time_ns()}"
+
+
+def backup_name(root: Path, what: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = root / f"{what}.bak-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = root / f"{what}.bak-{stamp}-{n}"
+    return path
+
+
+def swap_in(target: Path, built: Path, snapshot: dict, rescan: Callable[[Path], dict], rerun: str,
+            keep_old_as: Path | None = None) -> Path | None:
+    """Put ``built`` at ``target`` (see the note); return where the old folder was kept, if anywhere.
+
+    ``snapshot`` is ``rescan(target)`` from before the build; ``rerun`` is the command to repeat.
+    """
+    root = target.parent
+    if not target.exists():
+        if snapshot:
+            raise ChangedDuringBuild(f"{target} disappeared while the replacement was being built; nothing was "
+                                     "replaced", f"restore it, then run `{rerun}` again")
+        os.rename(built, target)  # fails (nothing lost) if a folder appeared there meanwhile
+        return None
+    parked = parked_name(root, target.name)
+    os.rename(target, parked)
+    try:
+        os.rename(built, target)
+    except BaseException:
+        os.rename(parked, target)
+        raise
+    changed = changed_between(snapshot, rescan(parked))
+    if changed:
+        os.rename(target, built)  # hand the new folder back to its (temporary) builder
+        os.rename(parked, target)
+        raise ChangedDuringBuild(
+            f"{len(changed)} file(s) in {target} changed while the replacement was being built; nothing was "
+            f"replaced, the changes are where you made them:\n{describe(changed)}",
+            f"run `{rerun}` again once you are done editing (if the changes are edits to keep, it says how "
+            "to save them first)",
+        )
+    if keep_old_as is not None:
+        os.rename(parked, keep_old_as)
+        return keep_old_as
+    shutil.rmtree(parked)
+    return None

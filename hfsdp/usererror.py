@@ -1,0 +1,96 @@
+"""Bad input is a sentence, not a traceback: one error type and one reporting rule for our CLIs.
+
+[Note: user errors] Every command line tool of this project (``scripts/patchset``, the
+functional driver, the SLURM submitter and summary, the memory planner, the benchmark runner
+and the ``pretrain_*.py`` entry points) raises :class:`UserError` for input it refuses. The
+error carries the cause and the way out; :func:`run_cli` prints them as
+
+    <prog>: error: <cause>
+      -> <way out>
+
+and exits with status 2. A traceback is printed only with ``HFSDP_DEBUG=1`` (one convention
+for every tool, including inside ``pip install -e .`` and under ``torchrun``). Anything that
+is not a ``UserError`` is a bug and keeps its traceback.
+
+Standard library only: ``hfsdp.patchset`` runs inside pip's isolated build environment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable, TextIO
+
+DEBUG_ENV = "HFSDP_DEBUG"
+EXIT_CODE = 2
+
+
+class UserError(Exception):
+    """Input the tool refuses: ``cause`` says what is wrong, ``fix`` what to do about it."""
+
+    exit_code = EXIT_CODE
+
+    def __init__(self, cause: str, fix: str) -> None:
+        assert cause and fix, f"a user error needs a cause and a way out, got {cause!r} / {fix!r}"
+        self.cause = cause
+        self.fix = fix
+        super().__init__(f"{cause}\n  -> {fix}")
+
+
+def positive(kind: type = int) -> Callable[[str], object]:
+    """argparse ``type=``: a number of ``kind`` that is > 0 (argparse then says which option is wrong)."""
+    import argparse
+
+    def parse(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def rejection(exc: BaseException, what: str, fix: str) -> UserError:
+    """A validation ``AssertionError``/``ValueError`` from code we call (Megatron's ``validate_args``)
+    as a UserError: its message, or for a bare ``assert`` the line that failed."""
+    text = str(exc).strip()
+    if not text:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        text = f"{frame.line} ({Path(frame.filename).name}:{frame.lineno})"
+    return UserError(f"{what}: {text}", fix)
+
+
+def debug_enabled(environ: dict[str, str] | None = None) -> bool:
+    """Whether ``HFSDP_DEBUG`` asks for tracebacks."""
+    value = (os.environ if environ is None else environ).get(DEBUG_ENV, "")
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def format_error(prog: str, exc: UserError) -> str:
+    """The two lines every tool prints for a refused input."""
+    return f"{prog}: error: {exc.cause}\n  -> {exc.fix}"
+
+
+def report(prog: str, exc: UserError, stream: TextIO | None = None) -> int:
+    """Print ``exc`` (with its traceback under ``HFSDP_DEBUG=1``); return the exit status."""
+    stream = sys.stderr if stream is None else stream
+    if debug_enabled():
+        traceback.print_exception(exc, file=stream)
+    print(format_error(prog, exc), file=stream, flush=True)
+    if not debug_enabled():
+        print(f"  (set {DEBUG_ENV}=1 for a traceback)", file=stream, flush=True)
+    return exc.exit_code
+
+
+def run_cli(prog: str, main: Callable[[], int | None]) -> int:
+    """Call ``main``; a :class:`UserError` becomes the two-line message and exit status 2."""
+    try:
+        return int(main() or 0)
+    except UserError as exc:
+        return report(prog, exc)

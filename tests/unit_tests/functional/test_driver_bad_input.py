@@ -1,0 +1,242 @@
+"""The functional driver on bad input: it never deletes what it did not make, malformed goldens
+and recipes fail with the file named, and the CLI prints a sentence instead of a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hfsdp.functional import golden
+from hfsdp.functional.recipe import RecipeError, load_recipe
+from hfsdp.functional.run_case import Launch, run_case
+from hfsdp.usererror import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+# Prints Megatron's iteration line for --train-iters steps (rank 0 only).
+TRAINER = '''\
+import os, sys
+args = sys.argv[1:]
+iters = int(args[args.index("--train-iters") + 1])
+if os.environ.get("RANK", "0") == "0":
+    for it in range(1, iters + 1):
+        print(f" iteration {it:8d}/{iters:8d} | consumed samples: {8 * it} | "
+              f"elapsed time per iteration (ms): 50.0 | lm loss: {10.0 - 0.25 * it:.6E} | num zeros: 0 |",
+              flush=True)
+'''
+
+
+def log_text(steps: int) -> str:
+    return "".join(f" iteration {it:8d}/{steps:8d} | consumed samples: {8 * it} | elapsed time per iteration "
+                   f"(ms): 50.0 | lm loss: {10.0 - 0.25 * it:.6E} | num zeros: 0 |\n" for it in range(1, steps + 1))
+
+
+def make_case(root: Path, name: str = "case", steps: int = 4, extra: str = "", trainer: Path | None = None) -> Path:
+    case = root / "gpt" / name
+    case.mkdir(parents=True)
+    script = f"TRAINING_SCRIPT: {trainer}\nNPROC: 1\n" if trainer else ""
+    (case / "model_config.yaml").write_text(
+        f"{script}TEST_TYPE: regular\nMETRICS:\n  - lm loss\n  - num-zeros\n{extra}"
+        f"MODEL_ARGS:\n  --train-iters: {steps}\n")
+    return case
+
+
+def digest(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# Output folders ------------------------------------------------------------------------------
+
+def test_output_dir_that_holds_the_cases_is_refused_and_the_case_survives(tmp_path):
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    cases = tmp_path / "test_cases"
+    case = make_case(cases, trainer=trainer)
+    (case / "golden_values_dev_dgx_h200.json").write_text(json.dumps(golden.to_golden(
+        {"lm loss": {1: 9.75, 2: 9.5, 3: 9.25, 4: 9.0}, "num-zeros": {i: 0.0 for i in range(1, 5)}},
+        ["lm loss", "num-zeros"])))
+    before = digest(cases)
+    # <output-dir>/<model>/<case> is the case folder itself.
+    with pytest.raises(UserError) as info:
+        run_case(case, launch=Launch(nproc=1, timeout_s=120), output_root=cases)
+    assert str(case) in info.value.cause and "test case" in info.value.cause
+    assert "--output-dir" in info.value.fix
+    assert digest(cases) == before
+
+
+def test_output_dir_inside_a_case_is_refused(tmp_path):
+    case = make_case(tmp_path / "cases")
+    with pytest.raises(UserError, match="inside the test case"):
+        run_case(case, output_root=case / "out", evaluate_log=tmp_path / "no.log")
+    assert sorted(p.name for p in case.iterdir()) == ["model_config.yaml"]
+
+
+def test_existing_output_folder_not_made_by_the_driver_is_refused(tmp_path):
+    case = make_case(tmp_path / "cases")
+    out = tmp_path / "out" / "gpt" / "case"
+    out.mkdir(parents=True)
+    (out / "notes.txt").write_text("mine\n")
+    with pytest.raises(UserError) as info:
+        run_case(case, launch=Launch(nproc=1), output_root=tmp_path / "out")
+    assert "notes.txt" in info.value.cause and "not made by the functional driver" in info.value.cause
+    assert (out / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_rerun_replaces_its_own_output(tmp_path):
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    case = make_case(tmp_path / "cases", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
+    launch = Launch(nproc=1, timeout_s=120)
+    first = run_case(case, launch=launch, output_root=tmp_path / "out")
+    assert first.status == "PASS", first.reasons
+    out = tmp_path / "out" / "gpt" / "case"
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "stale").write_text("x")  # would turn the next run into a resume
+    second = run_case(case, launch=launch, output_root=tmp_path / "out")
+    assert second.status == "PASS" and not (out / "checkpoints" / "stale").exists()
+
+
+# Goldens -------------------------------------------------------------------------------------
+
+def judge_against(tmp_path: Path, golden_obj: object, steps: int = 4):
+    case = make_case(tmp_path / "cases", steps=steps)
+    (case / "golden_values_dev_dgx_h200.json").write_text(
+        golden_obj if isinstance(golden_obj, str) else json.dumps(golden_obj))
+    log = tmp_path / "run1.log"
+    log.write_text(log_text(steps))
+    return run_case(case, output_root=tmp_path / "out", evaluate_log=log)
+
+
+def good_golden(steps: int = 4) -> dict:
+    return golden.to_golden({"lm loss": {i: float(f"{10.0 - 0.25 * i:.6E}") for i in range(1, steps + 1)},
+                             "num-zeros": {i: 0.0 for i in range(1, steps + 1)}}, ["lm loss", "num-zeros"])
+
+
+def test_a_complete_golden_passes(tmp_path):
+    assert judge_against(tmp_path, good_golden()).status == "PASS"
+
+
+@pytest.mark.parametrize(("mutate", "expected"), [
+    (lambda g: g["num-zeros"]["values"].update({k: "NaN" for k in g["num-zeros"]["values"]}),
+     "num-zeros: value at step 1 is not a finite number"),
+    (lambda g: g["lm loss"].update(values={}), "lm loss: no values"),
+    (lambda g: g["lm loss"]["values"].update({"2": float("inf")}), "lm loss: value at step 2 is not a finite number"),
+    (lambda g: g.pop("num-zeros"), "num-zeros: missing"),
+    (lambda g: g["lm loss"]["values"].pop("3"), "lm loss: steps 3 missing between start_step 1 and end_step 4"),
+    (lambda g: g["lm loss"].update(values=[1, 2]), "lm loss: 'values' must be a mapping"),
+])
+def test_malformed_golden_fails_and_names_what_is_missing(tmp_path, mutate, expected):
+    g = good_golden()
+    mutate(g)
+    result = judge_against(tmp_path, g)
+    assert result.status == "FAIL"
+    assert any(expected in r and "golden_values_dev_dgx_h200.json" in r for r in result.reasons), result.reasons
+
+
+def test_golden_with_fewer_steps_than_the_run_fails(tmp_path):
+    result = judge_against(tmp_path, good_golden(steps=2), steps=4)
+    assert result.status == "FAIL"
+    assert any("lm loss: the run logged steps 3-4, the golden stops at step 2" in r for r in result.reasons), \
+        result.reasons
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"lm loss": 3}'])
+def test_unreadable_golden_fails_naming_the_file(tmp_path, text):
+    result = judge_against(tmp_path, text)
+    assert result.status == "FAIL"
+    assert any("golden_values_dev_dgx_h200.json" in r for r in result.reasons), result.reasons
+
+
+def test_record_refuses_a_run_without_every_metric(tmp_path):
+    case = make_case(tmp_path / "cases", extra="")
+    (case / "model_config.yaml").write_text((case / "model_config.yaml").read_text().replace(
+        "  - num-zeros\n", "  - num-zeros\n  - mem-allocated-bytes\n"))
+    log = tmp_path / "run1.log"
+    log.write_text(log_text(4))
+    result = run_case(case, record=True, output_root=tmp_path / "out", evaluate_log=log)
+    assert result.status == "FAIL" and not list(case.glob("golden_values_*"))
+    assert any("mem-allocated-bytes" in r and "not recording" in r for r in result.reasons), result.reasons
+
+
+# Recipes -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("MODEL_ARGS: {--a: 1\n", "is not valid YAML"),
+    ("- just\n- a list\n", "must be a mapping"),
+    ("", "MODEL_ARGS is missing: the case has nothing to launch"),
+    ("MODEL_ARGS: {}\n", "MODEL_ARGS is missing"),
+    ("MODEL_ARGS: [--train-iters, 3]\n", "MODEL_ARGS must be a mapping"),
+    ("MODEL_ARGS: {train-iters: 3}\n", "MODEL_ARGS key 'train-iters' is not a flag"),
+    ("MODEL_ARGS: {--a: {b: 1}}\n", "MODEL_ARGS --a: a value must be"),
+    ("ENV_VARS: [A]\nMODEL_ARGS: {--a: 1}\n", "ENV_VARS must be a mapping"),
+    ("METRICS: lm loss\nMODEL_ARGS: {--a: 1}\n", "METRICS must be a list"),
+    ("NPROC: two\nMODEL_ARGS: {--a: 1}\n", "NPROC must be an integer >= 1"),
+    ("NPROC: 0\nMODEL_ARGS: {--a: 1}\n", "NPROC must be an integer >= 1"),
+    ("CHECKS: [a]\nMODEL_ARGS: {--a: 1}\n", "CHECKS must be a mapping"),
+    ("CHECKS: {log_absent: '('}\nMODEL_ARGS: {--a: 1}\n", "CHECKS log_absent must be a list"),
+    ("CHECKS: {log_absent: ['(']}\nMODEL_ARGS: {--a: 1}\n", "is not a valid regular expression"),
+    ("CHECKS: {min_iterations: many}\nMODEL_ARGS: {--a: 1}\n", "min_iterations must be an integer >= 0"),
+    ("REQUIRE_GOLDEN: maybe\nMODEL_ARGS: {--a: 1}\n", "REQUIRE_GOLDEN must be true or false"),
+    ("TRAINING_SCRIPT: ''\nMODEL_ARGS: {--a: 1}\n", "TRAINING_SCRIPT must name a script"),
+    ("TRAINING_SCRIPT: no_such_script.py\nMODEL_ARGS: {--a: 1}\n", "no_such_script.py does not exist"),
+    ("COMPARE_TO: ../nowhere\nMODEL_ARGS: {--a: 1}\n", "COMPARE_TO ../nowhere"),
+    ("TEST_TYPE: ckpt-resume\nMODEL_ARGS: {--train-iters: x, --save: a, --load: a, --save-interval: 1}\n",
+     "--train-iters must be an integer"),
+])
+def test_malformed_recipe_names_the_file(tmp_path, text, expected):
+    case = tmp_path / "gpt" / "bad"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(text)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(case)
+    assert expected in info.value.cause, info.value.cause
+    assert str(case / "model_config.yaml") in info.value.cause
+    assert info.value.fix
+
+
+def test_case_folder_without_a_recipe(tmp_path):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(tmp_path / "nowhere")
+    assert "model_config.yaml" in info.value.cause and "test_cases" in info.value.fix
+
+
+@pytest.mark.parametrize("text", ["MODEL_ARGS: {--a: 1\n", "", "- a\n"])
+def test_cli_prints_a_sentence_not_a_traceback(tmp_path, text):
+    case = tmp_path / "gpt" / "bad"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
+    proc = subprocess.run([sys.executable, "-m", "hfsdp.functional.run_case", str(case)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "torch.distributed.run" not in proc.stdout
+    assert proc.stderr.startswith("run_case: error: ") and str(case / "model_config.yaml") in proc.stderr
+    debug = subprocess.run([sys.executable, "-m", "hfsdp.functional.run_case", str(case)], cwd=REPO_ROOT,
+                           capture_output=True, text=True, env={**env, "HFSDP_DEBUG": "1"}, timeout=120)
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_the_golden_advice_re_records_and_then_passes(tmp_path, monkeypatch, capsys):
+    """A malformed golden fails naming the way out; running that command fixes it."""
+    import re
+
+    from hfsdp.functional import run_case as driver
+
+    monkeypatch.setenv("HFSDP_FUNCTIONAL_OUT", str(tmp_path / "out"))
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    case = make_case(tmp_path / "cases", trainer=trainer)
+    g = good_golden()
+    g["lm loss"]["values"] = {}
+    (case / "golden_values_dev_dgx_h200.json").write_text(json.dumps(g))
+    assert driver.main([str(case)]) == 1
+    out = capsys.readouterr().out
+    (advice,) = [c for c in re.findall(r"`([^`]+)`", out) if "--record" in c]
+    assert advice == f"python -m hfsdp.functional.run_case {case} --record"
+    assert driver.main(advice.split()[3:]) == 0
+    assert driver.main([str(case)]) == 0

@@ -1,0 +1,195 @@
+"""Advice in an error message leads somewhere: every command a fix suggests is run here.
+
+Each test provokes an error, takes the commands quoted in its fix (`...`), runs all of them in
+order (``DIR``/``NAME`` filled in, manual steps done where the message asks for them), and checks
+that the user ends where the message promised, with nothing lost.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+from patchset_fake import ALLOC_PATCH, TRAIN_PATCH, Env, patch_text, save_during_build
+
+from hfsdp.patchset.cli import main
+
+
+def commands(message: str) -> list[str]:
+    """The commands quoted in a message, in order."""
+    return re.findall(r"`([^`]+)`", message)
+
+
+def run_advice(env: Env, command: str, capsys, **fill: str) -> int:
+    """Run one suggested command as a user would, in the checkout."""
+    for key, value in fill.items():
+        command = re.sub(rf"\b{key}\b", value, command)
+    root = env.project.root
+    redirect = None
+    if " > " in command:
+        command, redirect = command.split(" > ")
+    argv = shlex.split(command)
+    if argv[0] == "scripts/patchset":
+        capsys.readouterr()
+        rc = main(["--root", str(root), *argv[1:]])
+        if redirect:
+            (root / redirect).write_text(capsys.readouterr().out)
+        return rc
+    if argv[0] == "mv":
+        os.rename(argv[1], argv[2])
+        return 0
+    return subprocess.run(argv, cwd=root, capture_output=True, text=True).returncode
+
+
+def error_of(env: Env, capsys, *args: str) -> str:
+    capsys.readouterr()
+    assert main(["--root", str(env.project.root), *args]) == 2
+    return capsys.readouterr().err
+
+
+def test_edits_on_a_tree_whose_patches_were_pulled(fake: Env, capsys) -> None:
+    """materialize (and refresh) refuse; diff > my.patch, materialize --backup, git apply, refresh."""
+    main(["--root", str(fake.project.root), "materialize"])
+    init = fake.project.megatron_dir / "core" / "__init__.py"
+    init.write_text("VALUE = 2  # my edit\n")
+    fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))  # git pull
+    err = error_of(fake, capsys, "materialize")
+    assert "megatron/core/__init__.py" in err
+    assert error_of(fake, capsys, "refresh").split("-> ")[1] == err.split("-> ")[1]  # same way out
+    steps = commands(err.split("-> ", 1)[1])
+    assert steps == ["scripts/patchset diff > my.patch", "scripts/patchset materialize --backup",
+                     "git apply my.patch", "scripts/patchset refresh", "scripts/patchset refresh --new NAME"]
+    for step in steps[:3]:
+        assert run_advice(fake, step, capsys) == 0, step
+    # No patch owns core/__init__.py: plain refresh asks which, the --new way folds it.
+    assert run_advice(fake, steps[3], capsys) == 2 and "refresh --new NAME" in capsys.readouterr().err
+    assert run_advice(fake, steps[4], capsys, NAME="my-edit") == 0
+    patches = {p.name: p.read_text() for p in fake.project.patches_dir.glob("*.patch")}
+    assert "+maxpool = 'pulled'" in patches["alloc.patch"]  # the pulled change is intact
+    assert "+VALUE = 2  # my edit" in patches["my-edit.patch"]  # the edit is in a patch
+    assert init.read_text() == "VALUE = 2  # my edit\n"
+    assert main(["--root", str(fake.project.root), "status"]) == 0  # up to date, no edits
+    backup = next(fake.project.root.glob("megatron.bak-*"))
+    assert (backup / "core" / "__init__.py").read_text() == "VALUE = 2  # my edit\n"  # and a copy
+
+
+def test_stale_tree_without_edits_refresh_says_materialize(fake: Env, capsys) -> None:
+    main(["--root", str(fake.project.root), "materialize"])
+    fake.series_with(desc="Reworded")
+    err = error_of(fake, capsys, "refresh")
+    assert commands(err.split("-> ", 1)[1]) == ["scripts/patchset materialize"]
+    assert run_advice(fake, "scripts/patchset materialize", capsys) == 0
+    assert main(["--root", str(fake.project.root), "status"]) == 0
+
+
+def test_foreign_tree_both_ways_out(fake: Env, capsys) -> None:
+    tree = fake.project.megatron_dir
+    (tree / "core").mkdir(parents=True)
+    (tree / "core" / "mine.py").write_text("precious = True\n")
+    err = error_of(fake, capsys, "materialize")
+    first, second, third = commands(err.split("-> ", 1)[1])
+    assert first == f"mv {tree} {tree}.mine" and second == "scripts/patchset materialize"
+    assert third == "scripts/patchset materialize --backup"
+    assert run_advice(fake, first, capsys) == 0 and run_advice(fake, second, capsys) == 0
+    assert (fake.project.root / "megatron.mine" / "core" / "mine.py").read_text() == "precious = True\n"
+    # The other way out, on a fresh foreign tree.
+    os.rename(tree, fake.project.root / "megatron.fresh")
+    (tree / "core").mkdir(parents=True)
+    (tree / "core" / "mine.py").write_text("also precious\n")
+    assert run_advice(fake, third, capsys) == 0
+    backup = next(fake.project.root.glob("megatron.bak-*"))
+    assert (backup / "core" / "mine.py").read_text() == "also precious\n"
+
+
+def test_kept_path_needed_by_the_new_tree(fake: Env, capsys) -> None:
+    main(["--root", str(fake.project.root), "materialize"])
+    (fake.project.megatron_dir / "core" / "extra.so").write_bytes(b"mine")
+    creates = ("diff --git a/megatron/core/extra.so b/megatron/core/extra.so\nnew file mode 100644\n"
+               "--- /dev/null\n+++ b/megatron/core/extra.so\n@@ -0,0 +1 @@\n+theirs\n")
+    fake.write_series({"alloc.patch": patch_text("Add maxpool flag", ALLOC_PATCH),
+                       "extra.patch": patch_text("Add a file", creates)})
+    err = error_of(fake, capsys, "materialize")
+    assert commands(err.split("-> ", 1)[1]) == ["scripts/patchset materialize", "scripts/patchset materialize --backup"]
+    assert run_advice(fake, "scripts/patchset materialize --backup", capsys) == 0
+    backup = next(fake.project.root.glob("megatron.bak-*"))
+    assert (backup / "core" / "extra.so").read_bytes() == b"mine"
+    # The first way: move it out, then materialize again (on a fresh conflict).
+    (fake.project.megatron_dir / "core" / "extra.so").unlink()
+    (fake.project.megatron_dir / "training" / "x.so").write_bytes(b"kept")
+    assert run_advice(fake, "scripts/patchset materialize", capsys) == 0  # up to date: nothing to do
+
+
+def test_changed_during_build_then_the_edit_is_saved(fake: Env, monkeypatch, capsys) -> None:
+    main(["--root", str(fake.project.root), "materialize"])
+    fake.series_with(desc="Reworded")
+    edited = fake.project.megatron_dir / "core" / "__init__.py"
+    save_during_build(monkeypatch, edited, "VALUE = 5\n")
+    err = error_of(fake, capsys, "materialize")
+    assert commands(err.split("-> ", 1)[1]) == ["scripts/patchset materialize"]
+    rerun = error_of(fake, capsys, "materialize")  # the re-run says how to save the edit first
+    steps = commands(rerun.split("-> ", 1)[1])
+    for step in steps[:3]:
+        assert run_advice(fake, step, capsys) == 0, step
+    assert run_advice(fake, steps[4], capsys, NAME="value-five") == 0
+    assert edited.read_text() == "VALUE = 5\n" and main(["--root", str(fake.project.root), "status"]) == 0
+
+
+def test_export_after_the_patches_changed(fake: Env, tmp_path: Path, capsys) -> None:
+    queue = tmp_path / "q"
+    main(["--root", str(fake.project.root), "queue", "--dir", str(queue)])
+    fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))
+    before = {p.name: p.read_bytes() for p in fake.project.patches_dir.iterdir()}
+    err = error_of(fake, capsys, "export", "--queue", str(queue))
+    assert "alloc.patch" in err
+    assert {p.name: p.read_bytes() for p in fake.project.patches_dir.iterdir()} == before
+    (step,) = commands(err.split("-> ", 1)[1])
+    new = tmp_path / "fresh"
+    assert run_advice(fake, step, capsys, DIR=str(new)) == 0
+    assert main(["--root", str(fake.project.root), "export", "--queue", str(new)]) == 0
+    assert "+maxpool = 'pulled'" in (fake.project.patches_dir / "alloc.patch").read_text()
+
+
+def test_refresh_ownership_and_conflict_ways_out(fake: Env, capsys) -> None:
+    main(["--root", str(fake.project.root), "materialize"])
+    (fake.project.megatron_dir / "core" / "__init__.py").write_text("VALUE = 5\n")
+    err = error_of(fake, capsys, "refresh")
+    by_patch, by_new = commands(err.split("-> ", 1)[1])
+    assert by_patch == "scripts/patchset refresh --patch NAME" and by_new == "scripts/patchset refresh --new NAME"
+    assert run_advice(fake, by_patch, capsys, NAME="alloc") == 0
+    assert "+VALUE = 5" in (fake.project.patches_dir / "alloc.patch").read_text()
+    (fake.project.megatron_dir / "core" / "__init__.py").write_text("VALUE = 6\n")
+    assert run_advice(fake, by_new, capsys, NAME="value-six") == 0
+    assert "+VALUE = 6" in (fake.project.patches_dir / "value-six.patch").read_text()
+
+
+def test_refresh_into_an_earlier_patch_that_conflicts(fake: Env, capsys) -> None:
+    later = TRAIN_PATCH.replace("megatron/training/train.py", "megatron/core/alloc.py").replace(
+        "@@ -1,2 +1,2 @@\n def train():\n-    return 'upstream'\n+    return 'fork'\n",
+        "@@ -30,3 +30,3 @@ line_29 = 29\n line_29 = 29\n-line_30 = 30\n+line_30 = 'later'\n line_31 = 31\n")
+    fake.write_series({"alloc.patch": patch_text("Add maxpool flag", ALLOC_PATCH),
+                       "later.patch": patch_text("Touch line 30", later)})
+    main(["--root", str(fake.project.root), "materialize"])
+    alloc = fake.project.megatron_dir / "core" / "alloc.py"
+    alloc.write_text(alloc.read_text().replace("line_30 = 'later'", "line_30 = 'mine'"))
+    before = {p.name: p.read_bytes() for p in fake.project.patches_dir.iterdir()}
+    err = error_of(fake, capsys, "refresh", "--patch", "alloc")
+    assert {p.name: p.read_bytes() for p in fake.project.patches_dir.iterdir()} == before
+    (step,) = commands(err.split("-> ", 1)[1])
+    assert run_advice(fake, step, capsys, NAME="line-thirty") == 0
+    assert "+line_30 = 'mine'" in (fake.project.patches_dir / "line-thirty.patch").read_text()
+
+
+def test_queue_inside_the_checkout_suggests_a_folder_beside_it(fake: Env, capsys) -> None:
+    err = error_of(fake, capsys, "queue", "--dir", str(fake.project.root / "pq"))
+    (step,) = commands(err.split("-> ", 1)[1])
+    assert run_advice(fake, step, capsys) == 0
+    assert (fake.project.root.parent / "proj-queue" / ".git").is_dir()
+
+
+def test_a_folder_that_is_not_a_checkout(tmp_path, capsys) -> None:
+    capsys.readouterr()
+    assert main(["--root", str(tmp_path), "status"]) == 2
+    assert "is not a checkout of this project" in capsys.readouterr().err

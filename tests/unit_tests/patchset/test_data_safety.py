@@ -1,0 +1,260 @@
+"""Nothing lost: each way the patch tooling once lost or silently reverted a user's work.
+
+Driven through the command line (``hfsdp.patchset.cli.main``), as a user would meet them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from patchset_fake import ALLOC_PATCH, Env, patch_text, save_during_build, tree_digest
+
+from hfsdp.patchset.cli import main
+
+
+def cli(env: Env, *args: str) -> int:
+    return main(["--root", str(env.project.root), *args])
+
+
+def patches_digest(env: Env) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(env.project.patches_dir.iterdir())}
+
+
+def make_stale(env: Env) -> None:
+    """A series change that touches no file of the tree (as a pull of a reworded header would)."""
+    env.series_with(desc="Add maxpool flag, reworded")
+
+
+def test_rebuild_keeps_what_the_tool_did_not_make(fake: Env, capsys) -> None:
+    assert cli(fake, "materialize") == 0
+    tree = fake.project.megatron_dir
+    (tree / "NOTES.md").write_text("my notes\n")  # outside core/ and training/
+    (tree / "legacy").mkdir()
+    (tree / "legacy" / "old.py").write_text("x = 1\n")
+    (tree / "core" / "helpers.cpython-312-x86_64-linux-gnu.so").write_bytes(b"\x7fELF built by me")
+    (tree / "core" / "build.lock").write_text("")
+    (tree / "core" / "mine.py").symlink_to("alloc.py")
+    (tree / "training" / "scratch").mkdir()  # empty folder
+    before = {p: tree_digest(tree).get(p) for p in ("NOTES.md", "legacy/old.py",
+                                                      "core/helpers.cpython-312-x86_64-linux-gnu.so")}
+    capsys.readouterr()
+    assert cli(fake, "status") == 0
+    out = capsys.readouterr().out
+    assert "edits:   none" in out and "kept:    6 entries not made by this tool" in out
+    make_stale(fake)
+    assert cli(fake, "materialize") == 0  # stale stamp: a rebuild
+    assert {p: tree_digest(tree).get(p) for p in before} == before
+    assert (tree / "core" / "build.lock").exists() and os.readlink(tree / "core" / "mine.py") == "alloc.py"
+    assert (tree / "training" / "scratch").is_dir()
+    assert "maxpool = True" in (tree / "core" / "alloc.py").read_text()  # and the rebuild happened
+
+
+def test_rebuild_refuses_when_the_new_tree_needs_a_kept_path(fake: Env, capsys) -> None:
+    cli(fake, "materialize")
+    tree = fake.project.megatron_dir
+    (tree / "core" / "extra.so").write_bytes(b"mine")
+    creates = ("diff --git a/megatron/core/extra.so b/megatron/core/extra.so\nnew file mode 100644\n"
+               "--- /dev/null\n+++ b/megatron/core/extra.so\n@@ -0,0 +1 @@\n+theirs\n")
+    fake.write_series({"alloc.patch": patch_text("Add maxpool flag", ALLOC_PATCH),
+                       "extra.patch": patch_text("Add a file", creates)})
+    capsys.readouterr()
+    assert cli(fake, "materialize") == 2
+    err = capsys.readouterr().err
+    assert "megatron/core/extra.so" in err and "--backup" in err
+    assert (tree / "core" / "extra.so").read_bytes() == b"mine"
+
+
+def test_an_edit_saved_during_a_build_is_not_lost(fake: Env, monkeypatch, capsys) -> None:
+    cli(fake, "materialize")
+    make_stale(fake)
+    edited = fake.project.megatron_dir / "core" / "__init__.py"
+    save_during_build(monkeypatch, edited, "VALUE = 42  # saved in the editor while the tree was rebuilt\n")
+    capsys.readouterr()
+    assert cli(fake, "materialize") != 0
+    assert "megatron/core/__init__.py" in capsys.readouterr().err
+    assert edited.read_text() == "VALUE = 42  # saved in the editor while the tree was rebuilt\n"
+
+
+def test_export_refuses_to_write_part_of_its_output(fake: Env, tmp_path: Path, capsys) -> None:
+    import subprocess
+
+    queue = tmp_path / "q"
+    assert cli(fake, "queue", "--dir", str(queue)) == 0
+    before = patches_digest(fake)
+    git = ["git", "-C", str(queue), "-c", "user.name=t", "-c", "user.email=t@t"]
+    # Rewrite the earlier patch, then give the later commit a subject that is not a patch name.
+    alloc = queue / "megatron" / "core" / "alloc.py"
+    subprocess.run([*git, "checkout", "-q", "HEAD~1"], check=True)
+    alloc.write_text(alloc.read_text().replace("line_5 = 5\n", "line_5 = 55\n"))
+    subprocess.run([*git, "commit", "-q", "-a", "--amend", "--no-edit"], check=True)
+    subprocess.run([*git, "cherry-pick", "queue"], check=True, capture_output=True)
+    subprocess.run([*git, "commit", "-q", "--amend", "-m", "Fork training (reworded)"], check=True)
+    subprocess.run([*git, "branch", "-q", "-f", "queue", "HEAD"], check=True)
+    subprocess.run([*git, "checkout", "-q", "queue"], check=True)
+    capsys.readouterr()
+    assert cli(fake, "export", "--queue", str(queue)) == 2
+    assert "subject" in capsys.readouterr().err
+    assert patches_digest(fake) == before
+
+
+def test_following_the_does_not_apply_advice_loses_no_patch(fake: Env, tmp_path: Path, capsys) -> None:
+    """A broken context line: materialize's advice (queue, fix, continue, export) must work."""
+    cli(fake, "materialize")
+    fake.series_with(ALLOC_PATCH.replace(" line_20 = 20\n", " line_20 = 2000\n"))
+    capsys.readouterr()
+    assert cli(fake, "materialize") == 2
+    advice = capsys.readouterr().err
+    assert "queue --dir DIR" in advice and "queue --continue --dir DIR" in advice and "export --queue DIR" in advice
+    queue = tmp_path / "pq"
+    assert cli(fake, "queue", "--dir", str(queue)) == 2  # stops at alloc.patch, the queue is usable
+    stopped = capsys.readouterr().err
+    assert "alloc.patch does not apply" in stopped and ".rej" in stopped
+    # Before the fix, export refuses: the queue is stopped (the old tool deleted train.patch here).
+    before = patches_digest(fake)
+    assert cli(fake, "export", "--queue", str(queue)) == 2
+    assert "stopped at alloc.patch" in capsys.readouterr().err and patches_digest(fake) == before
+    # The user applies the rejected hunk by hand, as the message says.
+    alloc = queue / "megatron" / "core" / "alloc.py"
+    alloc.write_text(alloc.read_text().replace("line_20 = 20\n", "line_20 = 20\nmaxpool = True\n"))
+    for rej in queue.rglob("*.rej"):
+        rej.unlink()
+    assert cli(fake, "queue", "--continue", "--dir", str(queue)) == 0
+    assert cli(fake, "export", "--queue", str(queue)) == 0
+    names = [n for n in (fake.project.patches_dir / "series").read_text().split() if n.endswith(".patch")]
+    assert names == ["alloc.patch", "train.patch"]
+    assert cli(fake, "materialize") == 0
+    assert "maxpool = True" in (fake.project.megatron_dir / "core" / "alloc.py").read_text()
+    assert "'fork'" in (fake.project.megatron_dir / "training" / "train.py").read_text()
+
+
+def test_export_of_a_queue_lacking_patches_deletes_none(fake: Env, tmp_path: Path, capsys) -> None:
+    import subprocess
+
+    queue = tmp_path / "q"
+    cli(fake, "queue", "--dir", str(queue))
+    subprocess.run(["git", "-C", str(queue), "reset", "-q", "--hard", "HEAD~1"], check=True)  # train.patch gone
+    before = patches_digest(fake)
+    capsys.readouterr()
+    assert cli(fake, "export", "--queue", str(queue)) == 2
+    err = capsys.readouterr().err
+    assert "train.patch" in err and "--drop train.patch" in err
+    assert patches_digest(fake) == before
+    assert cli(fake, "export", "--queue", str(queue), "--drop", "train.patch") == 0  # the advice works
+    assert not (fake.project.patches_dir / "train.patch").exists()
+
+
+def test_diff_after_a_pull_shows_only_the_local_edit(fake: Env, capsys) -> None:
+    cli(fake, "materialize")
+    (fake.project.megatron_dir / "core" / "__init__.py").write_text("VALUE = 2  # mine\n")
+    fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))
+    capsys.readouterr()
+    assert cli(fake, "diff") == 0
+    diff = capsys.readouterr().out
+    assert "+VALUE = 2  # mine" in diff
+    assert "maxpool" not in diff and "alloc.py" not in diff  # nothing that reverts the pulled change
+
+
+def test_stamp_of_the_wrong_shape_is_a_sentence(fake: Env, capsys) -> None:
+    cli(fake, "materialize")
+    stamp = fake.project.megatron_dir / ".patchset-stamp.json"
+    for text in ("[]", "null", '{"schema": 1, "patches": 3}', "{broken"):
+        stamp.write_text(text)
+        for verb in ("status", "materialize", "diff"):
+            capsys.readouterr()
+            assert cli(fake, verb) == 2, (text, verb)
+            err = capsys.readouterr().err
+            assert "is not one this tool wrote" in err and "Traceback" not in err, (text, verb, err)
+    assert cli(fake, "materialize", "--backup") == 0  # the advice works, and keeps the old tree
+    assert len(list(fake.project.root.glob("megatron.bak-*"))) == 1
+    assert cli(fake, "status") == 0
+
+
+@pytest.mark.parametrize("verb", [["status"], ["check"], ["diff"], ["lint"], ["diff", "--series"]])
+def test_read_only_verbs_write_nothing_in_the_checkout(fake: Env, verb: list[str]) -> None:
+    """The checkout is made read-only (which binds users other than root) and watched while the
+    verb runs (which catches a scratch folder that comes and goes, also as root)."""
+    import threading
+
+    cli(fake, "materialize")
+    (fake.project.megatron_dir / "core" / "__init__.py").write_text("VALUE = 3\n")
+    root = fake.project.root
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    digest = tree_digest(root)
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(p.name for p in root.iterdir())
+            done.wait(0.002)
+
+    watcher = threading.Thread(target=watch)
+    os.chmod(root, 0o555)
+    watcher.start()
+    try:
+        assert cli(fake, *verb) in (0, 1)
+    finally:
+        done.set()
+        watcher.join()
+        os.chmod(root, 0o755)
+    assert sorted(seen) == sorted(p.name for p in root.iterdir()), "a scratch folder appeared in the checkout"
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+    assert tree_digest(root) == digest
+
+
+def test_killed_builds_leave_nothing_behind_for_long(fake: Env, capsys) -> None:
+    cli(fake, "materialize")
+    root = fake.project.root
+    (root / ".patchset-tmp-abc" / "queue").mkdir(parents=True)  # a build killed mid-way
+    import shutil
+
+    shutil.copytree(fake.project.megatron_dir, root / ".patchset-old-megatron-1-2")  # killed after the swap
+    capsys.readouterr()
+    assert cli(fake, "status") == 1
+    out = capsys.readouterr().out
+    assert ".patchset-tmp-abc" in out and ".patchset-old-megatron-1-2" in out
+    make_stale(fake)
+    assert cli(fake, "materialize") == 0
+    assert not list(root.glob(".patchset-tmp-*")) and not list(root.glob(".patchset-old-*"))
+
+
+def test_a_parked_tree_is_put_back_when_the_swap_did_not_finish(fake: Env) -> None:
+    cli(fake, "materialize")
+    root = fake.project.root
+    (fake.project.megatron_dir / "core" / "__init__.py").write_text("VALUE = 7  # mine\n")
+    os.rename(fake.project.megatron_dir, root / ".patchset-old-megatron-1-2")  # killed between the renames
+    assert cli(fake, "materialize") == 0  # restored first; up to date, so the edit is left alone
+    assert (fake.project.megatron_dir / "core" / "__init__.py").read_text() == "VALUE = 7  # mine\n"
+    assert not list(root.glob(".patchset-old-*"))
+
+
+def test_a_parked_tree_with_edits_is_kept_as_a_backup(fake: Env) -> None:
+    import shutil
+
+    cli(fake, "materialize")
+    root = fake.project.root
+    shutil.copytree(fake.project.megatron_dir, root / ".patchset-old-megatron-1-2")
+    (root / ".patchset-old-megatron-1-2" / "core" / "__init__.py").write_text("VALUE = 8  # mine\n")
+    make_stale(fake)
+    assert cli(fake, "materialize") == 0
+    backups = list(root.glob("megatron.bak-*"))
+    assert len(backups) == 1 and (backups[0] / "core" / "__init__.py").read_text() == "VALUE = 8  # mine\n"
+
+
+def test_one_writer_at_a_time(fake: Env, capsys) -> None:
+    import fcntl
+
+    cli(fake, "materialize")
+    make_stale(fake)
+    with open(fake.project.root / ".patchset.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another writer is running
+        held.write("`scripts/patchset export` (pid 4242)")
+        held.flush()
+        capsys.readouterr()
+        for verb in (["materialize"], ["refresh"], ["export", "--queue", "/nowhere"]):
+            assert cli(fake, *verb) == 2, verb
+            err = capsys.readouterr().err
+            assert "pid 4242" in err and "wait for it to finish" in err, err
+    assert cli(fake, "materialize") == 0  # the lock ends with its holder

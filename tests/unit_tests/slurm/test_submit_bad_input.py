@@ -1,0 +1,83 @@
+"""hfsdp.slurm.submit / summary on bad input: nothing is written, and the message says why."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hfsdp.slurm import sbatch
+from hfsdp.usererror import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CASE = REPO_ROOT / "tests/functional_tests/test_cases/smoke/cpu_gloo_smoke"
+
+
+def cli(module: str, *args: str, optimize: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
+    cmd = [sys.executable, *(["-O"] if optimize else []), "-m", module, *args]
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_a_case_that_does_not_exist_writes_nothing(tmp_path):
+    logs = tmp_path / "logs"
+    proc = cli("hfsdp.slurm.submit", str(CASE), str(tmp_path / "no_such_case"), "--log-dir", str(logs), "--dry-run")
+    assert proc.returncode == 2
+    assert "no_such_case" in proc.stderr and "model_config.yaml" in proc.stderr and "Traceback" not in proc.stderr
+    assert not logs.exists() or not any(logs.iterdir())  # not even the good case's script
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--time", "0"], "--time: must be > 0"),
+    (["--time", "-5"], "--time: must be > 0"),
+    (["--nodes", "0"], "--nodes: must be > 0"),
+    (["--gpus-per-node", "0"], "--gpus-per-node: must be > 0"),
+    (["--time", "1"], "leaves no room"),
+    (["--time", "3", "--exit-buffer-min", "3"], "--exit-buffer-min 3"),
+    (["--env", "NOEQUALS"], "is not KEY=VALUE"),
+])
+@pytest.mark.parametrize("optimize", [False, True], ids=["python", "python -O"])
+def test_bad_limits_are_refused_even_under_python_O(tmp_path, args, expected, optimize):
+    logs = tmp_path / "logs"
+    proc = cli("hfsdp.slurm.submit", str(CASE), "--log-dir", str(logs), "--dry-run", *args, optimize=optimize)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert not logs.exists() or not any(logs.iterdir())
+
+
+def test_job_spec_validation_is_not_an_assert():
+    with pytest.raises(UserError, match="leaves no room"):
+        sbatch.JobSpec(CASE, REPO_ROOT, Path("/nonexistent"), time_limit_min=1, kill_buffer_s=60).validate()
+    with pytest.raises(UserError, match="launcher"):
+        sbatch.JobSpec(CASE, REPO_ROOT, Path("/nonexistent"), launcher="mpirun").validate()
+
+
+def test_missing_sbatch_is_a_sentence(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # no sbatch on PATH
+    env.pop("HFSDP_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-m", "hfsdp.slurm.submit", str(CASE), "--log-dir", str(tmp_path / "l")],
+                          cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "sbatch" in proc.stderr and "--dry-run" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "l" / "jobs.json").exists()
+    dry = subprocess.run([sys.executable, "-m", "hfsdp.slurm.submit", str(CASE), "--log-dir", str(tmp_path / "l"),
+                          "--dry-run"], cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert dry.returncode == 0 and (tmp_path / "l" / "jobs.json").is_file()  # the advice works
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"a": 1}', '[{"case": 3}]'])
+def test_a_corrupt_manifest_is_named(tmp_path, text):
+    (tmp_path / "jobs.json").write_text(text)
+    for module, extra in (("hfsdp.slurm.summary", []), ("hfsdp.slurm.submit", [str(CASE), "--dry-run"])):
+        proc = cli(module, *extra, "--log-dir", str(tmp_path))
+        assert proc.returncode == 2, (module, proc.stderr)
+        assert str(tmp_path / "jobs.json") in proc.stderr and "Traceback" not in proc.stderr
+    assert (tmp_path / "jobs.json").read_text() == text  # left as it was
+
+
+def test_summary_of_a_folder_without_jobs(tmp_path):
+    proc = cli("hfsdp.slurm.summary", "--log-dir", str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "no jobs.json" in proc.stderr

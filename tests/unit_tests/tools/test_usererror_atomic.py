@@ -1,0 +1,59 @@
+"""The shared pieces every tool uses: the error convention and atomic file writes."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+
+import pytest
+
+from hfsdp.atomic import write_text_atomic
+from hfsdp.usererror import UserError, report, run_cli
+
+
+def test_a_user_error_is_two_lines_and_a_hint(monkeypatch):
+    monkeypatch.delenv("HFSDP_DEBUG", raising=False)
+    out = io.StringIO()
+    assert report("tool", UserError("the cause", "the way out"), out) == 2
+    assert out.getvalue() == "tool: error: the cause\n  -> the way out\n  (set HFSDP_DEBUG=1 for a traceback)\n"
+
+
+def test_hfsdp_debug_adds_the_traceback(monkeypatch, capsys):
+    monkeypatch.setenv("HFSDP_DEBUG", "1")
+
+    def fails():
+        raise UserError("bad input", "fix it")
+
+    assert run_cli("tool", fails) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "in fails" in err and err.rstrip().endswith("-> fix it")
+
+
+def test_other_exceptions_are_bugs_and_keep_their_traceback():
+    with pytest.raises(ZeroDivisionError):
+        run_cli("tool", lambda: 1 / 0)
+
+
+def test_a_user_error_needs_a_way_out():
+    with pytest.raises(AssertionError):
+        UserError("cause", "")
+
+
+def test_atomic_write_keeps_permissions_and_never_leaves_half_a_file(tmp_path, monkeypatch):
+    path = tmp_path / "f.json"
+    write_text_atomic(path, "one")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # not mkstemp's 0600
+    path.chmod(0o640)
+    write_text_atomic(path, "two")
+    assert path.read_text() == "two" and stat.S_IMODE(path.stat().st_mode) == 0o640
+
+    def crash(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk full"):
+        write_text_atomic(path, "three")
+    assert path.read_text() == "two" and sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]

@@ -1,0 +1,82 @@
+"""pretrain_gpt.py / pretrain_hybrid.py on bad flags and on a machine without CUDA: one sentence.
+
+Each run is a fresh ``python pretrain_gpt.py ...`` (no torchrun, 1 rank), as a user would start it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_entry import TINY  # the tiny dense GPT every entry test uses
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+HAVE_CUDA = subprocess.run([sys.executable, "-c", "import torch, sys; sys.exit(torch.cuda.is_available())"]
+                           ).returncode == 1
+
+
+def pretrain(*extra: str, debug: bool = False, script: str = "pretrain_gpt.py") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("HFSDP_DEBUG", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    if debug:
+        env["HFSDP_DEBUG"] = "1"
+    return subprocess.run([sys.executable, str(REPO_ROOT / script), *TINY, *extra], env=env, cwd="/",
+                          capture_output=True, text=True, timeout=300)
+
+
+CASES = [
+    (["--megatron-fsdp-max-pool-double-buffer"], "--megatron-fsdp-max-pool-double-buffer requires --use-megatron-fsdp"),
+    (["--nccl-comm-warmup", "--distributed-backend", "gloo"],
+     "--nccl-comm-warmup warms NCCL communicators, but --distributed-backend is 'gloo'"),
+    (["--num-attention-heads", "5"], "assert args.hidden_size % args.num_attention_heads == 0"),
+]
+
+
+def test_flag_errors_are_user_errors_naming_the_flag():
+    """All cases in one process (Megatron is imported once): parse_args raises a UserError."""
+    code = (
+        "import sys\n"
+        "from hfsdp.training.entry import parse_args\n"
+        "from hfsdp.usererror import UserError\n"
+        f"for extra in {[c[0] for c in CASES]!r}:\n"
+        f"    try:\n"
+        f"        parse_args({TINY!r} + extra)\n"
+        "    except UserError as exc:\n"
+        "        print('CAUSE:', exc.cause)\n"
+        "        print('FIX:', exc.fix)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=300)
+    causes = [line for line in proc.stdout.splitlines() if line.startswith("CAUSE: invalid flags: ")]
+    assert len(causes) == len(CASES), proc.stdout + proc.stderr[-3000:]
+    for (_, expected), cause in zip(CASES, causes):
+        assert expected in cause, cause
+    assert proc.stdout.count("FIX: fix the flags; `python pretrain_gpt.py --help`") == len(CASES)
+
+
+def test_hfsdp_debug_shows_the_traceback():
+    """The script's own run: exit status 2, and the traceback only because HFSDP_DEBUG=1 asks for it."""
+    proc = pretrain("--megatron-fsdp-max-pool-double-buffer", debug=True)
+    assert proc.returncode == 2 and "Traceback" in proc.stderr and "_validate_max_pool_double_buffer" in proc.stderr
+
+
+@pytest.mark.skipif(HAVE_CUDA, reason="checks the message on a machine without CUDA")
+def test_a_valid_configuration_on_a_cpu_machine_says_training_needs_gpus():
+    script = "pretrain_gpt.py"
+    proc = pretrain(script=script)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{script}: error: training needs CUDA GPUs" in proc.stderr and "fsdp_memory_planner.py" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Found no NVIDIA driver" not in proc.stderr
+    assert "Megatron requires CUDA" not in proc.stderr
+    # The advice for this machine: the memory planner with the same flags, which needs no GPU.
+    planner = next(c for c in re.findall(r"`([^`]+)`", proc.stderr) if "fsdp_memory_planner.py" in c)
+    argv = planner.replace("--plan-dp-size N", "--plan-dp-size 1").replace("<the same flags>", "").split()
+    assert argv[:2] == ["python", "scripts/fsdp_memory_planner.py"], planner
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    plan = subprocess.run([sys.executable, *argv[1:], *TINY], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert plan.returncode == 0 and "FixedPool" in plan.stdout, plan.stderr[-3000:]
