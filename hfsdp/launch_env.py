@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from hfsdp.usererror import UserError
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 NVLS_SAFE_ENV: dict[str, str] = {
     "NCCL_NVLS_ENABLE": "0",

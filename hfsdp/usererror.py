@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 DEBUG_ENV = "HFSDP_DEBUG"
 EXIT_CODE = 2

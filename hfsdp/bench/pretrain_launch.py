@@ -10,7 +10,6 @@ from the run report the entry point writes (``HFSDP_RUN_REPORT``, hfsdp/training
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path

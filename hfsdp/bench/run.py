@@ -19,7 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hfsdp.bench import configs as cfgs
 from hfsdp.bench import pretrain_launch
@@ -107,7 +108,7 @@ def profiling(opts: argparse.Namespace) -> bool:
 
 
 def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: argparse.Namespace,
-           workdir: str, timeout_s: Optional[int] = None) -> tuple[Optional[res.RunResult], str]:
+           workdir: str, timeout_s: int | None = None) -> tuple[res.RunResult | None, str]:
     if not profiling(opts):
         return launch_pretrain(config, repeat, flags, opts, workdir, timeout_s)
     result = os.path.join(workdir, f"{config.name}-{repeat}.json")
@@ -134,7 +135,7 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
 
 def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
                     opts: argparse.Namespace, workdir: str,
-                    timeout_s: Optional[int] = None) -> tuple[Optional[res.RunResult], str]:
+                    timeout_s: int | None = None) -> tuple[res.RunResult | None, str]:
     """One timing run through Megatron's own training loop (hfsdp/bench/pretrain_launch.py)."""
     stem = os.path.join(workdir, f"{config.name}-{repeat}")
     steps = opts.warmup_steps + opts.timed_steps
@@ -163,7 +164,7 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     return run, f"{stem}.log"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     return run_cli("benchmark_double_buffer", lambda: _main(sys.argv[1:] if argv is None else argv))
 
 

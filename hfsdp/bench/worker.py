@@ -14,7 +14,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from hfsdp.training.run_report import maxpool_stats, pool_bytes_held
 
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from hfsdp.determinism import pin_triton_autotune_from_env
+    from hfsdp.training import entry, forward_step, fsdp_units, model_provider
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -93,9 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training import get_args
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import setup_model_and_optimizer, train_step
-
-    from hfsdp.determinism import pin_triton_autotune_from_env
-    from hfsdp.training import entry, forward_step, fsdp_units, model_provider
 
     _, family = entry.parse_args(mflags)
     fsdp_units.install_unit_override()

@@ -34,11 +34,10 @@ def main() -> None:
         from hfsdp.training.entry import parse_args
 
         args, family = parse_args(sys.argv[1:])
-        from megatron.core import parallel_state
-        from megatron.training import get_tokenizer
-
         from hfsdp.training.data import build_datasets
         from hfsdp.training.model_provider import model_provider
+        from megatron.core import parallel_state
+        from megatron.training import get_tokenizer
 
         parallel_state.initialize_model_parallel(1, 1)
         model = model_provider(family)

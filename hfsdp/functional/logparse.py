@@ -17,7 +17,7 @@ Metric names follow Megatron's TensorBoard keys so the golden JSON looks like up
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 _ITER = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 _FIELD = re.compile(r"\s*([^:|]+?):\s*([-+0-9.eEnaif]+)\s*(?=\|)")

@@ -18,6 +18,7 @@ import fnmatch
 import os
 import shutil
 from pathlib import Path
+
 from hfsdp.usererror import UserError
 
 MARKER = ".hfsdp-functional-output"

@@ -30,9 +30,10 @@ from __future__ import annotations
 import os
 import re
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 

@@ -35,9 +35,9 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from hfsdp import proc
 from hfsdp.functional import golden, logparse, outdir
@@ -138,7 +138,7 @@ def run_env(env_vars: Mapping[str, str | None], extra: Mapping[str, str] | None 
 STACK_DUMP_GRACE_S = proc.STACK_GRACE_S  # time the ranks get to write their stacks before SIGTERM
 
 
-def run_problem(rec: "RunRecord", n: int) -> str | None:
+def run_problem(rec: RunRecord, n: int) -> str | None:
     """Why run ``n`` failed, or None. A run the timer fired on fails even if it then exited 0:
     its exit was not timely (it ended during the kill's grace period, or in the moment between
     its exit and the timer's cancel, or a lingering child held its output open)."""

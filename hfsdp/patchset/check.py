@@ -45,7 +45,8 @@ def _newer_pin(pin: BasePin, target: str) -> tuple[BasePin, Path | None]:
         check_version(other, path)
         return other, path
     if not _VERSION.match(target):
-        raise PatchsetError(f"{target!r} is neither an sdist file nor a version", "pass e.g. 0.19.0 or a path to an sdist")
+        raise PatchsetError(f"{target!r} is neither an sdist file nor a version",
+                            "pass e.g. 0.19.0 or a path to an sdist")
     name = f"{pin.distribution.replace('-', '_')}-{target}.tar.gz"
     return dataclasses.replace(pin, version=target, filename=name, sha256="", url=""), None
 
@@ -110,7 +111,8 @@ def _download_unpinned(other: BasePin) -> Path:
     if cached.is_file():
         return cached
     if is_offline():
-        raise PatchsetError(f"offline and {cached} is missing", f"download {other.filename} elsewhere and pass its path")
+        raise PatchsetError(f"offline and {cached} is missing",
+                            f"download {other.filename} elsewhere and pass its path")
     req = urllib.request.Request(
         f"{other.index_url.rstrip('/')}/{other.distribution}/",
         headers={"Accept": "application/vnd.pypi.simple.v1+json"},

@@ -59,7 +59,8 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
         print(f"base:    STALE: {st.base_mismatch}")
     print("stamp:   " + ("up to date" if st.up_to_date else "STALE -> run `scripts/patchset materialize`"))
     if st.edits:
-        how = "`scripts/patchset diff` / `refresh`" if st.up_to_date else "`scripts/patchset diff`, then see materialize's advice"
+        how = ("`scripts/patchset diff` / `refresh`" if st.up_to_date
+               else "`scripts/patchset diff`, then see materialize's advice")
         print(f"edits:   {len(st.edits)} file(s) differ from the stamp -> {how}")
         for path, kind in st.edits.items():
             print(f"  {kind:8} {path}")
@@ -82,7 +83,8 @@ def _cmd_check(project: Project, args: argparse.Namespace) -> int:
     for r in results:
         extra = f" ({', '.join(r.files)})" if r.files else (f" [{r.note}]" if r.note else "")
         print(f"  {r.state:9} {r.patch}{extra}")
-    count = {state: sum(r.state == state for r in results) for state in ("upstream", "declared", "conflicts", "applies")}
+    count = {state: sum(r.state == state for r in results)
+             for state in ("upstream", "declared", "conflicts", "applies")}
     print(f"patchset: against {args.against}: {count['upstream']} already upstream (reverse-apply; drop them), "
           f"{count['declared']} declared upstream by Applied-Upstream (verify, then drop), "
           f"{count['conflicts']} conflict (rebase them), {count['applies']} apply")
@@ -111,7 +113,8 @@ def _cmd_diff(project: Project, args: argparse.Namespace) -> int:
 def _cmd_queue(project: Project, args: argparse.Namespace) -> int:
     queue = continue_queue(project, args.dir) if args.cont else make_queue(project, args.dir, args.sdist)
     print(f"patchset: queue at {args.dir}: base {queue.base[:12]} (tag patchset/base) + all patches as commits")
-    print(f"  edit with git (commit --fixup, rebase -i, new commits), then `scripts/patchset export --queue {args.dir}`")
+    print("  edit with git (commit --fixup, rebase -i, new commits), "
+          f"then `scripts/patchset export --queue {args.dir}`")
     return 0
 
 

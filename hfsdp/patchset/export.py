@@ -21,9 +21,9 @@ import datetime as _dt
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from . import gitops
 from .errors import PatchsetError, SeriesError
@@ -67,7 +67,8 @@ def _queue_base(repo: Path) -> str:
                             "make one with `scripts/patchset queue --dir DIR` (DIR: a new folder)")
     roots = gitops.git(["rev-list", "--max-parents=0", "HEAD"], cwd=repo).stdout.split()
     if len(roots) != 1:
-        raise PatchsetError(f"queue {repo} has {len(roots)} root commits", "a queue is one linear branch on the base commit")
+        raise PatchsetError(f"queue {repo} has {len(roots)} root commits",
+                            "a queue is one linear branch on the base commit")
     return roots[0]
 
 
@@ -142,7 +143,8 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
     for commit in gitops.rev_list(repo, base):
         name_guess = gitops.message(repo, commit).partition("\n")[0].strip() + ".patch"
         previous = old.get(name_guess)
-        changed = previous is None or previous.diff.rstrip("\n") != gitops.diff_commits(repo, parent, commit).rstrip("\n")
+        fresh = gitops.diff_commits(repo, parent, commit).rstrip("\n")
+        changed = previous is None or previous.diff.rstrip("\n") != fresh
         name, text = _patch_from_commit(repo, commit, parent, previous, changed)
         if name in texts:
             raise SeriesError(f"two queue commits are both named {name}; nothing was written",

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .errors import PatchsetError
 from .scan import STAMP_NAME, census, scan

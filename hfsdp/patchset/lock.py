@@ -11,8 +11,9 @@ import contextlib
 import fcntl
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 from .errors import PatchsetError
 
@@ -55,7 +56,7 @@ def checkout_lock(root: Path, verb: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def writing(project: "Project", verb: str, log: Callable[[str], None]) -> Iterator[None]:
+def writing(project: Project, verb: str, log: Callable[[str], None]) -> Iterator[None]:
     """What every writing verb starts with: the lock, then the leftovers of killed writers."""
     from . import litter
 

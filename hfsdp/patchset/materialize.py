@@ -12,9 +12,9 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from . import litter
 from .errors import REBASE_EDITS_FIX, DirtyTree, ForeignTree, PatchsetError
@@ -69,7 +69,8 @@ def tree_status(project: Project) -> TreeStatus:
         leftovers=leftovers,
     )
     if stamp.base_version != pin.version or stamp.sdist_sha256 != pin.sha256:
-        status.base_mismatch = f"tree built from {stamp.base_version} ({stamp.sdist_sha256[:12]}), pin is {pin.version} ({pin.sha256[:12]})"
+        status.base_mismatch = (f"tree built from {stamp.base_version} ({stamp.sdist_sha256[:12]}), "
+                                f"pin is {pin.version} ({pin.sha256[:12]})")
     return status
 
 
@@ -137,7 +138,8 @@ def _materialize(project: Project, sdist: Path | None, backup: bool, log: Callab
         _refuse_if_unsafe(project, stamp, found)
     kept = found.kept if found is not None else {}
     if unmovable := [p for p, e in kept.items() if e.kind == "other"]:
-        raise PatchsetError(f"megatron/ holds entries that cannot be carried into a rebuilt tree:\n{describe(unmovable)}",
+        raise PatchsetError("megatron/ holds entries that cannot be carried into a rebuilt tree:\n"
+                            f"{describe(unmovable)}",
                             "move them out of megatron/, then run `scripts/patchset materialize` again")
     source = locate_sdist(pin, sdist)
     started = time.monotonic()
@@ -175,5 +177,6 @@ def _materialize(project: Project, sdist: Path | None, backup: bool, log: Callab
 
 def kept_summary(kept: dict[str, Entry], limit: int = 10) -> list[str]:
     """Lines for ``status``: the first ``limit`` kept entries, then a count of the rest."""
-    return [f"{e.kind:4} {p}" + (f" -> {e.digest}" if e.kind == "link" else "") for p, e in list(kept.items())[:limit]] + (
-        [f"... and {len(kept) - limit} more"] if len(kept) > limit else [])
+    lines = [f"{e.kind:4} {p}" + (f" -> {e.digest}" if e.kind == "link" else "")
+             for p, e in list(kept.items())[:limit]]
+    return lines + ([f"... and {len(kept) - limit} more"] if len(kept) > limit else [])

@@ -16,7 +16,7 @@ class Project:
     root: Path
 
     @staticmethod
-    def default() -> "Project":
+    def default() -> Project:
         # hfsdp/patchset/project.py -> repository root is two folders up from the package.
         return Project(Path(__file__).resolve().parents[2])
 

@@ -79,7 +79,8 @@ def _apply_from(repo: Path, patches: list[Patch], state: QueueState, queue: Queu
         try:
             gitops.apply_patch(repo, patch.name, patch.diff)
         except PatchDoesNotApply as exc:
-            state.stopped_at, state.head_at_stop = patch.name, gitops.git(["rev-parse", "HEAD"], cwd=repo).stdout.strip()
+            head = gitops.git(["rev-parse", "HEAD"], cwd=repo).stdout.strip()
+            state.stopped_at, state.head_at_stop = patch.name, head
             state.pending = [p.name for p in patches[index + 1:]]
             state.texts = {p.name: p.text for p in patches[index:]}
             report = gitops.apply_with_rejects(repo, patch.diff)

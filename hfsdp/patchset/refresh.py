@@ -12,8 +12,8 @@ which ``status`` and ``diff`` show and nothing rebuilds over.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from . import gitops
 from .errors import REBASE_EDITS_FIX, PatchsetError, SeriesError

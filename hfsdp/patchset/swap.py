@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .errors import PatchsetError
 from .scan import changed_between, describe

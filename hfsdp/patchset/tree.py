@@ -46,7 +46,8 @@ def read_sdist_version(pin: BasePin, sdist: Path) -> str:
         except KeyError:
             info = None
         if info is None:
-            raise WrongBaseVersion(f"{sdist} has no {pin.sdist_root}/PKG-INFO", f"use the {pin.filename} sdist from PyPI")
+            raise WrongBaseVersion(f"{sdist} has no {pin.sdist_root}/PKG-INFO",
+                                   f"use the {pin.filename} sdist from PyPI")
         for line in info.read().decode("utf-8", "replace").splitlines():
             if line.startswith("Version:"):
                 return line.split(":", 1)[1].strip()

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import sys
 import traceback
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hfsdp.planner import layout as layout_mod
 from hfsdp.planner import model as model_mod
@@ -24,7 +25,7 @@ from hfsdp.training import fsdp_units
 from hfsdp.usererror import rejection, run_cli
 
 
-def resolve_unit_classes(value: Optional[str], strategy: str = "optim_grads_params") -> list[type]:
+def resolve_unit_classes(value: str | None, strategy: str = "optim_grads_params") -> list[type]:
     """Unit classes for ``--fsdp-unit-modules`` (same specs as HFSDP_FSDP_UNIT_MODULES)."""
     resolve = fsdp_units.unit_resolver(value)
     if resolve is None:
@@ -42,7 +43,7 @@ def grad_dtypes(args: Any) -> tuple[Any, Any]:
             getattr(args, "megatron_fsdp_grad_comm_dtype", None))
 
 
-def bucket_size_for(args: Any) -> Optional[int]:
+def bucket_size_for(args: Any) -> int | None:
     """Megatron-FSDP ``suggested_bucket_size`` as ``get_model`` computes it (non-units only)."""
     if not getattr(args, "overlap_grad_reduce", False):
         return None
@@ -85,7 +86,7 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
     return lay, results
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     return run_cli("fsdp_memory_planner", lambda: _main(list(sys.argv[1:] if argv is None else argv)))
 
 

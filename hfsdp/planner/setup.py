@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-from typing import Sequence
+from collections.abc import Sequence
 
 from hfsdp.usererror import UserError, positive, rejection
 
@@ -37,7 +37,8 @@ DEFAULT_MODEL_FLAGS = (
     "--disable-bias-linear "
     "--seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 2 "
     "--bf16 --normalization RMSNorm --no-persist-layer-norm --position-embedding-type none "
-    "--transformer-impl local --no-masked-softmax-fusion --disable-mamba-mem-eff-path --no-gradient-accumulation-fusion "
+    "--transformer-impl local --no-masked-softmax-fusion --disable-mamba-mem-eff-path "
+    "--no-gradient-accumulation-fusion "
     "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
     "--use-distributed-optimizer --ckpt-format fsdp_dtensor "
     "--tokenizer-type NullTokenizer --vocab-size 50257 --mock-data"
@@ -168,7 +169,8 @@ def padded_vocab_size(args: argparse.Namespace) -> int:
     """Vocab padded like Megatron's tokenizer builder (multiple of divisor x TP)."""
     vocab = args.vocab_size
     if vocab is None:
-        raise UserError("the model has no vocabulary size", "pass --vocab-size N (e.g. with --tokenizer-type NullTokenizer)")
+        raise UserError("the model has no vocabulary size",
+                        "pass --vocab-size N (e.g. with --tokenizer-type NullTokenizer)")
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     return -(-vocab // multiple) * multiple
 

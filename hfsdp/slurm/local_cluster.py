@@ -73,7 +73,7 @@ class LocalCluster:
 
     # Lifecycle #
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         try:
             self.start()
         except BaseException:

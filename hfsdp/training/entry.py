@@ -19,12 +19,11 @@ import os
 import sys
 import time
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 from hfsdp.diagnostics import install_stack_dump_signal
 from hfsdp.patchset.guard import ensure_fork
 from hfsdp.usererror import UserError, rejection, run_cli
-
 
 
 def flags_fix() -> str:
@@ -55,9 +54,8 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
     """
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    from megatron.training.arguments import parse_and_validate_args
-
     from hfsdp.training import specs
+    from megatron.training.arguments import parse_and_validate_args
 
     try:
         args = parse_and_validate_args(args_defaults=dict(ARGS_DEFAULTS))
@@ -96,15 +94,16 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     program_start = time.time()
     install_stack_dump_signal()  # `kill -USR1 <pid>` prints this rank's stacks (hung jobs)
     ensure_fork()
+    from hfsdp.determinism import ENV as PIN_ENV
+    from hfsdp.determinism import pin_triton_autotune_from_env
+    from hfsdp.digest import ENV as DIGEST_ENV
+    from hfsdp.digest import install_from_env as install_digest_from_env
+    from hfsdp.training import data, forward_step, fsdp_units, model_provider, run_report
+    from hfsdp.training.specs import SpecError
     from megatron.core.enums import ModelType
     from megatron.training import print_rank_0
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain, set_startup_timestamps
-
-    from hfsdp.determinism import ENV as PIN_ENV, pin_triton_autotune_from_env
-    from hfsdp.digest import ENV as DIGEST_ENV, install_from_env as install_digest_from_env
-    from hfsdp.training import data, fsdp_units, forward_step, model_provider, run_report
-    from hfsdp.training.specs import SpecError
 
     set_startup_timestamps(program_start=program_start, main_entry=time.time())
     try:

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO_ROOT))  # run as a script from tests/gpu/nccl_lifecycle
@@ -33,14 +33,14 @@ def out_dir() -> Path:
     return path
 
 
-def torchrun(script: str, args: List[str], timeout_s: float, nproc: int = 2) -> Dict[str, Any]:
+def torchrun(script: str, args: list[str], timeout_s: float, nproc: int = 2) -> dict[str, Any]:
     """Run one 2-rank job; return rc, wall seconds, whether it timed out, and the output tail."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "--max-restarts=0", script, "--child", *args]
     env = dict(os.environ)
     # torchrun puts the script's folder on sys.path, not the repo root with megatron/.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    lines: List[str] = []
+    lines: list[str] = []
     ended = run_group(cmd, timeout_s=max(timeout_s - STACK_GRACE_S - TERM_GRACE_S, 1.0), env=env,
                       on_line=lines.append, stack_grace_s=STACK_GRACE_S, term_grace_s=TERM_GRACE_S)
     out = "".join(lines)
@@ -48,7 +48,7 @@ def torchrun(script: str, args: List[str], timeout_s: float, nproc: int = 2) -> 
             "signals": ended.signals, "wall_s": round(ended.seconds, 2), "tail": out[-3000:]}
 
 
-def write_results(name: str, results: Dict[str, Any]) -> Path:
+def write_results(name: str, results: dict[str, Any]) -> Path:
     path = out_dir() / f"{name}.json"
     path.write_text(json.dumps(results, indent=2, default=str))
     return path

@@ -97,9 +97,9 @@ def test_handles_signal_reads_the_caught_mask():
     import signal
     import subprocess
 
-    code = ("import sys, time; sys.path.insert(0, %r); from hfsdp.diagnostics import "
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO_ROOT)!r}); from hfsdp.diagnostics import "
             "install_stack_dump_signal; install_stack_dump_signal({}); print('ok', flush=True); "
-            "time.sleep(30)" % str(REPO_ROOT))
+            "time.sleep(30)")
     catcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:

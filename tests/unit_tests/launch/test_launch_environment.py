@@ -23,7 +23,8 @@ from hfsdp.usererror import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SMOKE = REPO_ROOT / "tests/functional_tests/test_cases/smoke/cpu_gloo_smoke"
-PRINT_ENV = "import os; print('NVLS=' + os.environ.get('NCCL_NVLS_ENABLE', '<unset>'), 'X=' + os.environ.get('X', '<unset>'))"
+PRINT_ENV = ("import os; print('NVLS=' + os.environ.get('NCCL_NVLS_ENABLE', '<unset>'), "
+             "'X=' + os.environ.get('X', '<unset>'))")
 
 
 def test_parse_assignments():
@@ -55,7 +56,8 @@ exec "$@"
 FAKE_SCONTROL = "#!/bin/bash\necho localhost\n"
 # Stands in for `python -m hfsdp.functional.run_case ...` inside the job: records what it got.
 FAKE_PYTHON = """#!/bin/bash
-echo "NVLS=${NCCL_NVLS_ENABLE-<unset>} X=${X-<unset>} MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST-<unset>}" > "$FAKE_OUT"
+echo "NVLS=${NCCL_NVLS_ENABLE-<unset>} X=${X-<unset>}" \
+  "MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST-<unset>}" > "$FAKE_OUT"
 """
 
 

@@ -101,7 +101,8 @@ class Env:
 
     def series_with(self, alloc: str = ALLOC_PATCH, desc: str = "Add maxpool flag") -> None:
         """The two-patch series with another alloc.patch (as a pull or an edit of it would make it)."""
-        self.write_series({"alloc.patch": patch_text(desc, alloc), "train.patch": patch_text("Fork training", TRAIN_PATCH)})
+        self.write_series({"alloc.patch": patch_text(desc, alloc),
+                           "train.patch": patch_text("Fork training", TRAIN_PATCH)})
 
 
 def save_during_build(monkeypatch: pytest.MonkeyPatch, path: Path, text: str) -> None:

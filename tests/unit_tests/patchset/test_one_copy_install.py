@@ -18,7 +18,8 @@ import pytest
 from hfsdp.patchset.project import Project
 
 PROJECT = Project.default()
-pytestmark = pytest.mark.skipif(os.environ.get("HFSDP_NETWORK_TESTS") != "1", reason="set HFSDP_NETWORK_TESTS=1 (needs PyPI)")
+pytestmark = pytest.mark.skipif(os.environ.get("HFSDP_NETWORK_TESTS") != "1",
+                                reason="set HFSDP_NETWORK_TESTS=1 (needs PyPI)")
 
 PROBE = """
 import importlib.metadata as md, importlib.util, json, sys, pathlib

@@ -14,9 +14,9 @@ from hfsdp.patchset import gitops
 from hfsdp.patchset.check import check_against, check_base
 from hfsdp.patchset.cli import main
 from hfsdp.patchset.errors import PatchDoesNotApply, SeriesError
+from hfsdp.patchset.export import export_queue
 from hfsdp.patchset.lint import lint
 from hfsdp.patchset.materialize import materialize, tree_status
-from hfsdp.patchset.export import export_queue
 from hfsdp.patchset.queue import make_queue
 from hfsdp.patchset.refresh import refresh
 
@@ -101,7 +101,8 @@ def test_refresh_new_patch_and_ambiguous_edits(fake: Env) -> None:
 
 def test_lint_reports_header_and_path_problems(fake: Env) -> None:
     assert lint(fake.project) == []
-    bad_header = "Description: x\nOrigin: backport, not-a-url\nBug: sometimes\nForwarded: maybe\nLast-Update: 21/11/2026\n"
+    bad_header = ("Description: x\nOrigin: backport, not-a-url\nBug: sometimes\nForwarded: maybe\n"
+                  "Last-Update: 21/11/2026\n")
     outside = ALLOC_PATCH.replace("megatron/core/alloc.py", "megatron/core/ghost.py")
     (fake.project.patches_dir / "alloc.patch").write_text(bad_header + "---\n" + outside)
     (fake.project.patches_dir / "stray.patch").write_text(patch_text("stray", TRAIN_PATCH))
@@ -126,7 +127,8 @@ def test_lint_missing_description_and_outside_members(fake: Env) -> None:
 
 def test_check_against_newer_release_finds_upstreamed_patches(fake: Env, tmp_path: Path) -> None:
     newer = dict(BASE_FILES)
-    newer["megatron/core/alloc.py"] = newer["megatron/core/alloc.py"].replace("line_20 = 20\n", "line_20 = 20\nmaxpool = True\n")
+    newer["megatron/core/alloc.py"] = newer["megatron/core/alloc.py"].replace(
+        "line_20 = 20\n", "line_20 = 20\nmaxpool = True\n")
     newer["megatron/training/train.py"] = "def train():\n    return 'rewritten upstream'\n"
     sdist = make_sdist(tmp_path, version="0.19.0", files=newer)
     results = {r.patch: r for r in check_against(fake.project, str(sdist))}
@@ -173,7 +175,8 @@ def test_scripts_patchset_shim_runs(fake: Env) -> None:
 
 def test_check_against_reports_declared_backports_that_do_not_reverse_apply(fake: Env, tmp_path: Path) -> None:
     # A clean-room backport rarely reverse-applies; its Applied-Upstream header still tells.
-    header = patch_text("Fork training", TRAIN_PATCH).replace("Applied-Upstream: no", "Applied-Upstream: 0.19.0, commit:abc123")
+    header = patch_text("Fork training", TRAIN_PATCH).replace(
+        "Applied-Upstream: no", "Applied-Upstream: 0.19.0, commit:abc123")
     fake.write_series({"alloc.patch": patch_text("Add maxpool flag", ALLOC_PATCH), "train.patch": header})
     newer = dict(BASE_FILES)
     newer["megatron/training/train.py"] = "def train():\n    return 'upstream rewrote it'\n"

@@ -52,7 +52,7 @@ def test_layout_equals_runtime_buckets(cpu_fsdp_buffer):
                                dp_size=DP, expert_dp_size=DP)
     buf = cpu_fsdp_buffer(_model(), [Unit])
     assert len(planned.buckets) == len(buf.parameter_groups)
-    for row, group in zip(planned.buckets, buf.parameter_groups):
+    for row, group in zip(planned.buckets, buf.parameter_groups, strict=True):
         wbuf = group.model_weight_buffer
         assert (row.unit_id, row.dtype, row.is_expert, row.chunk_size_factor) == (
             group.fsdp_unit_id, str(group.dtype), group.is_expert_param, group.chunk_size_factor)

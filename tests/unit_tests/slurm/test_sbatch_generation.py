@@ -62,7 +62,7 @@ def test_time_budget_helpers() -> None:
 def test_time_limit_arithmetic_in_the_script(tmp_path: Path) -> None:
     """Run the generated budget lines in bash with SLURM's start/end times."""
     text = sbatch.render_sbatch(_spec(tmp_path, time_limit_min=30, exit_buffer_min=5))
-    lines = [l for l in text.splitlines() if l.startswith(("LIMIT_S=", "if [[", "  LIMIT_S",
+    lines = [ln for ln in text.splitlines() if ln.startswith(("LIMIT_S=", "if [[", "  LIMIT_S",
                                                             "fi", "EXIT_MINS=", "KILL_AFTER_S="))]
     script = "\n".join(lines) + '\necho "$LIMIT_S $EXIT_MINS $KILL_AFTER_S"\n'
     env = {"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": str(1000 + 20 * 60), "PATH": "/usr/bin:/bin"}

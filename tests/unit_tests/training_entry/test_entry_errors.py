@@ -53,7 +53,7 @@ def test_flag_errors_are_user_errors_naming_the_flag():
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=300)
     causes = [line for line in proc.stdout.splitlines() if line.startswith("CAUSE: invalid flags: ")]
     assert len(causes) == len(CASES), proc.stdout + proc.stderr[-3000:]
-    for (_, expected), cause in zip(CASES, causes):
+    for (_, expected), cause in zip(CASES, causes, strict=True):
         assert expected in cause, cause
     assert proc.stdout.count("FIX: fix the flags; `python pretrain_gpt.py --help`") == len(CASES)
 

@@ -37,19 +37,19 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from hfsdp.proc import run_group
+from hfsdp.safety import NVLS_SAFE_ENV, assert_guard
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
-
-from hfsdp.proc import run_group
-from hfsdp.safety import NVLS_SAFE_ENV, assert_guard
 
 # --------------------------------------------------------------------------------------------
 # Gates
@@ -94,7 +94,7 @@ class HybridCase:
     micro_batch: int = 2
     num_microbatches: int = 3
     steps: int = 4
-    bucket_size: Optional[int] = None
+    bucket_size: int | None = None
     # Mamba: d_inner = 2 * hidden, nheads = d_inner / head_dim.
     mamba_head_dim: int = 64
     mamba_num_groups: int = 2
@@ -310,10 +310,9 @@ def seed_all(seed: int) -> None:
 
 def make_run(case: HybridCase, *, maxpool: bool, double_buffer: bool) -> Run:
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
-
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
 
     # Pools live in Megatron-FSDP's process-global GlobalMemoryBuffer under fixed names; drop
     # the previous run's tensors so each run starts like a fresh process (memory, growth).
@@ -361,8 +360,8 @@ def train(
     run: Run,
     case: HybridCase,
     *,
-    on_step_end: Optional[Callable[[int, Run], None]] = None,
-    on_backward: Optional[Callable[[bool], None]] = None,
+    on_step_end: Callable[[int, Run], None] | None = None,
+    on_backward: Callable[[bool], None] | None = None,
     tag: str = "",
 ) -> list[float]:
     """steps x micro-batches; returns the per-micro-batch losses (fp32 values, in order)."""
@@ -394,7 +393,7 @@ def train(
     return [float(v) for v in losses]
 
 
-def teardown_run(run: Optional[Run]) -> None:
+def teardown_run(run: Run | None) -> None:
     """Drain outstanding work; callers drop their own reference afterwards."""
     torch.cuda.synchronize()
     gc.collect()
@@ -430,7 +429,7 @@ def test_maxpool_bitwise_losses_and_stable_pool(dist_env) -> None:
         mp = train(mp_run, case, on_step_end=snap, tag="maxpool")
         teardown_run(mp_run)
 
-        repeat: Optional[list[float]] = None
+        repeat: list[float] | None = None
         if base != mp:
             # Tell a max-pool numerics bug apart from a non-deterministic stack.
             rerun = make_run(case, maxpool=False, double_buffer=False)
