@@ -57,7 +57,7 @@ CONFIGS = {
 DEFAULT_CONFIGS = ("no_db", "maxpool", "no_db_graph", "maxpool_graph")
 
 # "Fills most of an H200": 5.9B-param hybrid (24 layers, hidden 4096, 16 experts), seq 4096.
-# Measured at DP=2 on H200 (session 5): no_db peak reserved 91,990 MiB of 143,771 (64 %).
+# Measured at DP=2 on H200 (2026-11-22): no_db peak reserved 91,990 MiB of 143,771 (64 %).
 FILL_GPU_OVERRIDES = (
     "--hybrid-layer-pattern", "M*E" * 8, "--hidden-size", "4096", "--num-attention-heads", "32",
     "--ffn-hidden-size", "16384", "--moe-ffn-hidden-size", "4096", "--num-experts", "16",
@@ -106,5 +106,5 @@ def availability(name: str) -> str | None:
         return f"unknown configuration {name!r}"
     if name == "maxpool_ub":
         if os.environ.get("NCCL_NVLS_ENABLE") != "0":
-            return "NCCL_NVLS_ENABLE is not pinned to 0 (source .devtools/bootstrap.sh)"
+            return "NCCL_NVLS_ENABLE is not pinned to 0 (set it in the environment or with --env NCCL_NVLS_ENABLE=0)"
     return None

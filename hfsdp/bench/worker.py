@@ -102,12 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     pin_triton_autotune_from_env()  # determinism checks only (run_determinism.sh)
     initialize_megatron()
     args = get_args()
+    nvls_before = os.environ.get("NCCL_NVLS_ENABLE")
     model, optimizer, scheduler = setup_model_and_optimizer(
         model_provider.make_model_provider(family), ModelType.encoder_or_decoder)
-    if "--use-nccl-ub" in mflags:
-        # The NVLS patch must keep our explicit pin; multicast stays off on these machines.
-        assert os.environ.get("NCCL_NVLS_ENABLE") == "0", (
-            f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')!r} after NCCL UB setup")
+    if "--use-nccl-ub" in mflags and nvls_before is not None:
+        # NCCL UB setup must keep an explicit NCCL_NVLS_ENABLE (nccl-allocator-respect-nvls-env).
+        assert os.environ.get("NCCL_NVLS_ENABLE") == nvls_before, (
+            f"NCCL UB setup changed NCCL_NVLS_ENABLE from {nvls_before!r} to "
+            f"{os.environ.get('NCCL_NVLS_ENABLE')!r}")
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads

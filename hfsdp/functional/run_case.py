@@ -82,6 +82,24 @@ class Result:
         self.reasons.append(why)
 
 
+def _unclean_runs(result_path: Path) -> str:
+    """How the runs recorded in ``result_path`` ended badly ('' when all exited 0 in time).
+
+    A reference run that crashed after logging every step still leaves complete metrics;
+    comparing against them would pass a case whose twin never finished.
+    """
+    if not result_path.is_file():
+        return ""
+    try:
+        runs = json.loads(result_path.read_text()).get("runs", [])
+    except (OSError, ValueError, AttributeError):
+        return f"record {result_path} is unreadable"
+    bad = [f"{Path(r.get('log', '?')).name}: " + ("timed out" if r.get("timed_out")
+                                                  else f"exit {r.get('returncode')}")
+           for r in runs if r.get("timed_out") or r.get("returncode") != 0]
+    return "ended badly (" + ", ".join(bad) + ")" if bad else ""
+
+
 def output_dir_for(recipe: Recipe, root: Path | None) -> Path:
     base = root or Path(os.environ.get("HFSDP_FUNCTIONAL_OUT", REPO_ROOT / "out" / "functional"))
     return Path(base) / recipe.model / recipe.name
@@ -296,7 +314,11 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
                            record=False, env=env)
             if sub.status != "PASS" and not other_metrics_path.is_file():
                 result.fail(f"compare-to case {sub.case} failed: {sub.reasons}")
-        if other_metrics_path.is_file():
+        crashed = _unclean_runs(other_metrics_path.parent / "result.json")
+        if crashed:
+            result.fail(f"compare-to case {other_recipe.model}/{other_recipe.name} is no reference: "
+                        f"its run {crashed} (rerun it first)")
+        elif other_metrics_path.is_file():
             try:
                 other_metrics = golden.load(other_metrics_path)
             except golden.GoldenError as exc:

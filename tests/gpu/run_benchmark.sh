@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Double-buffer benchmark + host/device profiles on a 2-GPU machine, from the repo root:
-#   . .devtools/bootstrap.sh && bash tests/gpu/run_benchmark.sh [preset] [extra benchmark args]
+#   . tests/gpu/setup_gpu_env.sh && bash tests/gpu/run_benchmark.sh [preset] [extra benchmark args]
 # 1. the timed benchmark (interleaved fresh runs, medians; JSON + PNG)  -> $OUT/bench-<preset>.*
 # 2. if BUDGET_S leaves room, in this order: one torch.profiler run (per-step timeline), one
 #    allocator-trace run (what is live at the peak, by allocator) and one cProfile run, each of

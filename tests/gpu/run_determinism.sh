@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Cross-process determinism of double buffering on a 2-GPU machine, from the repo root:
-#   . .devtools/bootstrap.sh && bash tests/gpu/run_determinism.sh [repeats]
+#   . tests/gpu/setup_gpu_env.sh && bash tests/gpu/run_determinism.sh [repeats]
 # Runs the benchmark model in Megatron's deterministic mode (same env as the functional recipes),
 # each configuration `repeats` times in fresh processes, and reports per run whether its lm-loss
 # sequence is bit-identical to the no-double-buffer reference (results.loss_agreement).

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue-3 GPU suite: max-pool double buffering on a TE-free hybrid (Mamba/attention/MoE) model.
+# GPU suite: max-pool double buffering on a TE-free hybrid (Mamba/attention/MoE) model.
 # Run from the repo root on a 2-GPU machine with the patched tree materialized:
-#     . .devtools/bootstrap.sh && bash tests/gpu/run_maxpool_gpu.sh
+#     . tests/gpu/setup_gpu_env.sh && bash tests/gpu/run_maxpool_gpu.sh
 # Writes $OUT/maxpool_gpu.log (full torchrun output) and $OUT/maxpool_gpu.json (losses, pool
 # bytes, home misses, peak memory vs bound, gating spy, FixedPool outcome), plus
 # $OUT/maxpool_fixedpool_outcome.json from test (g).
 set -uo pipefail
 
-# NVLink multicast must stay off on these machines (see /work/shared/device/README.md).
+# NVLink multicast stays off on shared test machines (README, "Shared machines").
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Deterministic kernels for the bitwise-parity test: cuBLAS workspace, mamba_ssm reductions.
 export CUBLAS_WORKSPACE_CONFIG=:4096:8 MAMBA_DETERMINISTIC=1 PYTHONUNBUFFERED=1

@@ -1,6 +1,6 @@
 """GPU experiment (4): full-iteration CUDA graph capture of a small Megatron-FSDP model.
 
-Run (2 x H200, < 90 s):  . .devtools/bootstrap.sh && python tests/gpu/nccl_lifecycle/full_iter_cuda_graph_mfsdp.py
+Run (2 x H200, < 90 s):  . tests/gpu/setup_gpu_env.sh && python tests/gpu/nccl_lifecycle/full_iter_cuda_graph_mfsdp.py
 Writes $OUT/full_iter_cuda_graph_mfsdp.json and prints a summary.
 
 A 4-block MLP (plain torch.nn.Linear, fp32) is wrapped the way Megatron training does it:

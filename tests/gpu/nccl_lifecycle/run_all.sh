@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # NCCL-lifecycle GPU experiments on 2 x H200 (~7.5 min worst case: per-script limits below).
-# Usage from the repo root:  . .devtools/bootstrap.sh && bash tests/gpu/nccl_lifecycle/run_all.sh
+# Usage from the repo root:  . tests/gpu/setup_gpu_env.sh && bash tests/gpu/nccl_lifecycle/run_all.sh
 # Results: $OUT/{warmup_memory,teardown_exit_time,full_iter_cuda_graph_mfsdp}.json
 # CPU pre-flight (no GPU):  python tests/gpu/nccl_lifecycle/check_cpu.py
 set -u

@@ -1,6 +1,6 @@
 """GPU experiment (5): max-pool double buffer staged in the symmetric NCCL pool (--use-nccl-ub).
 
-Run (2 x H200, < 3 min):  . .devtools/bootstrap.sh && python tests/gpu/nccl_lifecycle/symmetric_staging.py
+Run (2 x H200, < 3 min):  . tests/gpu/setup_gpu_env.sh && python tests/gpu/nccl_lifecycle/symmetric_staging.py
 Writes $OUT/symmetric_staging.json and prints a summary.
 
 A 4-block bf16 MLP (16 MiB of bf16 weights per FSDP unit, so NCCL picks symmetric kernels

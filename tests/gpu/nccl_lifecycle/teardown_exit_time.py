@@ -1,7 +1,7 @@
 """GPU experiment (2): process exit time after training with many expert-parallel NCCL groups,
 with and without the pretrain() teardown (megatron/training/teardown.py).
 
-Run (2 x H200, < 130 s):  . .devtools/bootstrap.sh && python tests/gpu/nccl_lifecycle/teardown_exit_time.py
+Run (2 x H200, < 130 s):  . tests/gpu/setup_gpu_env.sh && python tests/gpu/nccl_lifecycle/teardown_exit_time.py
 Writes $OUT/teardown_exit_time.json and prints a summary.
 
 Each child builds Megatron's groups with EP=2 (one DistOpt instance: with EP=2 on 2 GPUs expert DP

@@ -1,6 +1,6 @@
 """GPU experiment (1): NCCL communicator memory with/without --nccl-comm-warmup, and an OOM repro.
 
-Run (2 x H200, < 90 s):  . .devtools/bootstrap.sh && python tests/gpu/nccl_lifecycle/warmup_memory.py
+Run (2 x H200, < 90 s):  . tests/gpu/setup_gpu_env.sh && python tests/gpu/nccl_lifecycle/warmup_memory.py
 Writes $OUT/warmup_memory.json and prints a summary.
 
 Each child is a 2-rank job with Megatron's real parallel groups: TP=PP=EP=ETP=1 and 2 DistOpt

@@ -143,10 +143,10 @@ def test_loss_agreement_on_the_recorded_gpu_runs():
     import pathlib
 
     here = pathlib.Path(__file__)
-    # Session 2 (kept as a fixture): two double-buffered runs diverged mid-run.
+    # A 2026-11-22 benchmark (kept as a fixture): two double-buffered runs diverged mid-run.
     assert _diverged(here.parent / "data" / "benchmark-results-2026-11-22-session2.json") == {
         ("fixedpool", 0): 4, ("maxpool", 1): 7}
-    # Session 4 (the file docs/benchmark.md shows): a no_db run diverged too.
+    # A later one: a no_db run diverged too.
     assert _diverged(here.parents[3] / "docs" / "benchmark-results.json") == {
         ("maxpool", 1): 12, ("no_db", 1): 3}
 

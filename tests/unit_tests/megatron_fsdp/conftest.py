@@ -2,7 +2,7 @@
 
 `python -m pytest` puts the cwd (the repo root, holding the materialized `megatron/`)
 ahead of PYTHONPATH. When a developer points PYTHONPATH at a patch-queue checkout
-(`PYTHONPATH=/work/pq/<queue>:/work/main`), its `megatron/` must win, otherwise the tests
+(`PYTHONPATH=<queue dir>:<checkout>`), its `megatron/` must win, otherwise the tests
 run against the unpatched tree. Without PYTHONPATH (CI) this is a no-op.
 """
 

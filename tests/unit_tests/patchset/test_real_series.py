@@ -69,3 +69,16 @@ def test_guard_rejects_megatron_resolving_elsewhere(tmp_path: Path) -> None:
     with pytest.raises(PatchsetError, match="not this fork's materialized tree") as info:
         ensure_fork(Project(copy))
     assert "pip uninstall -y megatron-core" in info.value.fix
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '"x"', "{not json"])
+def test_fork_info_reads_a_wrong_shaped_stamp_as_unstamped(tmp_path: Path, monkeypatch, text: str) -> None:
+    """A stamp that is JSON of the wrong shape gives the base version and no patches, so the
+    import guard reports the tree (with its way out) instead of raising AttributeError."""
+    import megatron.core.fork_info as fork_info
+
+    stamp = tmp_path / ".patchset-stamp.json"
+    stamp.write_text(text)
+    monkeypatch.setattr(fork_info, "_STAMP", stamp)
+    assert fork_info.fork_version() == fork_info.BASE_VERSION
+    assert fork_info.applied_patches() == []

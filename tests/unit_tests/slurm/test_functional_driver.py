@@ -236,3 +236,37 @@ def test_loss_rtol_relaxes_lm_loss_and_still_fails_nan() -> None:
     assert [p.step for p in golden.compare(exp, near, ["lm loss"])] == [1, 2]
     problems = golden.compare(exp, near, ["lm loss"], loss_rtol=1e-3)
     assert [(p.step, p.why) for p in problems] == [(2, "rtol 0.001")]
+
+
+CRASHING_TRAINER = '''\
+import os, sys
+iters = int(sys.argv[sys.argv.index("--train-iters") + 1])
+for it in range(1, iters + 1):
+    print(f" [t] iteration {it:8d}/{iters:8d} | consumed samples: {8 * it} | "
+          f"elapsed time per iteration (ms): 50.0 | lm loss: {10.0 - it:.6E} | num zeros: 0 |", flush=True)
+os._exit(int(os.environ.get("FAKE_EXIT", "0")))  # after every step was logged, like a crash at exit
+'''
+
+
+@pytest.mark.parametrize(("twin_exit", "status"), [(0, "PASS"), (139, "FAIL")])
+def test_compare_to_a_twin_that_crashed_after_training_fails(tmp_path: Path, twin_exit: int,
+                                                             status: str) -> None:
+    """A twin whose run logged every step, then crashed, leaves complete metrics; they must not
+    serve as the reference (a 1-GPU eager twin once exited with SIGSEGV after its last step)."""
+    from hfsdp.functional.run_case import run_case
+
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(CRASHING_TRAINER)
+    cases, out = tmp_path / "cases", tmp_path / "out"
+    for name, extra in (("twin", f"ENV_VARS:\n  FAKE_EXIT: '{twin_exit}'\n"),
+                        ("graphed", "COMPARE_TO: ../twin\n")):
+        case = cases / "hybrid" / name
+        case.mkdir(parents=True)
+        (case / "model_config.yaml").write_text(
+            f"TRAINING_SCRIPT: {trainer}\nNPROC: 1\nTEST_TYPE: regular\n{extra}METRICS:\n"
+            "  - lm loss\nREQUIRE_GOLDEN: false\nMODEL_ARGS:\n  --train-iters: 3\n")
+    assert run_case(cases / "hybrid" / "twin", output_root=out).status == status
+    result = run_case(cases / "hybrid" / "graphed", output_root=out)
+    assert result.status == status, result.reasons
+    if status == "FAIL":
+        assert any("is no reference" in r and "exit" in r for r in result.reasons), result.reasons

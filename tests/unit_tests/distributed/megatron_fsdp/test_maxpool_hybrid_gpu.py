@@ -1,7 +1,7 @@
-"""GPU integration tests for issue 3: max-pool double buffering on a hybrid Megatron-FSDP model.
+"""GPU integration tests: max-pool double buffering on a hybrid Megatron-FSDP model.
 
 Run (2 GPUs, repo root, patched tree materialized):
-    . .devtools/bootstrap.sh && MAMBA_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 \
+    . tests/gpu/setup_gpu_env.sh && MAMBA_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 \
     torchrun --nproc-per-node 2 -m pytest -q -s -x \
         tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py
 or tests/gpu/run_maxpool_gpu.sh (same, plus log + JSON summary under $OUT).
@@ -12,7 +12,7 @@ units, embedding / final norm / output layer are non-units. bf16 via Float16Modu
 ``optim_grads_params`` through the MCore adapter, Megatron DistributedOptimizer (Adam).
 Mamba runs mamba_ssm's Triton kernels with ``use_mamba_mem_eff_path=False`` (no causal_conv1d).
 
-Tests (letters match the brief): (a) losses bitwise equal with max-pool vs no double
+Tests: (a) losses bitwise equal with max-pool vs no double
 buffering; (b) pool bytes stable after step 1; (c) zero new home misses after step 1;
 (d) peak memory under an analytic bound; (e) non-unit forwards gather only non-unit buckets
 (prefetch gating); (f) upstream's 1 attention + 1 Mamba repro with max-pool; (g) the same
@@ -264,7 +264,7 @@ def ddp_config(case: HybridCase, *, maxpool: bool, double_buffer: bool) -> Distr
         data_parallel_sharding_strategy="optim_grads_params",
         overlap_grad_reduce=True,
         overlap_param_gather=True,
-        grad_reduce_in_fp32=True,  # what the 0.18.2 CLI does for bf16 (brief 2.4)
+        grad_reduce_in_fp32=True,  # what the 0.18.2 CLI does for bf16
         bucket_size=case.bucket_size,
         fsdp_double_buffer=double_buffer or maxpool,
     )
@@ -776,7 +776,7 @@ def _fixedpool_child(out_dir: str, emulate_0182: bool = False) -> int:
         run = make_run(case, maxpool=False, double_buffer=True)
         if emulate_0182:
             # 0.18.2's FixedPool backup: a TemporaryBucketAllocator whose free() drops the
-            # bucket, so the next allocate makes a new storage behind saved aliases (F2).
+            # bucket, so the next allocate makes a new storage behind saved aliases ([Note: max-pool failure modes], dropped bucket).
             from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
                 TemporaryBucketAllocator,
             )
@@ -818,7 +818,7 @@ def _fixedpool_child(out_dir: str, emulate_0182: bool = False) -> int:
 
 
 def _fallback_keys() -> list[str]:
-    """GlobalMemoryBuffer keys FixedPool created for buckets outside its pool (F3)."""
+    """GlobalMemoryBuffer keys FixedPool created for buckets outside its pool ([Note: max-pool failure modes], persistent blow-up)."""
     try:
         from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
 
