@@ -776,7 +776,8 @@ def _fixedpool_child(out_dir: str, emulate_0182: bool = False) -> int:
         run = make_run(case, maxpool=False, double_buffer=True)
         if emulate_0182:
             # 0.18.2's FixedPool backup: a TemporaryBucketAllocator whose free() drops the
-            # bucket, so the next allocate makes a new storage behind saved aliases ([Note: max-pool failure modes], dropped bucket).
+            # bucket, so the next allocate makes a new storage behind saved aliases ("dropped
+            # bucket" in [Note: max-pool failure modes]).
             from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
                 TemporaryBucketAllocator,
             )
@@ -818,7 +819,8 @@ def _fixedpool_child(out_dir: str, emulate_0182: bool = False) -> int:
 
 
 def _fallback_keys() -> list[str]:
-    """GlobalMemoryBuffer keys FixedPool created for buckets outside its pool ([Note: max-pool failure modes], persistent blow-up)."""
+    """GlobalMemoryBuffer keys FixedPool created for buckets outside its pool ("persistent
+    blow-up" in [Note: max-pool failure modes])."""
     try:
         from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
 
