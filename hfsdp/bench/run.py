@@ -99,6 +99,7 @@ def planned_pools(flags: Sequence[str], nproc: int) -> dict[str, dict[str, int]]
         "maxpool": maxpool,
         "maxpool_ub": maxpool,
         "maxpool_graph": maxpool,
+        "maxpool_ub_graph": maxpool,
     }
 
 

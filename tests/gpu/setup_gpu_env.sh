@@ -28,12 +28,9 @@ if [ -d "$_hfsdp_site/mamba_ssm" ] && ! python3 -c 'import selective_scan_cuda' 
   echo "# stand-in for mamba_ssm's CUDA-only selective scan (the Mamba2 Triton path never calls it)" \
     > "$_hfsdp_site/selective_scan_cuda.py"
 fi
-python3 - <<'PY' || return 1
-import os, sys
-want = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-bad = {k: os.environ.get(k) for k, v in want.items() if os.environ.get(k) != v}
-if bad:
-    sys.exit(f"setup_gpu_env: NVLS guards not set: {bad}")
+python -m hfsdp.safety || return 1  # our GPU tests keep NVLink multicast off
+python - <<'PY' || return 1
+import sys
 import torch
 print(f"setup_gpu_env: torch {torch.__version__}, {torch.cuda.device_count()} GPU(s) "
       f"[{', '.join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))}], "
