@@ -70,7 +70,7 @@ def _alive(pid: int, started: int | None = None) -> bool:
 
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
-    members = []
+    members: list[int] = []
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -205,8 +205,8 @@ def run_group(
     watcher = threading.Thread(target=watchdog, name="run_group-timeout", daemon=True)
     watcher.start()
     reader = None
-    if piped:
-        assert proc.stdout is not None
+    if on_line is not None:  # the same test as ``piped``, spelled so the type narrows
+        assert proc.stdout is not None, f"stdout of {cmd!r} was not piped (piped={piped})"
         pipe = proc.stdout
 
         def pump() -> None:

@@ -65,9 +65,13 @@ def main() -> None:
             loss = torch.nn.functional.cross_entropy(logits.view(-1, vocab), labels.view(-1))
             opt.zero_grad()
             loss.backward()
-            for p in lm.parameters():
-                torch.distributed.all_reduce(p.grad)
-                p.grad /= world
+            for pname, p in lm.named_parameters():
+                grad = p.grad
+                if grad is None:
+                    raise RuntimeError(f"smoke: parameter {pname} got no gradient from backward(); "
+                                       "every parameter of the toy model must take part in the loss")
+                torch.distributed.all_reduce(grad)
+                grad /= world  # in place: p.grad is this tensor
             opt.step()
             report = loss.detach().clone()
             torch.distributed.all_reduce(report)

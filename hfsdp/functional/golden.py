@@ -108,11 +108,12 @@ def _metric_problems(name: str, spec: Any) -> list[str]:
         if not finite:
             problems.append(f"{name}: value at step {step} is not a finite number ({value!r})")
     bounds = [spec.get(k) for k in ("start_step", "end_step", "step_interval")]
-    if not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds) or bounds[2] < 1:
+    int_bounds = [b for b in bounds if isinstance(b, int) and not isinstance(b, bool)]
+    if len(int_bounds) != len(bounds) or int_bounds[2] < 1:
         problems.append(f"{name}: start_step, end_step and step_interval must be integers (interval >= 1), "
                         f"got {bounds}")
     elif steps:
-        start, end, interval = bounds
+        start, end, interval = int_bounds
         expected = set(range(start, end + 1, interval))
         if missing := sorted(expected - set(steps)):
             problems.append(f"{name}: steps {_steps_text(missing)} missing between start_step {start} "
@@ -205,12 +206,12 @@ def compare(expected: Metrics, actual: Metrics, names: tuple[str, ...] | list[st
         act = actual.get(name, {})
         wanted = sorted(s for s in exp if steps is None or s in steps)
         if name == "iteration-time":
-            e = [exp[s] for s in wanted if s > ITER_TIME_WARMUP]
-            a = [act[s] for s in wanted if s > ITER_TIME_WARMUP and s in act]
-            if not e or not a:
+            exp_times = [exp[s] for s in wanted if s > ITER_TIME_WARMUP]
+            act_times = [act[s] for s in wanted if s > ITER_TIME_WARMUP and s in act]
+            if not exp_times or not act_times:
                 problems.append(Mismatch(name, None, None, None, "no post-warm-up steps"))
                 continue
-            me, ma = statistics.median(e), statistics.median(a)
+            me, ma = statistics.median(exp_times), statistics.median(act_times)
             if abs(ma - me) > _iter_time_rtol() * abs(me):
                 problems.append(Mismatch(name, None, me, ma, f"median rtol {_iter_time_rtol()}"))
             continue

@@ -341,10 +341,10 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         except golden.GoldenError as exc:
             result.fail(f"{exc.cause} -> {exc.fix}")
         else:
-            for p in golden.compare(expected, metrics, list(recipe.metrics)):
-                result.fail(f"golden {golden_path.name}: {p}")
-            for p in golden.uncovered_steps(expected, metrics, recipe.metrics):
-                result.fail(f"golden {golden_path.name}: {p}; re-record it with --record")
+            for mismatch in golden.compare(expected, metrics, list(recipe.metrics)):
+                result.fail(f"golden {golden_path.name}: {mismatch}")
+            for uncovered in golden.uncovered_steps(expected, metrics, recipe.metrics):
+                result.fail(f"golden {golden_path.name}: {uncovered}; re-record it with --record")
     elif recipe.require_golden:
         result.fail(f"no golden {golden_path.name}; record one with --record on {platform}")
 

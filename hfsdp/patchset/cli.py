@@ -83,12 +83,12 @@ def _cmd_check(project: Project, args: argparse.Namespace) -> int:
     for r in results:
         extra = f" ({', '.join(r.files)})" if r.files else (f" [{r.note}]" if r.note else "")
         print(f"  {r.state:9} {r.patch}{extra}")
-    count = {state: sum(r.state == state for r in results)
+    tally = {state: sum(r.state == state for r in results)
              for state in ("upstream", "declared", "conflicts", "applies")}
-    print(f"patchset: against {args.against}: {count['upstream']} already upstream (reverse-apply; drop them), "
-          f"{count['declared']} declared upstream by Applied-Upstream (verify, then drop), "
-          f"{count['conflicts']} conflict (rebase them), {count['applies']} apply")
-    return 1 if count["conflicts"] else 0
+    print(f"patchset: against {args.against}: {tally['upstream']} already upstream (reverse-apply; drop them), "
+          f"{tally['declared']} declared upstream by Applied-Upstream (verify, then drop), "
+          f"{tally['conflicts']} conflict (rebase them), {tally['applies']} apply")
+    return 1 if tally["conflicts"] else 0
 
 
 def _cmd_refresh(project: Project, args: argparse.Namespace) -> int:

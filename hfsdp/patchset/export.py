@@ -129,11 +129,11 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
         )
     old = {p.name: p for p in project.series()}
     if state is not None:
-        then = dict(map(tuple, state.series))
-        changed = sorted(n for n in set(then) | set(old) if then.get(n) != (old[n].sha256 if n in old else None))
-        if changed:
+        then = {name: sha256 for name, sha256 in state.series}
+        changed_since = sorted(n for n in set(then) | set(old) if then.get(n) != (old[n].sha256 if n in old else None))
+        if changed_since:
             raise PatchsetError(
-                f"patches changed after the queue {repo} was made ({', '.join(changed)}); exporting it would "
+                f"patches changed after the queue {repo} was made ({', '.join(changed_since)}); exporting it would "
                 "undo those changes, so nothing was written",
                 "make a fresh queue from the current patches (`scripts/patchset queue --dir DIR`, DIR: a new "
                 "folder) and redo your queue changes there",

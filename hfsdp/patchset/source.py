@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import HashMismatch, SourceUnavailable, WrongBaseVersion
@@ -40,21 +41,21 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def is_offline(env: dict[str, str] | None = None) -> bool:
+def is_offline(env: Mapping[str, str] | None = None) -> bool:
     """True when the user asked for no network access."""
-    env = os.environ if env is None else env
+    environ = os.environ if env is None else env
     return (
-        env.get("MEGATRON_PATCHSET_OFFLINE", "").lower() in _TRUTHY
-        or env.get("PIP_NO_INDEX", "").lower() in _TRUTHY
+        environ.get("MEGATRON_PATCHSET_OFFLINE", "").lower() in _TRUTHY
+        or environ.get("PIP_NO_INDEX", "").lower() in _TRUTHY
     )
 
 
-def cache_dir(env: dict[str, str] | None = None) -> Path:
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
     """Where downloaded sdists are kept between installs."""
-    env = os.environ if env is None else env
-    if env.get("MEGATRON_PATCHSET_CACHE"):
-        return Path(env["MEGATRON_PATCHSET_CACHE"])
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    environ = os.environ if env is None else env
+    if environ.get("MEGATRON_PATCHSET_CACHE"):
+        return Path(environ["MEGATRON_PATCHSET_CACHE"])
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "megatron-patchset"
 
 

@@ -56,7 +56,9 @@ def submit(spec: JobSpec, dry_run: bool = False) -> dict:
     """Write and (unless ``dry_run``) sbatch one job; returns its manifest entry."""
     manifest = load_manifest(spec.log_dir)
     script = write_sbatch(spec)
-    entry = {"case": str(spec.case_dir), "script": str(script), "job_id": None, "stdout": None}
+    entry: dict[str, str | int | None] = {
+        "case": str(spec.case_dir), "script": str(script), "job_id": None, "stdout": None,
+    }
     if not dry_run:
         try:
             proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
