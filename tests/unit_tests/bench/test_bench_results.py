@@ -143,11 +143,12 @@ def test_loss_agreement_on_the_recorded_gpu_runs():
     import pathlib
 
     here = pathlib.Path(__file__)
-    # A 2026-11-22 benchmark (kept as a fixture): two double-buffered runs diverged mid-run.
-    assert _diverged(here.parent / "data" / "benchmark-results-2026-11-22-session2.json") == {
+    # The 2026-11-22 benchmark at commit 23949bc (docs/results.md): two double-buffered runs
+    # diverged mid-run.
+    assert _diverged(here.parent / "data" / "benchmark-results-2026-11-22-23949bc.json") == {
         ("fixedpool", 0): 4, ("maxpool", 1): 7}
-    # A later one: a no_db run diverged too.
-    assert _diverged(here.parents[3] / "docs" / "benchmark-results.json") == {
+    # The one at commit 591ed8f: a no_db run diverged too.
+    assert _diverged(here.parents[3] / "docs" / "results" / "2026-11-22-591ed8f-default-dp2.json") == {
         ("maxpool", 1): 12, ("no_db", 1): 3}
 
 

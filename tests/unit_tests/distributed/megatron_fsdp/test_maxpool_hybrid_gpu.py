@@ -668,7 +668,7 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env, variant: str) 
     ``fork``: this tree's FixedPool (its backup allocator keeps bucket storage, patch P1).
     ``emulate-0.18.2-backup``: the backup swapped back to 0.18.2's TemporaryBucketAllocator,
     which drops the bucket on free, to show what unpatched users hit. The outcome is
-    written to JSON and then held to what docs/gpu-results.md reports for (g).
+    written to JSON and then held to what docs/results.md reports for (g).
     """
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -733,7 +733,7 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env, variant: str) 
 
 
 def check_fixedpool_outcome(rec: dict[str, Any]) -> None:
-    """The measured outcome of (g) (docs/gpu-results.md), asserted so a change is noticed.
+    """The measured outcome of (g) (docs/results.md), asserted so a change is noticed.
 
     On this configuration FixedPool (this fork's backup, and 0.18.2's emulated) trains all steps
     with finite losses, but pools only unit 0 (attention): unit 1 (Mamba) is silently outside the
