@@ -27,7 +27,7 @@ def test_every_eligible_group_warmed_once_in_creation_order(lifecycle_results):
         assert len(set(touched)) == len(touched), f"rank {rank} warmed a group twice: {touched}"
         positions = [descs.index(d) for d in touched]
         assert positions == sorted(positions), f"rank {rank} not in creation order: {touched}"
-        # The groups the seeds are about must be among them.
+        # The groups whose lazy NCCL set-up can deadlock must be among them.
         for needed in ("default_pg", "DATA_PARALLEL_GROUP", "EXPERT_DATA_PARALLEL_GROUP"):
             assert needed in touched, f"rank {rank} skipped {needed}"
     # Same sequence on every rank: that is what keeps lazy NCCL bootstrap deadlock-free.

@@ -17,7 +17,7 @@ buffering; (b) pool bytes stable after step 1; (c) zero new home misses after st
 (d) peak memory under an analytic bound; (e) non-unit forwards gather only non-unit buckets
 (prefetch gating); (f) upstream's 1 attention + 1 Mamba repro with max-pool; (g) the same
 repro with the old FixedPool, in a child torchrun so an illegal memory access cannot take the
-session down, outcome recorded as JSON.
+pytest process down, outcome recorded as JSON.
 
 Everything skips cleanly without 2 CUDA ranks; the max-pool tests also skip while the
 ``megatron_fsdp_max_pool_double_buffer`` config field does not exist. The CPU-only test at the
