@@ -57,19 +57,11 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 HAVE_CUDA = torch.cuda.is_available()
 HAVE_MAMBA = importlib.util.find_spec("mamba_ssm") is not None
-HAVE_MAXPOOL_FIELD = any(
-    f.name == "megatron_fsdp_max_pool_double_buffer"
-    for f in dataclasses.fields(DistributedDataParallelConfig)
-)
 NVLS_GUARDS = NVLS_SAFE_ENV  # our GPU tests keep NVLink multicast off (hfsdp/safety.py)
 
 needs_two_gpus = pytest.mark.skipif(
     not (HAVE_CUDA and WORLD_SIZE == 2 and torch.cuda.device_count() >= 1 and HAVE_MAMBA),
     reason="needs torchrun --nproc-per-node 2 on CUDA with mamba_ssm",
-)
-needs_maxpool = pytest.mark.skipif(
-    not HAVE_MAXPOOL_FIELD,
-    reason="DistributedDataParallelConfig has no megatron_fsdp_max_pool_double_buffer yet",
 )
 
 RESULTS_PATH = os.environ.get(
@@ -404,7 +396,6 @@ def teardown_run(run: Run | None) -> None:
 # (a) bitwise parity, (b) stable pool bytes, (c) no new home misses
 # --------------------------------------------------------------------------------------------
 @needs_two_gpus
-@needs_maxpool
 def test_maxpool_bitwise_losses_and_stable_pool(dist_env) -> None:
     case = HybridCase()
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -494,7 +485,6 @@ def activation_bytes_estimate(case: HybridCase) -> int:
 
 
 @needs_two_gpus
-@needs_maxpool
 def test_maxpool_peak_memory_within_analytic_bound(dist_env) -> None:
     case = MEMORY_CASE
     run = make_run(case, maxpool=True, double_buffer=True)
@@ -563,7 +553,6 @@ def test_maxpool_peak_memory_within_analytic_bound(dist_env) -> None:
 # (e) prefetch gating: non-unit gathers stay non-unit
 # --------------------------------------------------------------------------------------------
 @needs_two_gpus
-@needs_maxpool
 def test_non_unit_forward_gathers_only_its_own_buckets(dist_env) -> None:
     case = HybridCase(steps=2)
     run = make_run(case, maxpool=True, double_buffer=True)
@@ -632,7 +621,6 @@ def test_non_unit_forward_gathers_only_its_own_buckets(dist_env) -> None:
 # (f) upstream's failing scenario with max-pool
 # --------------------------------------------------------------------------------------------
 @needs_two_gpus
-@needs_maxpool
 def test_upstream_attention_mamba_repro_with_maxpool(dist_env) -> None:
     case = UPSTREAM_CASE
     run = make_run(case, maxpool=True, double_buffer=True)
@@ -870,11 +858,10 @@ def test_cpu_dry_run_unit_census(case: HybridCase, expected: list[str]) -> None:
         assert census["non_unit_numel"] == 2 * case.vocab * case.hidden + case.hidden
         # The analytic memory bound must stay finite and positive for the sizes used on GPU.
         assert 0 < activation_bytes_estimate(case) < 4 << 30
-        # DDP configs the GPU tests use must be constructible (field present or not).
+        # DDP configs the GPU tests use must be constructible; the max-pool field is the series'.
         cfg = ddp_config(case, maxpool=False, double_buffer=True)
         assert cfg.fsdp_double_buffer and cfg.data_parallel_sharding_strategy == "optim_grads_params"
-        if HAVE_MAXPOOL_FIELD:
-            assert ddp_config(case, maxpool=True, double_buffer=False).fsdp_double_buffer
+        assert ddp_config(case, maxpool=True, double_buffer=False).fsdp_double_buffer
     finally:
         parallel_state.destroy_model_parallel()
         if created:
