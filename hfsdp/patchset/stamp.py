@@ -50,6 +50,7 @@ class Stamp:
         return (
             self.base_version == pin.version
             and self.sdist_sha256 == pin.sha256
+            and self.fork_version == pin.fork_version  # a new [fork] release restamps the tree
             and self.patches == self.expected_patches(patches)
         )
 

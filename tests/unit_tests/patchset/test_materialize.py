@@ -53,6 +53,18 @@ def test_reinstall_with_current_stamp_is_a_noop(fake: Env) -> None:
     assert tree_digest(fake.project.megatron_dir) == before
 
 
+def test_new_fork_release_restamps_the_tree(fake: Env) -> None:
+    """Bumping ``[fork] release`` makes the tree stale, so the installed version follows it."""
+    materialize(fake.project, log=quiet)
+    assert read_stamp(fake.project.root).fork_version == "0.18.2+hfsdp.7"
+    base = fake.project.root / "patches" / "base.toml"
+    base.write_text(base.read_text().replace("release = 7", "release = 8"))
+    assert not tree_status(fake.project).up_to_date
+    assert materialize(fake.project, log=quiet) is True
+    assert read_stamp(fake.project.root).fork_version == "0.18.2+hfsdp.8"
+    assert tree_status(fake.project).up_to_date
+
+
 def test_hash_mismatch_is_refused_and_nothing_is_extracted(fake: Env, tmp_path: Path, monkeypatch) -> None:
     evil = make_sdist(tmp_path, files={"megatron/core/__init__.py": "EVIL = 1\n", "megatron/training/x.py": ""})
     monkeypatch.setenv("MEGATRON_PATCHSET_SDIST", str(evil))
