@@ -67,18 +67,25 @@ def median_step_ms(log_path: str, first_step: int) -> float | None:
 
 
 def train(flags: Sequence[str], nproc: int, steps: int, log_path: str) -> int:
-    """One ``pretrain`` run; its output goes to the terminal and to ``log_path``."""
-    import subprocess
+    """One ``pretrain`` run; its output goes to the terminal and to ``log_path``.
+
+    Started as a process group (:func:`hfsdp.proc.run_group`), so no worker outlives the run.
+    """
+    from hfsdp.proc import run_group
 
     cmd = pretrain_launch.command(flags, nproc, steps)
     print("+ " + " ".join(cmd), flush=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert proc.stdout is not None
-        for line in proc.stdout:
+
+        def tee(line: str) -> None:
             sys.stdout.write(line)
             log.write(line)
-        return proc.wait()
+
+        ended = run_group(cmd, on_line=tee)
+    if ended.stragglers:
+        print(f"main_job: ended {len(ended.stragglers)} worker(s) left behind by the run",
+              file=sys.stderr)
+    return ended.returncode
 
 
 def main(argv: Sequence[str] | None = None) -> int:

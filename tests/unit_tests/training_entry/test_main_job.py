@@ -61,3 +61,15 @@ def test_no_gpu_is_a_clear_error(monkeypatch, capsys):
 def test_failed_training_returns_its_exit_code(monkeypatch, fake_train):
     monkeypatch.setattr(M, "train", lambda *a: 7)
     assert M.main([]) == 7
+
+
+def test_train_tees_output_and_returns_the_exit_code(monkeypatch, tmp_path, capsys):
+    """train() runs the command as a process group, copying every line to the log and the terminal."""
+    import sys
+
+    script = "import sys; print('iteration 1'); print('iteration 2'); sys.exit(3)"
+    monkeypatch.setattr(M.pretrain_launch, "command", lambda flags, nproc, steps: [sys.executable, "-c", script])
+    log = tmp_path / "main.log"
+    assert M.train([], 1, 2, str(log)) == 3
+    assert log.read_text() == "iteration 1\niteration 2\n"
+    assert "iteration 2" in capsys.readouterr().out
