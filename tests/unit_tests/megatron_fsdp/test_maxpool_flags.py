@@ -25,8 +25,8 @@ BASE = (
 FSDP = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params".split()
 
 
-@pytest.fixture
-def validated(monkeypatch):
+def validator(monkeypatch):
+    """``run(extra_flags)`` -> args after Megatron's parse_args + validate_args (CPU, 2 ranks)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
@@ -40,6 +40,11 @@ def validated(monkeypatch):
         return args
 
     return run
+
+
+@pytest.fixture
+def validated(monkeypatch):
+    return validator(monkeypatch)
 
 
 def test_flags_parse_with_defaults_off(validated):
