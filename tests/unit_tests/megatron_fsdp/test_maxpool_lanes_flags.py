@@ -4,7 +4,14 @@ import dataclasses
 import inspect
 
 import pytest
-from test_maxpool_flags import FSDP, FsdpDDPConfig, MCoreDDPConfig, fs, validator
+from test_maxpool_flags import (
+    FSDP,
+    FsdpDDPConfig,
+    MCoreDDPConfig,
+    fs,
+    kwargs_fully_shard_passes_on,
+    validator,
+)
 
 from megatron.training.training import get_megatron_ddp_config
 
@@ -64,19 +71,7 @@ def test_both_ddp_configs_carry_and_check_the_field(cfg_cls):
 def test_fully_shard_plumbs_maxpool_lanes(monkeypatch):
     for fn in (fs.fully_shard, fs.fully_shard_model):
         assert inspect.signature(fn).parameters["maxpool_lanes"].default == 2
-    original_model_fn = fs.fully_shard_model
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_model(*args, **kwargs):
-        seen.update(kwargs)
-        raise Stop
-
-    monkeypatch.setattr(fs, "fully_shard_model", fake_model)
-    with pytest.raises(Stop):
-        fs.fully_shard(module=None, optimizer=None, maxpool_double_buffer=True, maxpool_lanes=3)
-    assert seen["maxpool_lanes"] == 3
     # fully_shard_model builds the DDP config with the field set (needs GPUs to call).
-    assert "megatron_fsdp_max_pool_lanes=maxpool_lanes" in inspect.getsource(original_model_fn)
+    assert "megatron_fsdp_max_pool_lanes=maxpool_lanes" in inspect.getsource(fs.fully_shard_model)
+    seen = kwargs_fully_shard_passes_on(monkeypatch, maxpool_double_buffer=True, maxpool_lanes=3)
+    assert seen["maxpool_lanes"] == 3
