@@ -47,14 +47,20 @@ def adjacent_pair_bytes(plan: Any) -> int:
     return total
 
 
-def lane_plans(specs: list[Any], lanes: Sequence[int], align_bytes: int) -> dict[int, Any]:
+DEFAULT_LANES = 3  # planned unless --plan-lanes says otherwise, when the model has that many units
+
+
+def lane_plans(specs: list[Any], lanes: Sequence[int] | None, align_bytes: int) -> dict[int, Any]:
     """The plan the max-pool allocators hold with ``--megatron-fsdp-max-pool-lanes N``, per N.
 
     ``maxpool_plan.runtime_lane_plan`` is what the allocators call, so these are the runtime's
-    plans (tested against a real buffer). A count the runtime refuses is refused here too.
+    plans (tested against a real buffer). A count the runtime refuses is refused here too;
+    ``lanes`` None plans DEFAULT_LANES when the model has at least that many units, else none.
     """
     pm = _plan_mod()
     units = len({s.unit_id for s in specs if s.unit_id is not None})
+    if lanes is None:
+        lanes = (DEFAULT_LANES,) if units >= DEFAULT_LANES else ()
     for n in lanes:
         problem = pm.lanes_units_problem(n, units, setting=f"--plan-lanes {n}")
         if problem is not None:
@@ -65,7 +71,7 @@ def lane_plans(specs: list[Any], lanes: Sequence[int], align_bytes: int) -> dict
 def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int | None = None,
                    main_grads_dtype: torch.dtype | None = None,
                    grad_comm_dtype: torch.dtype | None = None,
-                   lanes: Sequence[int] = (3,)) -> dict[str, Any]:
+                   lanes: Sequence[int] | None = None) -> dict[str, Any]:
     """Max-pool, lane, rank-matched, analytic-minimum and FixedPool results for one allocator.
 
     ``align_bytes`` defaults to the runtime's ``maxpool_plan.DEFAULT_ALIGN_BYTES``; ``lanes``

@@ -129,9 +129,10 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "TransformerLayer,MoETransformerLayer,MambaLayer.")
     g.add_argument("--plan-align-bytes", type=positive(), default=256,
                    help="Arena offset alignment used by the max-pool plan.")
-    g.add_argument("--plan-lanes", type=lane_counts, default=(3,), metavar="N[,N...]",
+    g.add_argument("--plan-lanes", type=lane_counts, default=None, metavar="N[,N...]",
                    help="Lane counts of the max-pool double buffer to plan, as "
-                        "--megatron-fsdp-max-pool-lanes N would hold them (default: 3).")
+                        "--megatron-fsdp-max-pool-lanes N would hold them (default: 3, when "
+                        "the model has at least 3 FSDP units).")
     g.add_argument("--plan-device-arch", type=positive(), default=9,
                    help="GPU major arch assumed by validate_args on a CPU box.")
     g.add_argument("--plan-json", type=str, default=None, help="Also write the plan as JSON.")

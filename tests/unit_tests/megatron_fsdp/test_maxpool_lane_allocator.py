@@ -176,6 +176,18 @@ def test_presize_creates_every_lane_arena_once_at_planned_size(gmb):
     assert len(gmb.creations) == 4 and alloc.stats()["home_misses"] == 0
 
 
+def test_symmetric_registration_fingerprint_covers_the_lanes(gmb):
+    """NCCL symmetric staging hashes every allocator's plan and arena order: ranks with
+    different lane counts (or a shared pool) must not agree."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_symmetric import plan_fingerprint
+
+    groups = hybrid_groups()
+    prints = {plan_fingerprint([make(groups, lanes=n)]) for n in (3, 4, 6)}
+    prints.add(plan_fingerprint([mpa.MaxPoolAllocator("fsdp_params", groups, numel_fn=padded)]))
+    assert len(prints) == 4
+    assert plan_fingerprint([make(groups)]) == plan_fingerprint([make(hybrid_groups())])
+
+
 def test_fail_on_home_miss_reaches_lane_allocators(gmb):
     class Holder(torch.nn.Module):
         def __init__(self, buffer):

@@ -124,6 +124,15 @@ def test_plan_lanes_bad_values(capsys, value, message):
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_default_lanes_are_left_out_for_a_model_with_fewer_units(capsys):
+    two_units = list(TINY)
+    two_units[two_units.index("--hybrid-layer-pattern") + 1] = "M*"  # a Mamba and an attention unit
+    assert cli.main(two_units) == 0
+    assert "lane plan" not in capsys.readouterr().out
+    assert cli.main(two_units + ["--plan-lanes", "2"]) == 0
+    assert "[weight] 2-lane plan" in capsys.readouterr().out
+
+
 def test_more_lanes_than_units_is_refused_like_the_runtime(capsys):
     assert cli.main(TINY + ["--plan-lanes", "7"]) == 2
     err = capsys.readouterr().err
