@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
 
 MAXPOOL_FLAG = "--megatron-fsdp-max-pool-double-buffer"
+LANES_FLAG = "--megatron-fsdp-max-pool-lanes"
 # no_db_d1's --suggested-communication-unit-size (elements); see CONFIGS.
 D1_UNIT_SIZE = 2_000_000
 
@@ -17,12 +18,17 @@ class BenchConfig:
     name: str
     flags: tuple[str, ...]
     description: str
-    plan: str | None  # which planner figure is its pool: "fixed_pool", "maxpool" or None
+    plan: str | None  # which planner figure is its pool: "fixed_pool", "maxpool", "lanes" or None
 
     @property
     def graphed(self) -> bool:
         """Runs under a full-iteration CUDA graph (timed through pretrain only)."""
         return "--cuda-graph-impl" in self.flags
+
+    @property
+    def lanes(self) -> int:
+        """Max-pool lanes it runs with (the flag's value; 2, the default, without it)."""
+        return int(self.flags[self.flags.index(LANES_FLAG) + 1]) if LANES_FLAG in self.flags else 2
 
 
 # Full-iteration CUDA graph: Megatron's default 3 eager warm-up steps, capture on step 4.
@@ -53,6 +59,12 @@ CONFIGS = {
                                "no double buffer, full-iteration CUDA graph", None),
     "maxpool_graph": BenchConfig("maxpool_graph", ("--fsdp-double-buffer", MAXPOOL_FLAG, *GRAPH_FLAGS),
                                  "max-pool double buffer, full-iteration CUDA graph", "maxpool"),
+    # Three round-robin lanes: unit i in lane i % 3, three units live (prefetch two ahead).
+    "maxpool_lanes3": BenchConfig("maxpool_lanes3", ("--fsdp-double-buffer", MAXPOOL_FLAG, LANES_FLAG, "3"),
+                                  "max-pool double buffer, 3 lanes", "lanes"),
+    "maxpool_lanes3_graph": BenchConfig(
+        "maxpool_lanes3_graph", ("--fsdp-double-buffer", MAXPOOL_FLAG, LANES_FLAG, "3", *GRAPH_FLAGS),
+        "max-pool double buffer, 3 lanes, full-iteration CUDA graph", "lanes"),
 }
 # maxpool_ub is opt-in (--configs ...,maxpool_ub): --use-nccl-ub JIT-builds megatron's NCCL
 # allocator extension (load_inline, needs nvcc, nccl.h and libnccl.so), unproven on the GPU box.

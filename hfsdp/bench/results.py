@@ -170,6 +170,24 @@ def format_loss_agreement(agreement: dict[str, Any]) -> list[str]:
     return lines
 
 
+def format_pool_check(summaries: Sequence[ConfigSummary], runs: Sequence[RunResult]) -> list[str]:
+    """Per configuration with a planned pool: does the pool held equal the plan, and how many
+    home misses did its runs count (the max over runs of the summed allocator stats)."""
+    lines = []
+    for s in summaries:
+        if s.pool_bytes_planned is None:
+            continue
+        misses = [r.maxpool_stats.get("home_misses", 0) for r in runs
+                  if r.config == s.config and r.maxpool_stats]
+        held = s.pool_bytes_measured
+        verdict = ("not measured" if held is None
+                   else "= plan" if held == s.pool_bytes_planned
+                   else f"!= plan ({_fmt_mib(held)} vs {_fmt_mib(s.pool_bytes_planned)} MiB)")
+        lines.append(f"  {s.config:<20} pool {verdict}; home misses "
+                     f"{max(misses) if misses else 'not reported'}")
+    return ["pool check:", *lines] if lines else []
+
+
 def _fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -179,13 +197,14 @@ def _fmt_mib(x: int | None) -> str:
 
 
 def format_table(summaries: Sequence[ConfigSummary]) -> list[str]:
-    head = (f"{'config':<12} {'runs':>4} {'step ms':>9} {'(min..max)':>17} {'tok/s':>10} "
+    width = max([12, *(len(s.config) for s in summaries)])  # maxpool_lanes3_graph is 20
+    head = (f"{'config':<{width}} {'runs':>4} {'step ms':>9} {'(min..max)':>17} {'tok/s':>10} "
             f"{'x base':>7} {'peak alloc MiB':>15} {'x base':>7} {'peak resv MiB':>14} "
             f"{'x base':>7} {'pool MiB':>9} {'plan MiB':>9} {'min MiB':>8}")
     lines = [head, "-" * len(head)]
     for s in summaries:
         lines.append(
-            f"{s.config:<12} {s.runs:>4} {s.median_step_s * 1e3:>9.1f} "
+            f"{s.config:<{width}} {s.runs:>4} {s.median_step_s * 1e3:>9.1f} "
             f"{f'({s.min_run_median_s * 1e3:.1f}..{s.max_run_median_s * 1e3:.1f})':>17} "
             f"{s.tokens_per_s:>10,.0f} {_fmt_ratio(s.tokens_per_s_ratio):>7} "
             f"{_fmt_mib(s.peak_allocated_bytes):>15} {_fmt_ratio(s.peak_allocated_ratio):>7} "

@@ -76,31 +76,39 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def planned_pools(flags: Sequence[str], nproc: int) -> dict[str, dict[str, int]]:
     """Planned pool bytes per configuration (weights + grads) from a CPU-only planner run."""
+    lanes = sorted({c.lanes for c in cfgs.CONFIGS.values() if c.plan == "lanes"})
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
         cmd = [sys.executable, "-m", "hfsdp.planner", *flags, "--plan-dp-size", str(nproc),
-               "--plan-json", out]
+               *(["--plan-lanes", ",".join(map(str, lanes))] if lanes else []), "--plan-json", out]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print("planner failed; continuing without planned sizes:\n" + proc.stderr[-2000:])
             return {}
         with open(out) as f:
-            plan = json.load(f)
+            return pools_from_plan(json.load(f))
+
+
+def pools_from_plan(plan: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per configuration with a ``plan`` figure: its planned pool (weights + grads) from the
+    planner's JSON, and the analytic minimum of the 2-group pools it is compared with."""
     alloc = plan["allocators"]
 
     def total(key: str) -> int:
         return sum(a[key] for a in alloc.values())
 
     minimum = total("analytic_minimum_bytes")
-    maxpool = {"pool_bytes": total("maxpool_pool_bytes"), "analytic_minimum_bytes": minimum}
-    return {
-        "fixedpool": {"pool_bytes": total("fixed_pool_pool_bytes"), "analytic_minimum_bytes": minimum},
-        "maxpool": maxpool,
-        "maxpool_ub": maxpool,
-        "maxpool_graph": maxpool,
-        "maxpool_ub_graph": maxpool,
-    }
+    out: dict[str, dict[str, int]] = {}
+    for name, config in cfgs.CONFIGS.items():
+        if config.plan == "lanes":
+            # The analytic minimum counts two groups of the largest unit: not this pool's bound.
+            out[name] = {"pool_bytes": sum(a["lane_plans"][str(config.lanes)]["pool_bytes"]
+                                           for a in alloc.values())}
+        elif config.plan is not None:
+            key = {"fixed_pool": "fixed_pool_pool_bytes", "maxpool": "maxpool_pool_bytes"}[config.plan]
+            out[name] = {"pool_bytes": total(key), "analytic_minimum_bytes": minimum}
+    return out
 
 
 def profiling(opts: argparse.Namespace) -> bool:
@@ -241,6 +249,7 @@ def _main(argv: Sequence[str]) -> int:
     summaries = res.summarize(runs, planned=planned)
     print("\n".join(res.format_table(summaries)))
     print("\n".join(res.format_loss_agreement(res.loss_agreement(runs))))
+    print("\n".join(res.format_pool_check(summaries, runs)))
     meta = {
         "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc,
         "repeats": opts.repeats, "warmup_steps": opts.warmup_steps,

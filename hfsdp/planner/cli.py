@@ -2,8 +2,8 @@
 
 Takes pretrain_gpt.py / pretrain_hybrid.py model flags (parsed by Megatron's own parser) plus
 ``--plan-*`` options, builds the model on the meta device, computes the FSDP units and bucket
-layout with Megatron-FSDP's own functions, and prints the max-pool / rank-matched / analytic
-minimum pool sizes and what 0.18.2's FixedPool would pool.
+layout with Megatron-FSDP's own functions, and prints the max-pool / N-lane / rank-matched /
+analytic minimum pool sizes and what 0.18.2's FixedPool would pool.
 
 The model is the one the given flags define when they set its depth, else the default model
 with the given flags on top ([Note: planner flags] in setup.py). Inconsistent flags are one
@@ -79,8 +79,8 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
         setup.teardown_fake_parallel_state()
     main_grads, comm = grad_dtypes(args)
     results = [
-        report.plan_allocator(lay, "weight", align_bytes=args.plan_align_bytes),
-        report.plan_allocator(lay, "grad", align_bytes=args.plan_align_bytes,
+        report.plan_allocator(lay, "weight", align_bytes=args.plan_align_bytes, lanes=args.plan_lanes),
+        report.plan_allocator(lay, "grad", align_bytes=args.plan_align_bytes, lanes=args.plan_lanes,
                               main_grads_dtype=main_grads, grad_comm_dtype=comm),
     ]
     return lay, results

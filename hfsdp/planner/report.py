@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from hfsdp.planner.layout import MFSDP, Layout, bucket_specs
+from hfsdp.usererror import UserError
 
 MIB = 2**20
 
@@ -45,32 +47,35 @@ def adjacent_pair_bytes(plan: Any) -> int:
     return total
 
 
-def lane_bytes(plan: Any, lanes: int = 3) -> int:
-    """Bytes of a ``lanes``-group pool whose group j holds only units at position i, i % lanes == j.
+DEFAULT_LANES = 3  # planned unless --plan-lanes says otherwise, when the model has that many units
 
-    A what-if, not an implemented layout. Units run in order (forward 0..n-1, backward n-1..0),
-    so any ``lanes`` consecutive units sit in distinct groups: the pool could hold ``lanes`` live
-    units, i.e. prefetch ``lanes - 1`` units ahead, with every bucket at one fixed address. Group
-    j is sized by the largest unit in it, so for a repeating unit pattern whose period divides
-    ``lanes`` (``M*E`` with the fork's default units: 3) the pool is the sum of one of each layer
-    kind, not lanes x the largest. Units are rounded one by one, so ``lane_bytes(plan, 2)`` can
-    exceed the current pool by up to one alignment step per group and dtype.
+
+def lane_plans(specs: list[Any], lanes: Sequence[int] | None, align_bytes: int) -> dict[int, Any]:
+    """The plan the max-pool allocators hold with ``--megatron-fsdp-max-pool-lanes N``, per N.
+
+    ``maxpool_plan.runtime_lane_plan`` is what the allocators call, so these are the runtime's
+    plans (tested against a real buffer). A count the runtime refuses is refused here too;
+    ``lanes`` None plans DEFAULT_LANES when the model has at least that many units, else none.
     """
-    if lanes < 1:
-        raise ValueError(f"lanes must be >= 1, got {lanes}")
-    total = 0
-    for dtype in plan.unit_layout_numel:
-        sizes = _rounded_unit_sizes(plan, dtype)
-        total += sum(max(sizes[j::lanes], default=0) for j in range(lanes)) * plan.itemsize[dtype]
-    return total
+    pm = _plan_mod()
+    units = len({s.unit_id for s in specs if s.unit_id is not None})
+    if lanes is None:
+        lanes = (DEFAULT_LANES,) if units >= DEFAULT_LANES else ()
+    for n in lanes:
+        problem = pm.lanes_units_problem(n, units, setting=f"--plan-lanes {n}")
+        if problem is not None:
+            raise UserError(problem, "pass lane counts between 2 and the model's number of units")
+    return {n: pm.runtime_lane_plan(specs, lanes=n, align_bytes=align_bytes) for n in lanes}
 
 
 def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int | None = None,
                    main_grads_dtype: torch.dtype | None = None,
-                   grad_comm_dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Max-pool, rank-matched, analytic-minimum and FixedPool results for one allocator.
+                   grad_comm_dtype: torch.dtype | None = None,
+                   lanes: Sequence[int] | None = None) -> dict[str, Any]:
+    """Max-pool, lane, rank-matched, analytic-minimum and FixedPool results for one allocator.
 
-    ``align_bytes`` defaults to the runtime's ``maxpool_plan.DEFAULT_ALIGN_BYTES``.
+    ``align_bytes`` defaults to the runtime's ``maxpool_plan.DEFAULT_ALIGN_BYTES``; ``lanes``
+    are the lane counts to plan (:func:`lane_plans`).
     """
     pm = _plan_mod()
     if align_bytes is None:
@@ -84,6 +89,7 @@ def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int | None = 
         "allocator": allocator,
         "specs": specs,
         "maxpool": maxpool,
+        "lanes": lane_plans(specs, lanes, align_bytes),
         "rank_matched": ranked,
         "analytic_minimum_bytes": pm.analytic_minimum_bytes(specs),
         "fixed_pool": fixed,
@@ -114,6 +120,25 @@ def _mib(n: int) -> str:
     return f"{n / MIB:,.2f} MiB"
 
 
+def lane_lines(result: dict[str, Any], cls: dict[int, str]) -> list[str]:
+    """Per lane count: the pool against the max-pool arena plan, then each (lane, dtype) arena."""
+    name, mp = result["allocator"], result["maxpool"]
+    lines = []
+    for n, lp in result["lanes"].items():
+        layout_kind = ("shared, every lane sized by the largest unit" if n == 2
+                       else f"unit i in lane i % {n}, each lane sized by its own largest unit")
+        lines.append(f"[{name}] {f'{n}-lane plan':<20}: {_mib(lp.pool_bytes())}"
+                     f"  ({lp.pool_bytes() / mp.pool_bytes():.3f} x max-pool arena plan; "
+                     f"{n} units live; {layout_kind})")
+        for (lane, dtype), numel in lp.arena_numel.items():
+            setter = lp.setter[(lane, dtype)]
+            members = [u for u, allowed in lp.allowed.items() if lane in allowed]
+            lines.append(f"[{name}]   lane {lane} {dtype}: {numel:,} elems "
+                         f"({_mib(lp.arena_bytes(lane, dtype))}), set by unit {setter} "
+                         f"({cls.get(setter, '?')}) of {len(members)} units")
+    return lines
+
+
 def plan_lines(result: dict[str, Any], layout: Layout) -> list[str]:
     """Pool bytes per plan for one allocator, plus per-dtype arenas and FixedPool's outliers."""
     name = result["allocator"]
@@ -129,9 +154,6 @@ def plan_lines(result: dict[str, Any], layout: Layout) -> list[str]:
         f"[{name}] adjacent-pair bound : {_mib(adjacent_pair_bytes(mp))}"
         f"  ({adjacent_pair_bytes(mp) / minimum:.3f} x analytic minimum; what-if, not implemented:"
         " one arena per dtype sized by the largest pair of consecutive units)",
-        f"[{name}] 3-lane bound        : {_mib(lane_bytes(mp, 3))}"
-        f"  ({lane_bytes(mp, 3) / minimum:.3f} x analytic minimum; what-if, not implemented:"
-        " 3 groups, unit i always in group i % 3, so 3 units live = prefetch 2 ahead)",
     ]
     for dtype in sorted(mp.arena_numel):
         setter = mp.setter[dtype]
@@ -139,6 +161,7 @@ def plan_lines(result: dict[str, Any], layout: Layout) -> list[str]:
             f"[{name}]   {dtype}: arena {mp.arena_numel[dtype]:,} elems/group "
             f"({_mib(mp.arena_bytes(dtype))}), set by unit {setter} ({cls.get(setter, '?')}); "
             f"rank-matched slots {list(rm.slots.get(dtype, ()))}")
+    lines += lane_lines(result, cls)
     pooled = ", ".join(f"{u}" for u in fx.pooled_unit_ids)
     outl = ", ".join(f"{u}:{cls.get(u, '?')}" for u in fx.outlier_unit_ids) or "none"
     lines.append(
@@ -190,7 +213,11 @@ def report_dict(layout: Layout, results: list[dict[str, Any]]) -> dict[str, Any]
             "rank_matched_slots": {d: list(s) for d, s in rm.slots.items()},
             "analytic_minimum_bytes": r["analytic_minimum_bytes"],
             "adjacent_pair_bound_bytes": adjacent_pair_bytes(mp),
-            "three_lane_bound_bytes": lane_bytes(mp, 3),
+            "lane_plans": {str(n): {
+                "pool_bytes": lp.pool_bytes(),
+                "arena_numel": {f"{lane}/{d}": v for (lane, d), v in lp.arena_numel.items()},
+                "homes": {str(u): list(a) for u, a in lp.allowed.items()},
+            } for n, lp in r["lanes"].items()},
             "fixed_pool_pool_bytes": fx.pool_bytes,
             "fixed_pool_pooled_units": list(fx.pooled_unit_ids),
             "fixed_pool_outlier_units": list(fx.outlier_unit_ids),

@@ -107,6 +107,17 @@ def check_model(args: argparse.Namespace) -> None:
                             f"use {' '.join(sorted(Symbols.VALID_LAYERS))} (and | between pipeline stages)")
 
 
+def lane_counts(text: str) -> tuple[int, ...]:
+    """argparse ``type=`` of ``--plan-lanes``: comma-separated whole numbers >= 2, in order."""
+    counts = []
+    for part in text.split(","):
+        if not part.strip().isdigit() or int(part) < 2:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} is not a lane count: give whole numbers >= 2, e.g. 3 or 2,3,4")
+        counts.append(int(part))
+    return tuple(dict.fromkeys(counts))
+
+
 def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("memory planner")
     g.add_argument("--plan-dp-size", type=positive(), default=2,
@@ -118,6 +129,10 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "TransformerLayer,MoETransformerLayer,MambaLayer.")
     g.add_argument("--plan-align-bytes", type=positive(), default=256,
                    help="Arena offset alignment used by the max-pool plan.")
+    g.add_argument("--plan-lanes", type=lane_counts, default=None, metavar="N[,N...]",
+                   help="Lane counts of the max-pool double buffer to plan, as "
+                        "--megatron-fsdp-max-pool-lanes N would hold them (default: 3, when "
+                        "the model has at least 3 FSDP units).")
     g.add_argument("--plan-device-arch", type=positive(), default=9,
                    help="GPU major arch assumed by validate_args on a CPU box.")
     g.add_argument("--plan-json", type=str, default=None, help="Also write the plan as JSON.")

@@ -8,6 +8,8 @@
 #    capture memory report in every graphed run's log (--logging-level 20 for all runs alike).
 # BUDGET_S (seconds) skips what would not finish in time. Results: $OUT/cuda_graphs_summary.txt,
 # $OUT/functional.tgz, $OUT/bench-<preset>.{json,png,log}, $OUT/bench-<preset>-logs.tgz.
+# CASES (space-separated), CONFIGS (comma-separated) and NPROC (default 1) choose other cases,
+# configurations and GPU counts (tests/gpu/run_lanes.sh does).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
@@ -19,9 +21,8 @@ summary="$out/cuda_graphs_summary.txt"; : > "$summary"
 t0=$(date +%s)
 left() { echo $(( ${BUDGET_S:-100000} - ($(date +%s) - t0) )); }
 
-OUT="$out" CASE_TIMEOUT=${CASE_TIMEOUT:-240} bash tests/gpu/run_functional.sh "${record[@]}" \
-  hybrid/hybrid_mcore_local_fsdp_1gpu_eager_no_db hybrid/hybrid_mcore_local_fsdp_1gpu_graph_no_db \
-  hybrid/hybrid_mcore_local_fsdp_1gpu_graph_maxpool
+read -r -a cases <<< "${CASES:-hybrid/hybrid_mcore_local_fsdp_1gpu_eager_no_db hybrid/hybrid_mcore_local_fsdp_1gpu_graph_no_db hybrid/hybrid_mcore_local_fsdp_1gpu_graph_maxpool}"
+OUT="$out" CASE_TIMEOUT=${CASE_TIMEOUT:-240} bash tests/gpu/run_functional.sh "${record[@]}" "${cases[@]}"
 rc=$?
 cat "$out/functional_summary.txt" >> "$summary"
 if [ "$rc" -ne 0 ]; then
@@ -37,12 +38,13 @@ for preset in "${presets[@]}"; do
     continue
   fi
   logs=/tmp/hfsdp_bench_logs_$preset; rm -rf "$logs"
-  python scripts/benchmark_double_buffer.py --nproc 1 --preset "$preset" \
+  python scripts/benchmark_double_buffer.py --nproc "${NPROC:-1}" --preset "$preset" \
     --configs "${CONFIGS:-no_db,maxpool,no_db_graph,maxpool_graph}" --repeats "${REPEATS:-3}" \
     --timed-steps "${TIMED_STEPS:-20}" --run-timeout "${RUN_TIMEOUT:-240}" --keep-logs "$logs" \
     --out-json "$out/bench-$preset.json" --out-png "$out/bench-$preset.png" \
     -- --logging-level 20 2>&1 | tee "$out/bench-$preset.log"
   echo "run_cuda_graphs: $preset benchmark rc=${PIPESTATUS[0]}" | tee -a "$summary"
+  sed -n '/^pool check:/,/^wrote /p' "$out/bench-$preset.log" | grep -v '^wrote ' >> "$summary"
   grep -h "full-iteration CUDA graph" "$logs"/*.log > "$out/bench-$preset-capture-memory.txt" 2>/dev/null
   tar czf "$out/bench-$preset-logs.tgz" -C "$logs" . 2>/dev/null
 done

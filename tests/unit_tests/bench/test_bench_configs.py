@@ -31,6 +31,29 @@ def test_configs_flags():
     assert "--use-nccl-ub" in C.CONFIGS["maxpool_ub"].flags
 
 
+def test_lane_configs_are_maxpool_plus_three_lanes():
+    for eager, graphed in (("maxpool", "maxpool_lanes3"), ("maxpool_graph", "maxpool_lanes3_graph")):
+        base, lanes = C.CONFIGS[eager].flags, C.CONFIGS[graphed].flags
+        assert [f for f in lanes if f not in (C.LANES_FLAG, "3")] == list(base), graphed
+        assert lanes[lanes.index("--megatron-fsdp-max-pool-lanes") + 1] == "3"
+        assert C.CONFIGS[graphed].lanes == 3 and C.CONFIGS[eager].lanes == 2
+        assert C.CONFIGS[graphed].plan == "lanes"
+    assert C.CONFIGS["maxpool_lanes3_graph"].graphed and not C.CONFIGS["maxpool_lanes3"].graphed
+    assert C.availability("maxpool_lanes3") is None
+
+
+def test_pools_from_plan_take_each_configs_figure():
+    from hfsdp.bench.run import pools_from_plan
+
+    alloc = {"maxpool_pool_bytes": 400, "fixed_pool_pool_bytes": 100, "analytic_minimum_bytes": 400,
+             "lane_plans": {"3": {"pool_bytes": 275}}}
+    pools = pools_from_plan({"allocators": {"weight": alloc, "grad": dict(alloc)}})
+    assert pools["maxpool"] == pools["maxpool_graph"] == {"pool_bytes": 800, "analytic_minimum_bytes": 800}
+    assert pools["fixedpool"]["pool_bytes"] == 200
+    assert pools["maxpool_lanes3"] == pools["maxpool_lanes3_graph"] == {"pool_bytes": 550}
+    assert "no_db" not in pools and "no_db_graph" not in pools
+
+
 @pytest.mark.parametrize("nvls", ["0", "1", None])
 def test_nccl_ub_configs_leave_nvls_to_the_environment(monkeypatch, nvls):
     """The product does not impose the lab's NVLS rule: user-buffer configs run whatever the
@@ -48,7 +71,7 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
     assert C.DEFAULT_CONFIGS == ("no_db", "maxpool", "no_db_graph", "maxpool_graph")
     assert "maxpool_ub" in C.CONFIGS and "fixedpool" in C.CONFIGS
     assert [n for n in C.CONFIGS if C.CONFIGS[n].graphed] == ["maxpool_ub_graph", "no_db_graph",
-                                                              "maxpool_graph"]
+                                                              "maxpool_graph", "maxpool_lanes3_graph"]
     assert C.CONFIGS["maxpool_graph"].flags[:2] == C.CONFIGS["maxpool"].flags
 
 

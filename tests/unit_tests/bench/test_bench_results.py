@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -90,6 +91,12 @@ def test_table_and_json_roundtrip(tmp_path):
     assert back == runs
 
 
+def test_table_columns_stay_aligned_for_long_config_names():
+    runs = [run("no_db", 0, [0.2]), run("maxpool_lanes3_graph", 0, [0.1], pool=2 * R.MIB)]
+    table = R.format_table(R.summarize(runs))
+    assert table[0].index("runs") == table[2].index("   1") == table[3].index("   1")
+
+
 def test_chart_missing_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ChartUnavailable, match="matplotlib"):
@@ -165,3 +172,21 @@ def test_profiling_fields_survive_the_worker_record_roundtrip(tmp_path):
     doc = R.to_json(R.summarize([got]), [got], {})
     assert doc["runs"][0]["nccl_kernels"] == record["nccl_kernels"]
     assert doc["runs"][0]["timeline"] == record["timeline"]
+
+
+def test_pool_check_compares_pool_with_plan_and_counts_home_misses():
+    mib = R.MIB
+
+    def pooled(config, repeat, pool, misses):
+        return dataclasses.replace(run(config, repeat, [0.1], pool=pool * mib),
+                                   maxpool_stats={"home_misses": misses})
+
+    runs = [run("no_db", 0, [0.2]), pooled("maxpool", 0, 300, 0),
+            pooled("maxpool_lanes3", 0, 200, 2), pooled("maxpool_lanes3", 1, 200, 0)]
+    planned = {"maxpool": {"pool_bytes": 300 * mib}, "maxpool_lanes3": {"pool_bytes": 100 * mib}}
+    lines = R.format_pool_check(R.summarize(runs, planned=planned), runs)
+    assert lines[0] == "pool check:" and len(lines) == 3
+    assert lines[1].split() == ["maxpool", "pool", "=", "plan;", "home", "misses", "0"]
+    assert lines[2].split() == ["maxpool_lanes3", "pool", "!=", "plan", "(200.0", "vs", "100.0",
+                                "MiB);", "home", "misses", "2"]
+    assert R.format_pool_check(R.summarize(runs[:1]), runs[:1]) == []

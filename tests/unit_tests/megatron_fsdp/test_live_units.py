@@ -161,8 +161,9 @@ def test_gather_request_and_prefetch_follow_the_constant(three_groups, real_buff
         pipe.all_gather_params([p for u in range(4) for p in unit_params(buffer, u)])
 
 
-def test_grad_drain_follows_the_constant(three_groups, real_buffer, monkeypatch):
-    buffer = real_buffer(megatron_fsdp_max_pool_double_buffer=True)
+def drain_pipeline(buffer, monkeypatch, queued):
+    """A GradReducePipeline whose queue holds ``queued`` units' reduce-scatters (oldest first);
+    freed buckets are recorded in ``pipe.freed``. Streams are CPU stand-ins."""
     units = unit_buckets(buffer)
     streams = [SimpleNamespace(wait_event=lambda event: None)]
 
@@ -178,11 +179,18 @@ def test_grad_drain_follows_the_constant(three_groups, real_buffer, monkeypatch)
     pipe.buffer = buffer
     pipe.rs_stream = SimpleNamespace(wait_event=lambda event: None)
     pipe.freed = []
-    # Backward order: units 4, 3, 2 have reduce-scatters queued, oldest first.
     pipe.grad_reduce_queue = [
         (SimpleNamespace(wait=lambda: None), (lambda b=b: pipe.freed.append(b)), b)
-        for u in (4, 3, 2) for b in units[u]
+        for u in queued for b in units[u]
     ]
+    return pipe
+
+
+def test_grad_drain_follows_the_constant(three_groups, real_buffer, monkeypatch):
+    buffer = real_buffer(megatron_fsdp_max_pool_double_buffer=True)
+    units = unit_buckets(buffer)
+    # Backward order: units 4, 3, 2 have reduce-scatters queued, oldest first.
+    pipe = drain_pipeline(buffer, monkeypatch, queued=(4, 3, 2))
     pipe._enforce_double_buffer_limit(units[1])
     # Unit 1 plus two in-flight units (3 and 2) fit three groups: only unit 4 drains.
     assert pipe.freed == units[4]

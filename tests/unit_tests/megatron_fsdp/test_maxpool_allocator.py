@@ -33,12 +33,17 @@ class CpuGlobalMemoryBuffer:
         return self.buffer[(name, dtype)][0:n].view(*tensor_shape)
 
 
-@pytest.fixture
-def gmb(monkeypatch):
+def install_cpu_memory_buffer(monkeypatch):
+    """Point the allocators' global memory buffer at a fresh CpuGlobalMemoryBuffer."""
     buf = CpuGlobalMemoryBuffer()
     monkeypatch.setattr(mpa, "get_global_memory_buffer", lambda: buf)
     monkeypatch.setattr(pgb, "get_global_memory_buffer", lambda: buf)
     return buf
+
+
+@pytest.fixture
+def gmb(monkeypatch):
+    return install_cpu_memory_buffer(monkeypatch)
 
 
 def group(unit, numel, dtype=torch.bfloat16):

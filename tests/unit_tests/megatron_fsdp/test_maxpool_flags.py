@@ -25,8 +25,8 @@ BASE = (
 FSDP = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params".split()
 
 
-@pytest.fixture
-def validated(monkeypatch):
+def validator(monkeypatch):
+    """``run(extra_flags)`` -> args after Megatron's parse_args + validate_args (CPU, 2 ranks)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
@@ -40,6 +40,11 @@ def validated(monkeypatch):
         return args
 
     return run
+
+
+@pytest.fixture
+def validated(monkeypatch):
+    return validator(monkeypatch)
 
 
 def test_flags_parse_with_defaults_off(validated):
@@ -93,27 +98,31 @@ def test_ddp_configs_post_init_imply_double_buffer(cfg_cls):
     assert cfg.fsdp_double_buffer is True
 
 
-def test_fully_shard_plumbs_maxpool_kwarg(monkeypatch):
-    for fn in (fs.fully_shard, fs.fully_shard_model):
-        param = inspect.signature(fn).parameters["maxpool_double_buffer"]
-        assert param.default is False
-    # fully_shard forwards the kwarg to fully_shard_model ...
-    original_model_fn = fs.fully_shard_model
+def kwargs_fully_shard_passes_on(monkeypatch, **kwargs):
+    """The keyword arguments ``fully_shard(**kwargs)`` gives fully_shard_model (not called)."""
     seen = {}
 
     class Stop(Exception):
         pass
 
-    def fake_model(*args, **kwargs):
-        seen.update(kwargs)
+    def fake_model(*args, **model_kwargs):
+        seen.update(model_kwargs)
         raise Stop
 
     monkeypatch.setattr(fs, "fully_shard_model", fake_model)
     with pytest.raises(Stop):
-        fs.fully_shard(module=None, optimizer=None, maxpool_double_buffer=True)
-    assert seen["maxpool_double_buffer"] is True
+        fs.fully_shard(module=None, optimizer=None, **kwargs)
+    return seen
+
+
+def test_fully_shard_plumbs_maxpool_kwarg(monkeypatch):
+    for fn in (fs.fully_shard, fs.fully_shard_model):
+        param = inspect.signature(fn).parameters["maxpool_double_buffer"]
+        assert param.default is False
+    # fully_shard forwards the kwarg to fully_shard_model ...
+    src = inspect.getsource(fs.fully_shard_model)
+    assert kwargs_fully_shard_passes_on(monkeypatch, maxpool_double_buffer=True)["maxpool_double_buffer"]
     # ... which builds the DDP config with the max-pool field set (needs GPUs to call).
-    src = inspect.getsource(original_model_fn)
     assert "megatron_fsdp_max_pool_double_buffer=maxpool_double_buffer" in src
 
 

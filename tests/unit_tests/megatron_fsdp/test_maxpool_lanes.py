@@ -9,8 +9,11 @@ from test_maxpool_plan import bucket_sets, spec  # sibling module: the same buck
 
 from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan import (
     format_lane_plan,
+    lane_assignment,
+    lanes_units_problem,
     plan_lanes,
     plan_max_pool,
+    runtime_lane_plan,
 )
 
 LANES = st.integers(2, 5)
@@ -113,3 +116,29 @@ def test_random_unit_ids_keep_position_order():
     specs = [spec(i, u, "torch.bfloat16", 10 * (i + 1)) for i, u in enumerate((3, 10, 11))]
     random.Random(0).shuffle(specs)
     assert plan_lanes(specs, lanes=3).allowed == {3: (0,), 10: (1,), 11: (2,)}
+
+
+@settings(max_examples=100, deadline=None)
+@given(bucket_sets(), LANES)
+def test_runtime_plan_is_todays_pool_at_two_lanes_and_round_robin_above(specs, lanes):
+    plan = runtime_lane_plan(specs, lanes=lanes)
+    if lanes == 2:
+        today = plan_max_pool(specs)
+        assert plan.pool_bytes() == today.pool_bytes() and plan.offsets == today.offsets
+        assert all(allowed == (0, 1) for allowed in plan.allowed.values())
+    else:
+        assert plan == plan_lanes(specs, lanes=lanes, assignment="round_robin")
+    # The allocator looks up a bucket's padded size in the plan.
+    assert {b.bucket_id: b for b in specs if b.unit_id is not None} == plan.buckets
+    assert plan.unit_ids == tuple(sorted({b.unit_id for b in specs if b.unit_id is not None}))
+
+
+def test_lane_assignment_and_unit_count_rule():
+    assert [lane_assignment(n) for n in (2, 3, 8)] == ["shared", "round_robin", "round_robin"]
+    with pytest.raises(ValueError, match="got 1"):
+        lane_assignment(1)
+    assert lanes_units_problem(2, 1, setting="x") is None  # today's pool serves any chunk
+    assert lanes_units_problem(3, 3, setting="x") is None
+    assert lanes_units_problem(4, 3, setting="--lanes 4") == (
+        "--lanes 4 asks for 4 lanes, more than the 3 FSDP units of this model chunk, so 1 lane(s) "
+        "would hold no unit; use at most 3 lanes.")

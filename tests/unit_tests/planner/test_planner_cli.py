@@ -89,29 +89,52 @@ def test_unit_override_0182():
     assert "MambaLayer" not in text.split("unit classes:")[1].splitlines()[0]
 
 
-def test_three_lane_bound(planned):
+def test_lane_plans(planned):
     text, doc = planned
     for name in ("weight", "grad"):
         a = doc["allocators"][name]
-        # Tiny model is M*E x2: one lane per layer kind, so less than two MoE units.
-        assert a["adjacent_pair_bound_bytes"] <= a["three_lane_bound_bytes"] < a["maxpool_pool_bytes"]
-    assert "3-lane bound" in text
+        three = a["lane_plans"]["3"]
+        # Tiny model is M*E x2: lane j holds the two layers of kind j, so the pool is one layer of
+        # each kind, between the adjacent-pair bound and two MoE layers (the max-pool plan).
+        assert a["adjacent_pair_bound_bytes"] <= three["pool_bytes"] < a["maxpool_pool_bytes"]
+        assert three["homes"] == {str(u): [u % 3] for u in range(6)}
+        assert sum(three["arena_numel"].values()) * (2 if name == "weight" else 4) == three["pool_bytes"]
+        assert set(a["lane_plans"]) == {"3"}
+    assert "[weight] 3-lane plan" in text and "[weight]   lane 2 torch.bfloat16" in text
 
 
-def test_lane_bytes_arithmetic():
-    from hfsdp.planner.report import _plan_mod, lane_bytes
+def test_plan_lanes_flag_any_n(capsys):
+    assert cli.main(TINY + ["--plan-lanes", "2,4,3"]) == 0
+    text = capsys.readouterr().out
+    assert text.index("2-lane plan") < text.index("4-lane plan") < text.index("3-lane plan")
+    # Two lanes are today's max-pool arena plan, byte for byte.
+    weight = [line for line in text.splitlines() if line.startswith("[weight]")]
+    maxpool = next(line for line in weight if "max-pool arena plan :" in line).split(":")[1].split("(")[0]
+    two = next(line for line in weight if "2-lane plan" in line).split(":")[1].split("(")[0]
+    assert two == maxpool and "(1.000 x max-pool arena plan; 2 units live; shared" in text
 
-    pm = _plan_mod()
-    spec = pm.BucketSpec
-    # Units 0..5 of 100, 50, 1000, 120, 60, 900 bf16 elements; rounding to 128 elements.
-    plan = pm.plan_max_pool([spec(i, i, "torch.bfloat16", n, 2) for i, n in
-                             enumerate((100, 50, 1000, 120, 60, 900))], align_bytes=256)
-    assert plan.pool_bytes() == 2 * 1000 * 2
-    # Lanes {0,3}: max(128, 128); {1,4}: 128; {2,5}: 1024.
-    assert lane_bytes(plan, 3) == (128 + 128 + 1024) * 2
-    # Two lanes by parity: {0,2,4} -> 1024, {1,3,5} -> 1024: the current pool, with each unit
-    # rounded to the alignment (the current arena only rounds bucket offsets).
-    assert lane_bytes(plan, 2) == 2 * 1024 * 2
-    assert lane_bytes(plan, 1) == 1024 * 2
-    with pytest.raises(ValueError, match="lanes must be >= 1"):
-        lane_bytes(plan, 0)
+
+@pytest.mark.parametrize("value, message", [
+    ("1", "'1' is not a lane count: give whole numbers >= 2"),
+    ("3,x", "'x' is not a lane count"),
+])
+def test_plan_lanes_bad_values(capsys, value, message):
+    with pytest.raises(SystemExit) as info:
+        cli.main(TINY + ["--plan-lanes", value])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_default_lanes_are_left_out_for_a_model_with_fewer_units(capsys):
+    two_units = list(TINY)
+    two_units[two_units.index("--hybrid-layer-pattern") + 1] = "M*"  # a Mamba and an attention unit
+    assert cli.main(two_units) == 0
+    assert "lane plan" not in capsys.readouterr().out
+    assert cli.main(two_units + ["--plan-lanes", "2"]) == 0
+    assert "[weight] 2-lane plan" in capsys.readouterr().out
+
+
+def test_more_lanes_than_units_is_refused_like_the_runtime(capsys):
+    assert cli.main(TINY + ["--plan-lanes", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "--plan-lanes 7 asks for 7 lanes, more than the 6 FSDP units of this model chunk" in err
+    assert "-> pass lane counts between 2 and the model's number of units" in err

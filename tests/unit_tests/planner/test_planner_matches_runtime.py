@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
 from hfsdp.planner import layout as L
 from hfsdp.planner import report as R
@@ -91,3 +92,26 @@ def test_maxpool_plan_equals_runtime_allocator(cpu_fsdp_buffer):
         assert mine.offsets == runtime_plan.offsets, alloc_name
         assert mine.unit_ids == runtime_plan.unit_ids, alloc_name
         assert mine.pool_bytes() == runtime_plan.pool_bytes(), alloc_name
+
+
+def test_lane_plans_equal_runtime_allocators(cpu_fsdp_buffer):
+    """The planner's N-lane plan is the plan the allocators hold with
+    megatron_fsdp_max_pool_lanes=N: the same function (runtime_lane_plan) on the same buckets."""
+    planned = L.compute_layout(_model(), unit_classes=[Unit], strategy="optim_grads_params",
+                               dp_size=DP, expert_dp_size=DP)
+    for lanes in (2, 3, 5):
+        buf = cpu_fsdp_buffer(_model(), [Unit], megatron_fsdp_max_pool_double_buffer=True,
+                              megatron_fsdp_max_pool_lanes=lanes)
+        for alloc_name, kind in (("weight_alloc", "weight"), ("main_grad_alloc", "grad")):
+            alloc = getattr(buf, alloc_name)
+            mine = R.plan_allocator(planned, kind, align_bytes=alloc.plan.align_bytes, lanes=(lanes,),
+                                    main_grads_dtype=buf.mp_policy.main_grads_dtype,
+                                    grad_comm_dtype=buf.mp_policy.grad_comm_dtype)["lanes"][lanes]
+            assert alloc.size == buf.live_unit_limit == lanes
+            if lanes == 2:  # today's allocator and plan, which the shared lanes equal byte for byte
+                assert type(alloc) is mpa.MaxPoolAllocator
+                assert {d: n for (_, d), n in mine.arena_numel.items()} == alloc.plan.arena_numel
+                assert mine.offsets == alloc.plan.offsets
+            else:
+                assert mine == alloc.plan, (alloc_name, lanes)
+            assert mine.pool_bytes() == alloc.plan.pool_bytes() == alloc.stats()["pool_bytes_planned"]
