@@ -58,10 +58,11 @@ def use_transformer_engine(args: Namespace) -> bool:
     impl = getattr(args, "transformer_impl", "transformer_engine")
     if impl == "transformer_engine":
         # requirements imports SpecError from here, so it is imported at call time.
-        from hfsdp.training.requirements import importable, missing_error, needs
+        from hfsdp.training.requirements import importable, missing_error, needs, torch_cuda_version
 
         if not importable("transformer_engine"):
-            raise missing_error(next(n for n in needs(args) if n.package == "transformer_engine"))
+            need = next(n for n in needs(args) if n.package == "transformer_engine")
+            raise missing_error(need, torch_cuda_version())
         return True
     if impl == "local":
         return False

@@ -78,8 +78,8 @@ def test_transformer_engine_missing_is_a_clear_error() -> None:
             print("SPEC-ERROR:", e)
     """)
     assert "SPEC-ERROR:" in proc.stdout, proc.stderr[-3000:]
-    assert "transformer_engine is not importable" in proc.stdout
-    assert "--transformer-impl local" in proc.stdout
+    assert "needs Transformer Engine (transformer_engine), which is not importable" in proc.stdout
+    assert ".[te" in proc.stdout and "--transformer-impl local" in proc.stdout
 
 
 @pytest.mark.parametrize("family,extra,layer_check", [
