@@ -133,8 +133,9 @@ def importable(package: str) -> bool:
     return True
 
 
-def missing(args: Namespace, available: Callable[[str], bool] = importable) -> list[Need]:
-    """The needs of ``args`` whose package is not available."""
+def missing(args: Namespace, available: Callable[[str], bool] | None = None) -> list[Need]:
+    """The needs of ``args`` whose package is not available (default: :func:`importable`)."""
+    available = available or importable  # looked up per call, so a test can stand in for it
     return [n for n in needs(args) if not available(n.package)]
 
 
@@ -182,7 +183,7 @@ def _dist_version(dist: str) -> str | None:
         return None
 
 
-def check(args: Namespace, available: Callable[[str], bool] = importable,
+def check(args: Namespace, available: Callable[[str], bool] | None = None,
           torch_cuda: Callable[[], str | None] = torch_cuda_version) -> None:
     """Raise :class:`MissingPackage` naming every missing optional package ``args`` needs."""
     lacking = missing(args, available)
