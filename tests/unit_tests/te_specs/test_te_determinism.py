@@ -50,3 +50,10 @@ def test_every_setting_says_why_and_is_described() -> None:
         assert len(s.why) > 40, s
         assert s.name in text, s.name
     assert "NOT yet verified on a GPU" in text
+
+
+def test_docs_state_the_verification_status() -> None:
+    doc = (REPO_ROOT / "docs/transformer-engine.md").read_text()
+    assert D.VERIFIED or "not yet verified on a GPU" in doc, "the docs must say the settings are unverified"
+    for name in (*D.env(), *D.env("cache"), *D.flags()):
+        assert name in doc, f"docs/transformer-engine.md does not list {name}"

@@ -49,6 +49,7 @@ def test_install_hint_names_the_extra_and_no_build_isolation(extra: str) -> None
     hint = extras.install_hint(extra)
     assert f"-e .[{extra}]" in hint and "--no-build-isolation" in hint, hint
     assert all(req in hint for req in extras.EXTRAS[extra]), hint
+    assert (REPO_ROOT / extras.DOC).is_file(), f"the hint points at {extras.DOC}, which does not exist"
 
 
 def test_install_hint_refuses_an_unknown_extra() -> None:
@@ -60,3 +61,13 @@ def test_install_hint_refuses_an_unknown_extra() -> None:
                                          (None, "te")])
 def test_te_extra_follows_torch_cuda_major(cuda: str | None, extra: str) -> None:
     assert extras.te_extra(cuda) == extra
+
+
+@pytest.mark.parametrize("doc", ["README.md", extras.DOC])
+def test_docs_name_every_extra_and_its_pins(doc: str) -> None:
+    text = (REPO_ROOT / doc).read_text()
+    for name, reqs in extras.EXTRAS.items():
+        assert f".[{name}]" in text, f"{doc} does not mention .[{name}]"
+        for req in reqs:
+            assert req in text, f"{doc} does not name {req} (the {name} extra)"
+    assert "--no-build-isolation" in text, doc
