@@ -3,6 +3,8 @@
 # pydantic) in .gpu-wheels/te/ and causal-conv1d 1.7.0 in .gpu-wheels/conv1d/ (setup_gpu_env.sh
 # installs them):
 #   . tests/gpu/setup_gpu_env.sh && bash tests/gpu/run_te.sh [--record-missing] [preset]
+# (The wheel sets can also be installed one at a time: with HFSDP_GPU_SITE inside the checkout's
+# ignored .gpu-wheels/, e.g. .gpu-wheels/site, what an earlier setup installed stays there.)
 # 1. Transformer Engine (with its torch extension) and causal-conv1d must import, be the pinned
 #    versions, and run a TE LayerNormLinear forward and backward on the GPU; otherwise nothing runs.
 # 2. The six TE functional cases, each twin before the cases compared to it: goldens compared.

@@ -132,7 +132,7 @@ def test_hybrid_without_local_spec_is_a_clear_error() -> None:
     # This tree always has the spec (a patch of the series); hide it, as a stale tree would.
     proc = _py(f"""
         sys.modules["megatron.core.models.hybrid.hybrid_local_layer_specs"] = None
-        args, family = parse_args({TINY + ["--hybrid-layer-pattern", "M*-"]!r})
+        args, family = parse_args({TINY + ["--hybrid-layer-pattern", "M*-", "--disable-mamba-mem-eff-path"]!r})
         from hfsdp.training.specs import SpecError, hybrid_stack_spec
         try:
             hybrid_stack_spec(args)
