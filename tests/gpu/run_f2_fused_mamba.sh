@@ -3,7 +3,7 @@
 # from the repo root on a 2-GPU machine (with one GPU Megatron-FSDP never gathers, so the scenario
 # cannot occur), with causal-conv1d (.gpu-wheels/conv1d/) and, for the TE-spec and unpatched-0.18.2
 # variants, Transformer Engine (.gpu-wheels/te/):
-#   . tests/gpu/setup_gpu_env.sh && bash tests/gpu/run_f2_fused_mamba.sh
+#   bash tests/gpu/run_f2_fused_mamba.sh   (sources tests/gpu/setup_gpu_env.sh unless done)
 # The unpatched 0.18.2 tree is extracted from the pinned sdist (patches/base.toml), found as
 # scripts/patchset finds it; copy megatron_core-0.18.2.tar.gz into .gpu-wheels/ to carry it
 # (MEGATRON_PATCHSET_FIND_LINKS defaults to .gpu-wheels here; nothing is downloaded).
@@ -13,6 +13,8 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
+[ -n "${HFSDP_GPU_ENV_READY:-}" ] || . tests/gpu/setup_gpu_env.sh \
+  || { echo "run_f2_fused_mamba: tests/gpu/setup_gpu_env.sh failed" >&2; exit 2; }
 export MEGATRON_PATCHSET_FIND_LINKS=${MEGATRON_PATCHSET_FIND_LINKS:-$PWD/.gpu-wheels}
 gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
 if [ "${gpus:-0}" -lt 2 ]; then

@@ -2,7 +2,7 @@
 # Transformer Engine on one GPU, from the repo root, with TE 2.20.2 (core wheel + torch extension +
 # pydantic) in .gpu-wheels/te/ and causal-conv1d 1.7.0 in .gpu-wheels/conv1d/ (setup_gpu_env.sh
 # installs them):
-#   . tests/gpu/setup_gpu_env.sh && bash tests/gpu/run_te.sh [--record-missing] [preset]
+#   bash tests/gpu/run_te.sh [--record-missing] [preset]   (sources tests/gpu/setup_gpu_env.sh unless done)
 # (The wheel sets can also be installed one at a time: with HFSDP_GPU_SITE inside the checkout's
 # ignored .gpu-wheels/, e.g. .gpu-wheels/site, what an earlier setup installed stays there.)
 # 1. Transformer Engine (with its torch extension) and causal-conv1d must import, be the pinned
@@ -23,6 +23,8 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
+[ -n "${HFSDP_GPU_ENV_READY:-}" ] || . tests/gpu/setup_gpu_env.sh \
+  || { echo "run_te: tests/gpu/setup_gpu_env.sh failed" >&2; exit 2; }
 record=()
 [ "${1:-}" = "--record-missing" ] && { record=(--record-missing); shift; }
 preset=${1:-default}

@@ -18,9 +18,11 @@ CASES = REPO_ROOT / "tests/functional_tests/test_cases"
 
 
 def script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "HFSDP_FUNCTIONAL_OUT", "STAGES")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OUT", "HFSDP_FUNCTIONAL_OUT", "STAGES", "HFSDP_GPU_ENV_READY")}
     path = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env.update(NVLS_SAFE_ENV, PYTHONPATH=path, OUT=str(tmp_path / "out"), **extra)
+    env.update(NVLS_SAFE_ENV, PYTHONPATH=path, OUT=str(tmp_path / "out"), HFSDP_GPU_SITE=str(tmp_path / "site"),
+               **extra)
     return env
 
 
