@@ -122,7 +122,7 @@ def argv() -> list[str]:
 
 
 def describe() -> str:
-    """Every setting with its reason, for the docs and ``--help``."""
+    """Every setting with its reason (the benchmark prints it under ``--deterministic``)."""
     status = "verified on a GPU" if VERIFIED else "derived from code reading, NOT yet verified on a GPU"
     lines = [f"Deterministic Transformer Engine runs ({status}):"]
     for s in (*ENV, *TRITON.values(), *FLAGS):

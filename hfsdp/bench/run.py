@@ -220,6 +220,8 @@ def _main(argv: Sequence[str]) -> int:
               f"capture step of {', '.join(graphed)}; use at least {cfgs.GRAPH_WARMUP_STEPS + 2}.",
               file=sys.stderr)
         return 2
+    if opts.deterministic:
+        print(te_determinism.describe(), flush=True)  # what every run of this invocation gets, and why
     if "no_db" not in wanted:
         print("note: no_db not selected; ratios vs baseline will be empty")
     runnable, skipped = [], {}
