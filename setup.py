@@ -15,6 +15,7 @@ from setuptools import find_namespace_packages, setup
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
+from hfsdp.extras import EXTRAS  # noqa: E402
 from hfsdp.patchset.errors import PatchsetError  # noqa: E402
 from hfsdp.patchset.materialize import materialize  # noqa: E402
 from hfsdp.patchset.project import Project  # noqa: E402
@@ -45,6 +46,8 @@ setup(
         "test": ["pytest>=8", "hypothesis>=6", "pyyaml", "einops", "matplotlib",
                  "ruff>=0.17,<0.18", "mypy>=2.4,<3"],
         "bench": ["matplotlib"],
+        # Optional Transformer Engine / Mamba kernels, pinned ([Note: optional extras], hfsdp/extras.py).
+        **EXTRAS,
     },
     scripts=["scripts/patchset"],
 )

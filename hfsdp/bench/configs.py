@@ -19,6 +19,7 @@ class BenchConfig:
     flags: tuple[str, ...]
     description: str
     plan: str | None  # which planner figure is its pool: "fixed_pool", "maxpool", "lanes" or None
+    spec: str = "local"  # layer specs: "local" or "te" (Transformer Engine); see BASELINES
 
     @property
     def graphed(self) -> bool:
@@ -34,6 +35,13 @@ class BenchConfig:
 # Full-iteration CUDA graph: Megatron's default 3 eager warm-up steps, capture on step 4.
 GRAPH_FLAGS = ("--cuda-graph-impl", "full_iteration")
 GRAPH_WARMUP_STEPS = 3
+# Transformer Engine layer specs (replaces the presets' --transformer-impl local; argparse keeps
+# the last value). The hybrid TE spec builds TE attention, TE layer-norm linears and TE grouped
+# GEMM experts (TEGroupedMLP) whatever --moe-grouped-gemm says.
+TE_FLAGS = ("--transformer-impl", "transformer_engine")
+# Each spec's eager no-double-buffer configuration: its runs' lm loss is what the spec's other
+# configurations must match bit for bit (TE and local kernels differ, so they never match each other).
+BASELINES = {"local": "no_db", "te": "te_no_db"}
 
 
 CONFIGS = {
@@ -65,10 +73,21 @@ CONFIGS = {
     "maxpool_lanes3_graph": BenchConfig(
         "maxpool_lanes3_graph", ("--fsdp-double-buffer", MAXPOOL_FLAG, LANES_FLAG, "3", *GRAPH_FLAGS),
         "max-pool double buffer, 3 lanes, full-iteration CUDA graph", "lanes"),
+    "te_no_db": BenchConfig("te_no_db", TE_FLAGS, "Transformer Engine specs, no double buffer", None, "te"),
+    "te_maxpool": BenchConfig("te_maxpool", (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG),
+                              "Transformer Engine specs, max-pool double buffer", "maxpool", "te"),
+    "te_no_db_graph": BenchConfig("te_no_db_graph", (*TE_FLAGS, *GRAPH_FLAGS),
+                                  "Transformer Engine specs, no double buffer, full-iteration CUDA graph",
+                                  None, "te"),
+    "te_maxpool_graph": BenchConfig(
+        "te_maxpool_graph", (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, *GRAPH_FLAGS),
+        "Transformer Engine specs, max-pool double buffer, full-iteration CUDA graph", "maxpool", "te"),
 }
 # maxpool_ub is opt-in (--configs ...,maxpool_ub): --use-nccl-ub JIT-builds megatron's NCCL
 # allocator extension (load_inline, needs nvcc, nccl.h and libnccl.so), unproven on the GPU box.
 DEFAULT_CONFIGS = ("no_db", "maxpool", "no_db_graph", "maxpool_graph")
+# TE vs local, eager vs graphed, no-db vs max-pool in one invocation (needs Transformer Engine).
+TE_COMPARISON = (*DEFAULT_CONFIGS, "te_no_db", "te_maxpool", "te_no_db_graph", "te_maxpool_graph")
 
 # "Fills most of an H200": 5.9B-param hybrid (24 layers, hidden 4096, 16 experts), seq 4096.
 # Measured at DP=2 on H200 (2026-11-22): no_db peak reserved 91,990 MiB of 143,771 (64 %).
@@ -121,3 +140,11 @@ def availability(name: str) -> str | None:
     # NCCL user-buffer configs run under whatever NCCL_NVLS_ENABLE the caller's environment (or
     # --env) sets: NVLink multicast is the cluster's choice, the fork's allocator keeps it.
     return None
+
+
+def loss_groups(names: Sequence[str]) -> dict[str, list[str]]:
+    """Baseline -> the configurations among ``names`` whose losses are held to it (BASELINES)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(BASELINES[CONFIGS[name].spec], []).append(name)
+    return groups

@@ -154,14 +154,14 @@ def loss_agreement(runs: Sequence[RunResult], baseline: str = BASELINE) -> dict[
             first = min(len(r.lm_loss), len(reference)) + 1
         out.append({"config": r.config, "repeat": r.repeat, "identical": first is None,
                     "first_divergent_step": first})
-    return {"reference": list(reference), "baseline_runs": len(seqs),
+    return {"baseline": baseline, "reference": list(reference), "baseline_runs": len(seqs),
             "baseline_distinct_sequences": len(counts), "runs": out}
 
 
 def format_loss_agreement(agreement: dict[str, Any]) -> list[str]:
     if agreement.get("reference") is None:
         return ["loss agreement: no baseline losses"]
-    lines = [f"loss agreement vs {agreement['baseline_runs']} baseline run(s) "
+    lines = [f"loss agreement vs {agreement['baseline_runs']} {agreement.get('baseline', BASELINE)} run(s) "
              f"({agreement['baseline_distinct_sequences']} distinct sequence(s)):"]
     for r in agreement["runs"]:
         verdict = ("bit-identical" if r["identical"]
@@ -215,10 +215,14 @@ def format_table(summaries: Sequence[ConfigSummary]) -> list[str]:
 
 
 def to_json(summaries: Sequence[ConfigSummary], runs: Sequence[RunResult],
-            meta: dict[str, Any]) -> dict[str, Any]:
+            meta: dict[str, Any], agreements: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The results document; ``agreements``: baseline -> loss agreement of the runs held to it
+    (default: every run against ``no_db``)."""
+    agreements = agreements if agreements is not None else {BASELINE: loss_agreement(runs)}
     return {
         "meta": meta,
-        "loss_agreement": loss_agreement(runs),
+        "loss_agreement": agreements.get(BASELINE, {"reference": None, "runs": []}),
+        "loss_agreement_by_baseline": agreements,
         "summary": [dataclasses.asdict(s) for s in summaries],
         "runs": [dict(dataclasses.asdict(r), median_step_s=r.median_step_s) for r in runs],
     }

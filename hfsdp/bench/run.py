@@ -11,6 +11,7 @@ environment unchanged plus ``--env KEY=VALUE`` ([Note: launch environment] in hf
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -22,12 +23,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from hfsdp import extras, te_determinism
 from hfsdp.bench import configs as cfgs
 from hfsdp.bench import pretrain_launch
 from hfsdp.bench import results as res
 from hfsdp.launch_env import add_env_option, job_env, parse_assignments
 from hfsdp.proc import run_group
-from hfsdp.usererror import run_cli
+from hfsdp.training import requirements
+from hfsdp.usererror import UserError, run_cli
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -66,20 +69,33 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         "caches so the first timed run is not slower than the rest).")
     p.add_argument("--chart-from", default=None,
                    help="Only (re)draw --out-png from an existing results JSON (no GPU).")
+    p.add_argument("--deterministic", action="store_true",
+                   help="Give every run the deterministic Transformer Engine settings of "
+                        "hfsdp/te_determinism.py (flags and environment; Triton choices shared through "
+                        "TRITON_CACHE_AUTOTUNING), so losses of one spec can agree bit for bit. Timings "
+                        "are then those of the deterministic kernels. --env and flags after -- win.")
     add_env_option(p)
     opts = p.parse_args(argv[:split])
     opts.env = parse_assignments(opts.env)
+    if opts.deterministic:
+        opts.env = {**te_determinism.env("cache"), **opts.env}
     if opts.repeats < 3:
         print(f"note: --repeats {opts.repeats} < 3; medians over so few runs are noisy")
     return opts, argv[split + 1:]
 
 
-def planned_pools(flags: Sequence[str], nproc: int) -> dict[str, dict[str, int]]:
-    """Planned pool bytes per configuration (weights + grads) from a CPU-only planner run."""
+def planned_pools(flags: Sequence[str], nproc: int,
+                  extra_env: dict[str, str] | None = None) -> dict[str, dict[str, int]]:
+    """Planned pool bytes per configuration (weights + grads) from a CPU-only planner run.
+
+    The planner builds the preset's model with local specs (no TE on a CPU); a TE configuration
+    has the same parameters per unit, so its planned pool is the local one (bucket padding may
+    differ slightly; the measured pool is in the run report).
+    """
     lanes = sorted({c.lanes for c in cfgs.CONFIGS.values() if c.plan == "lanes"})
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+        env = dict(job_env(os.environ, extra_env or {}), CUDA_VISIBLE_DEVICES="")
         cmd = [sys.executable, "-m", "hfsdp.planner", *flags, "--plan-dp-size", str(nproc),
                *(["--plan-lanes", ",".join(map(str, lanes))] if lanes else []), "--plan-json", out]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -189,8 +205,15 @@ def _main(argv: Sequence[str]) -> int:
                     f"{doc['meta'].get('preset')} model, {doc['meta'].get('nproc')} GPUs")
         print(f"wrote {opts.out_png}")
         return 0
-    flags = cfgs.model_flags(opts.preset, extra)
+    # Flags after -- win over --deterministic's, which win over the preset's.
+    flags = cfgs.model_flags(opts.preset, cfgs.override_flags(te_determinism.argv() if opts.deterministic
+                                                              else [], extra))
     wanted = [c.strip() for c in opts.configs.split(",") if c.strip()]
+    te_wanted = [n for n in wanted if n in cfgs.CONFIGS and cfgs.CONFIGS[n].spec == "te"]
+    if te_wanted and not requirements.importable("transformer_engine"):
+        raise UserError(f"{', '.join(te_wanted)} need Transformer Engine, which is not importable here",
+                        f"install the TE extra ({extras.install_hint('te')}; `te-cu12` for a CUDA 12 "
+                        "torch), or drop the te_* configurations from --configs")
     graphed = [n for n in wanted if n in cfgs.CONFIGS and cfgs.CONFIGS[n].graphed]
     if graphed and profiling(opts):
         print(f"error: {', '.join(graphed)} run under a CUDA graph inside pretrain; the profiling "
@@ -203,6 +226,8 @@ def _main(argv: Sequence[str]) -> int:
               f"capture step of {', '.join(graphed)}; use at least {cfgs.GRAPH_WARMUP_STEPS + 2}.",
               file=sys.stderr)
         return 2
+    if opts.deterministic:
+        print(te_determinism.describe(), flush=True)  # what every run of this invocation gets, and why
     if "no_db" not in wanted:
         print("note: no_db not selected; ratios vs baseline will be empty")
     runnable, skipped = [], {}
@@ -213,7 +238,7 @@ def _main(argv: Sequence[str]) -> int:
         else:
             skipped[name] = reason
             print(f"skip {name}: {reason}")
-    planned = {} if opts.no_plan else planned_pools(flags, opts.nproc)
+    planned = {} if opts.no_plan else planned_pools(flags, opts.nproc, opts.env)
     order = res.interleaved_order(runnable, opts.repeats)
     runs: list[res.RunResult] = []
     failures: dict[str, str] = {}
@@ -248,7 +273,16 @@ def _main(argv: Sequence[str]) -> int:
                   f"total {time.time() - start:.0f}s)", flush=True)
     summaries = res.summarize(runs, planned=planned)
     print("\n".join(res.format_table(summaries)))
-    print("\n".join(res.format_loss_agreement(res.loss_agreement(runs))))
+    # TE configurations also against their own eager baseline (the TE targets are ratios to it).
+    te_runs = [r for r in runs if cfgs.CONFIGS[r.config].spec == "te"]
+    te_summaries = res.summarize(te_runs, planned=planned, baseline=cfgs.BASELINES["te"])
+    if te_runs:
+        print(f"Transformer Engine configurations, x base against {cfgs.BASELINES['te']}:")
+        print("\n".join(res.format_table(te_summaries)))
+    agreements = {base: res.loss_agreement([r for r in runs if r.config in names], base)
+                  for base, names in cfgs.loss_groups([r.config for r in runs]).items()}
+    for agreement in agreements.values():
+        print("\n".join(res.format_loss_agreement(agreement)))
     print("\n".join(res.format_pool_check(summaries, runs)))
     meta = {
         "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc,
@@ -257,9 +291,14 @@ def _main(argv: Sequence[str]) -> int:
         "failures": failures, "primed": primed, "env": opts.env,
         "configs": {n: cfgs.CONFIGS[n].description for n in wanted if n in cfgs.CONFIGS},
         "torch": _torch_version(), "wall_s": round(time.time() - start, 1),
+        "deterministic": opts.deterministic,
+        "te_determinism_verified": te_determinism.VERIFIED if opts.deterministic else None,
     }
     os.makedirs(os.path.dirname(os.path.abspath(opts.out_json)), exist_ok=True)
-    res.write_json(opts.out_json, res.to_json(summaries, runs, meta))
+    doc = res.to_json(summaries, runs, meta, agreements)
+    if te_runs:
+        doc["summary_te"] = [dataclasses.asdict(s) for s in te_summaries]
+    res.write_json(opts.out_json, doc)
     print(f"wrote {opts.out_json}")
     if not opts.no_chart and summaries:
         from hfsdp.bench.chart import ChartUnavailable, write_chart

@@ -12,6 +12,9 @@ Keys kept from Megatron (``tests/functional_tests/test_cases/<model>/<case>/mode
 * ``CHECKS``: ``log_absent`` / ``log_present`` regex lists, ``min_iterations``,
   ``loss_decreases`` (bool);
 * ``REQUIRE_GOLDEN``: false for cases whose numbers are machine-specific (CPU smoke).
+* ``DETERMINISM: transformer_engine``: the environment and flags of a deterministic TE run, from
+  hfsdp/te_determinism.py ([Note: deterministic TE runs]), merged into ``ENV_VARS`` and
+  ``MODEL_ARGS``; the recipe must not set any of them itself (one place for them).
 * ``RESUME_COMPARE``: how a ckpt-resume case's run 2 is held to run 1 (default: every resumed
   ``lm loss`` identical). ``exact_steps: N`` keeps the first N resumed steps identical (the
   first one shows the loaded weights are the saved ones; the optimizer state first shows in
@@ -37,12 +40,13 @@ from typing import Any
 
 import yaml
 
+from hfsdp import te_determinism
 from hfsdp.usererror import UserError
 
 TEST_TYPES = ("regular", "ckpt-resume", "smoke")
 DEFAULT_METRICS = ("lm loss", "num-zeros")
 KEYS = ("ENV_VARS", "MODEL_ARGS", "MODEL_ARGS_2", "ENV_VARS_2", "TEST_TYPE", "METRICS", "TRAINING_SCRIPT",
-        "NPROC", "COMPARE_TO", "CHECKS", "REQUIRE_GOLDEN", "RESUME_COMPARE")
+        "NPROC", "COMPARE_TO", "CHECKS", "REQUIRE_GOLDEN", "RESUME_COMPARE", "DETERMINISM")
 CHECK_KEYS = ("log_absent", "log_present", "min_iterations", "loss_decreases")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPE_FIX = "fix model_config.yaml; docs/functional-tests.md lists every key and its type"
@@ -100,6 +104,7 @@ class Recipe:
     checks: Checks = field(default_factory=Checks)
     require_golden: bool = True
     resume_compare: ResumeCompare = field(default_factory=ResumeCompare)
+    determinism: str | None = None  # DETERMINISM: already merged into env_vars and model_args
 
     @property
     def train_iters(self) -> int:
@@ -214,6 +219,21 @@ def _resume_compare(raw: Any, test_type: str, where: str) -> ResumeCompare:
     return ResumeCompare(exact_steps=exact, rtol=float(rtol))
 
 
+def _determinism(raw: Any, path: Path, parts: Mapping[str, Mapping[str, Any]]
+                 ) -> tuple[dict[str, str | None], dict[str, Any]]:
+    """The ``DETERMINISM`` profile's environment and flags; none may be set by the recipe."""
+    if raw != te_determinism.PROFILE:
+        raise RecipeError(f"{path}: DETERMINISM must be {te_determinism.PROFILE!r}, got {raw!r}")
+    env: dict[str, str | None] = dict(te_determinism.env("pin"))
+    flags = te_determinism.flags()
+    clash = sorted(k for key, part in parts.items() for k in part if k in (env if "ENV" in key else flags))
+    if clash:
+        raise RecipeError(f"{path}: {', '.join(clash)} also set by DETERMINISM: {raw}",
+                          "remove them from the recipe: the deterministic settings live in one place, "
+                          "hfsdp/te_determinism.py")
+    return env, flags
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -277,14 +297,22 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
         raise RecipeError(f"{path}: COMPARE_TO {compare_to} is not a case folder (no "
                           f"{case_dir / str(compare_to) / 'model_config.yaml'})",
                           "name a sibling case relative to this one, e.g. ../hybrid_mcore_local_fsdp_no_db")
+    env_vars = _env_map(raw.get("ENV_VARS"), f"{path}: ENV_VARS")
+    model_args_2 = _model_args(raw.get("MODEL_ARGS_2"), f"{path}: MODEL_ARGS_2", required=False)
+    env_vars_2 = _env_map(raw.get("ENV_VARS_2"), f"{path}: ENV_VARS_2")
+    if "DETERMINISM" in raw:
+        det_env, det_flags = _determinism(raw["DETERMINISM"], path, {
+            "ENV_VARS": env_vars, "ENV_VARS_2": env_vars_2, "MODEL_ARGS": model_args,
+            "MODEL_ARGS_2": model_args_2})
+        env_vars, model_args = {**env_vars, **det_env}, {**model_args, **det_flags}
     recipe = Recipe(
         case_dir=case_dir,
         model=case_dir.parent.name,
         name=case_dir.name,
-        env_vars=_env_map(raw.get("ENV_VARS"), f"{path}: ENV_VARS"),
+        env_vars=env_vars,
         model_args=model_args,
-        model_args_2=_model_args(raw.get("MODEL_ARGS_2"), f"{path}: MODEL_ARGS_2", required=False),
-        env_vars_2=_env_map(raw.get("ENV_VARS_2"), f"{path}: ENV_VARS_2"),
+        model_args_2=model_args_2,
+        env_vars_2=env_vars_2,
         test_type=test_type,
         metrics=tuple(metrics),
         training_script=_training_script(raw.get("TRAINING_SCRIPT"), path),
@@ -293,6 +321,7 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
         checks=_checks(raw.get("CHECKS"), f"{path}: CHECKS"),
         require_golden=require_golden,
         resume_compare=_resume_compare(raw.get("RESUME_COMPARE"), test_type, f"{path}: RESUME_COMPARE"),
+        determinism=raw.get("DETERMINISM"),
     )
     if recipe.test_type == "ckpt-resume":
         _ = recipe.train_iters

@@ -54,15 +54,22 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
     """
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    from hfsdp.training import specs
+    from hfsdp.training import requirements, specs
     from megatron.training.arguments import parse_and_validate_args
 
+    # Optional packages (TE, mamba_ssm, causal_conv1d) first, from the flags as given: validate_args
+    # already touches CUDA for some TE-only flags (--moe-grouped-gemm reads the device capability).
+    # Flags read from a checkpoint or a YAML file are only known after validation.
+    raw, _ = megatron_parser().parse_known_args(sys.argv[1:])
+    if not (raw.use_checkpoint_args or raw.yaml_cfg):
+        requirements.check(raw)
     try:
         args = parse_and_validate_args(args_defaults=dict(ARGS_DEFAULTS))
     except (AssertionError, ValueError) as exc:  # Megatron validates flags with asserts and ValueErrors
         raise rejection(exc, "invalid flags", flags_fix()) from exc
     family = specs.resolve_family(args, forced_family)
-    specs.use_transformer_engine(args)  # clear error before any CUDA/NCCL work
+    requirements.check(args)  # clear errors before any CUDA/NCCL work
+    specs.use_transformer_engine(args)
     return args, family
 
 
@@ -99,6 +106,7 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     from hfsdp.digest import ENV as DIGEST_ENV
     from hfsdp.digest import install_from_env as install_digest_from_env
     from hfsdp.training import data, forward_step, fsdp_units, model_provider, run_report
+    from hfsdp.training.requirements import MissingPackage
     from hfsdp.training.specs import SpecError
     from megatron.core.enums import ModelType
     from megatron.training import print_rank_0
@@ -108,6 +116,8 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     set_startup_timestamps(program_start=program_start, main_entry=time.time())
     try:
         args, family = parse_args(argv, forced_family)
+    except MissingPackage as exc:  # carries its own way out: install the extra, or a flag that avoids it
+        raise UserError(exc.cause, exc.fix) from exc
     except SpecError as exc:
         raise UserError(str(exc), flags_fix()) from exc
     require_cuda()

@@ -3,14 +3,14 @@
 Families: ``gpt`` (dense GPTModel), ``moe`` (GPTModel whose MLPs are MoE layers, chosen by
 ``--num-experts``) and ``hybrid`` (HybridModel, chosen by ``--hybrid-layer-pattern``).
 Specs: Transformer Engine (``--transformer-impl transformer_engine``, Megatron's default) or
-local (``--transformer-impl local``). Asking for TE without TE installed is a clear error here,
-instead of a deep ImportError or a silent fallback inside Megatron.
+local (``--transformer-impl local``). Asking for TE without TE installed is a clear error here
+([Note: optional packages] in requirements.py), instead of a deep ImportError or a silent
+fallback inside Megatron.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from argparse import Namespace
 from typing import Any, Literal
 
@@ -53,24 +53,16 @@ def resolve_family(args: Namespace, forced: str | None = None) -> Family:
     return "gpt"
 
 
-def transformer_engine_available() -> bool:
-    """True when ``transformer_engine`` can be imported (checked without importing it)."""
-    try:
-        return importlib.util.find_spec("transformer_engine") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def use_transformer_engine(args: Namespace) -> bool:
     """Whether args ask for TE specs; raises :class:`SpecError` if TE is asked for but missing."""
     impl = getattr(args, "transformer_impl", "transformer_engine")
     if impl == "transformer_engine":
-        if not transformer_engine_available():
-            raise SpecError(
-                "--transformer-impl transformer_engine (Megatron's default) was requested, but "
-                "transformer_engine is not importable in this environment. Install Transformer "
-                "Engine, or pass `--transformer-impl local` to use the local (non-TE) layer specs."
-            )
+        # requirements imports SpecError from here, so it is imported at call time.
+        from hfsdp.training.requirements import importable, missing_error, needs, torch_cuda_version
+
+        if not importable("transformer_engine"):
+            need = next(n for n in needs(args) if n.package == "transformer_engine")
+            raise missing_error(need, torch_cuda_version())
         return True
     if impl == "local":
         return False

@@ -42,3 +42,4 @@ for mod in ("mamba_ssm", "transformer_engine", "causal_conv1d", "triton"):
     except Exception as exc:  # optional packages: say which are absent and why
         print(f"setup_gpu_env: {mod} not available ({type(exc).__name__})")
 PY
+export HFSDP_GPU_ENV_READY=1  # scripts that source this file skip it when already done

@@ -16,6 +16,24 @@ import pytest
 FAKE_DP = 2
 
 
+@pytest.fixture(autouse=True)
+def restore_nvte_environment() -> Iterator[None]:
+    """Undo NVTE_* variables a test leaves behind.
+
+    Building a model in-process runs Megatron's LanguageModule, which writes NVTE_FLASH_ATTN,
+    NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN into os.environ from --attention-backend; a later
+    test's subprocess would inherit them and meet the TE argument check that rejects them.
+    """
+    import os
+
+    before = {k: v for k, v in os.environ.items() if k.startswith("NVTE_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("NVTE_")]:
+        if key not in before:
+            del os.environ[key]
+    os.environ.update(before)
+
+
 @pytest.fixture
 def fake_dp_world(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     import torch

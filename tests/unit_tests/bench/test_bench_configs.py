@@ -67,11 +67,25 @@ def test_nccl_ub_configs_leave_nvls_to_the_environment(monkeypatch, nvls):
     assert C.availability("unknown").startswith("unknown")
 
 
+def test_te_configs_are_the_local_ones_on_te_specs():
+    for name in ("no_db", "maxpool", "no_db_graph", "maxpool_graph"):
+        local, te = C.CONFIGS[name], C.CONFIGS["te_" + name]
+        assert te.flags == (*C.TE_FLAGS, *local.flags) and te.spec == "te" and local.spec == "local"
+        assert te.plan == local.plan and te.graphed == local.graphed
+    assert C.TE_COMPARISON == (*C.DEFAULT_CONFIGS, "te_no_db", "te_maxpool", "te_no_db_graph",
+                               "te_maxpool_graph")
+    assert C.loss_groups(["no_db", "te_maxpool", "maxpool_graph", "te_no_db"]) == {
+        "no_db": ["no_db", "maxpool_graph"], "te_no_db": ["te_maxpool", "te_no_db"]}
+    flags = C.override_flags(C.model_flags("default"), C.CONFIGS["te_maxpool_graph"].flags)
+    assert flags[flags.index("--transformer-impl") + 1] == "transformer_engine"
+
+
 def test_default_configs_are_eager_and_graphed_without_nccl_ub():
     assert C.DEFAULT_CONFIGS == ("no_db", "maxpool", "no_db_graph", "maxpool_graph")
     assert "maxpool_ub" in C.CONFIGS and "fixedpool" in C.CONFIGS
     assert [n for n in C.CONFIGS if C.CONFIGS[n].graphed] == ["maxpool_ub_graph", "no_db_graph",
-                                                              "maxpool_graph", "maxpool_lanes3_graph"]
+                                                              "maxpool_graph", "maxpool_lanes3_graph",
+                                                              "te_no_db_graph", "te_maxpool_graph"]
     assert C.CONFIGS["maxpool_graph"].flags[:2] == C.CONFIGS["maxpool"].flags
 
 

@@ -102,3 +102,74 @@ def test_main_leaves_the_environment_alone(fake_launch, monkeypatch, tmp_path):
 def test_bad_env_option_is_a_sentence(capsys):
     assert B.main(["--env", "NCCL_NVLS_ENABLE"]) == 2
     assert "is not KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.fixture
+def te_launch(monkeypatch):
+    """Fake runs of every configuration: local and TE losses differ, as their kernels do."""
+    seen = []
+    steps = {"no_db": 0.300, "maxpool": 0.290, "no_db_graph": 0.070, "maxpool_graph": 0.065,
+             "te_no_db": 0.250, "te_maxpool": 0.240, "te_no_db_graph": 0.050, "te_maxpool_graph": 0.045}
+
+    def launch(config, repeat, flags, opts, workdir, timeout_s=None):
+        seen.append((config.name, [*flags, *config.flags], dict(opts.env)))
+        loss = (10.0, 9.5) if config.spec == "local" else (10.0, 9.4)
+        if config.name == "te_maxpool" and repeat == 1:
+            loss = (10.0, 9.400001)
+        base = steps[config.name]
+        return R.RunResult(config=config.name, repeat=repeat, step_times_s=(base,), tokens_per_step=4096,
+                           peak_allocated_bytes=2**30, peak_reserved_bytes=2**31, lm_loss=loss), "log"
+
+    monkeypatch.setattr(B, "launch", launch)
+    monkeypatch.setattr(B.requirements, "importable", lambda package: True)
+    return seen
+
+
+def test_one_invocation_compares_te_and_local(te_launch, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = B.main(["--configs", ",".join(B.cfgs.TE_COMPARISON), "--repeats", "2", "--no-plan", "--no-chart",
+                 "--no-prime", "--out-json", str(out)])
+    assert rc == 0
+    for name, flags, _ in te_launch:  # argparse keeps the last --transformer-impl
+        impl = flags[len(flags) - 1 - flags[::-1].index("--transformer-impl") + 1]
+        assert impl == ("transformer_engine" if name.startswith("te_") else "local"), (name, flags)
+    doc = json.loads(out.read_text())
+    te = {s["config"]: s for s in doc["summary_te"]}
+    assert set(te) == {"te_no_db", "te_maxpool", "te_no_db_graph", "te_maxpool_graph"}
+    assert te["te_maxpool_graph"]["step_time_ratio"] == pytest.approx(0.045 / 0.250)
+    local = {s["config"]: s for s in doc["summary"]}
+    assert local["te_no_db"]["step_time_ratio"] == pytest.approx(0.250 / 0.300)  # TE vs local
+    # Each spec's losses are held to its own eager baseline, not to the other spec's.
+    by_base = doc["loss_agreement_by_baseline"]
+    assert set(by_base) == {"no_db", "te_no_db"}
+    assert all(r["identical"] for r in by_base["no_db"]["runs"])
+    assert {(r["config"], r["repeat"]) for r in by_base["te_no_db"]["runs"] if not r["identical"]} == {
+        ("te_maxpool", 1)}
+    text = capsys.readouterr().out
+    assert "Transformer Engine configurations, x base against te_no_db:" in text
+    assert "loss agreement vs 2 te_no_db run(s)" in text
+
+
+def test_te_configurations_without_te_are_refused(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(B.requirements, "importable", lambda package: package != "transformer_engine")
+    monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("nothing may run"))
+    rc = B.main(["--configs", "no_db,te_maxpool", "--no-plan", "--out-json", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "te_maxpool need Transformer Engine, which is not importable here" in err, err
+    assert "-e .[te]" in err and "drop the te_* configurations" in err, err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_deterministic_gives_every_run_the_te_settings(te_launch, tmp_path):
+    from hfsdp import te_determinism
+
+    rc = B.main(["--configs", "no_db,te_no_db", "--repeats", "1", "--no-plan", "--no-chart", "--no-prime",
+                 "--deterministic", "--env", "NCCL_ALGO=Tree", "--out-json", str(tmp_path / "r.json"),
+                 "--", "--attention-backend", "flash"])
+    assert rc == 0
+    for _, flags, env in te_launch:
+        assert "--deterministic-mode" in flags
+        assert flags[flags.index("--attention-backend") + 1] == "flash"  # flags after -- win
+        assert env == {**te_determinism.env("cache"), "NCCL_ALGO": "Tree"}  # --env wins
+    meta = json.loads((tmp_path / "r.json").read_text())["meta"]
+    assert meta["deterministic"] is True and meta["te_determinism_verified"] is te_determinism.VERIFIED

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import megatron.training.arguments as arguments
 from hfsdp.functional import recipe
@@ -32,15 +33,22 @@ def test_case_arguments_validate(case, monkeypatch, tmp_path):
             monkeypatch.setenv(key, value)
     monkeypatch.setenv("WORLD_SIZE", str(rec.nproc))
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    # Models built earlier in this process left Megatron's attention switches set.
+    for key in ("CUDA_DEVICE_MAX_CONNECTIONS", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # --moe-grouped-gemm
+    deterministic = torch.are_deterministic_algorithms_enabled()  # --deterministic-mode sets it
     paths = {k: str(tmp_path / k) for k in ("OUTPUT_PATH", "CHECKPOINT_SAVE_PATH",
                                             "CHECKPOINT_LOAD_PATH", "TENSORBOARD_PATH",
                                             "DATA_PATH", "DATA_CACHE_PATH")}
     monkeypatch.setattr(sys, "argv", ["pretrain"] + recipe.args_to_argv(rec.model_args, paths))
     args = arguments.parse_args()
-    with contextlib.redirect_stdout(io.StringIO()):
-        arguments.validate_args(args, {})
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            arguments.validate_args(args, {})
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     if "graph" in case.name:
         assert args.cuda_graph_impl == "full_iteration"
         assert args.global_batch_size // (args.micro_batch_size * rec.nproc) >= 2, \

@@ -94,6 +94,8 @@ class HybridCase:
     num_experts: int = 4
     moe_ffn: int = 256
     seed: int = 1234
+    mem_eff_path: bool = False  # Mamba's fused path (mamba_split_conv1d_scan_combined, causal-conv1d)
+    te_spec: bool = False  # upstream's TE hybrid_stack_spec instead of the local spec
 
 
 # Upstream's failing scenario (#4810): 1 attention + 1 Mamba unit, hidden 256, DP=2, bf16,
@@ -133,7 +135,7 @@ def transformer_config(case: HybridCase, **overrides):
         mamba_head_dim=case.mamba_head_dim,
         mamba_num_groups=case.mamba_num_groups,
         mamba_state_dim=case.mamba_state_dim,
-        use_mamba_mem_eff_path=False,
+        use_mamba_mem_eff_path=case.mem_eff_path,
         normalization="RMSNorm",
         bf16=True,
         params_dtype=torch.bfloat16,
@@ -154,14 +156,17 @@ def transformer_config(case: HybridCase, **overrides):
 
 
 def build_hybrid_model(case: HybridCase, config=None):
-    """HybridModel from the local spec (no FSDP, no Float16Module)."""
-    from megatron.core.models.hybrid.hybrid_local_layer_specs import hybrid_local_stack_spec
+    """HybridModel from the local spec, or upstream's TE spec (no FSDP, no Float16Module)."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    if case.te_spec:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as spec
+    else:
+        from megatron.core.models.hybrid.hybrid_local_layer_specs import hybrid_local_stack_spec as spec
     return HybridModel(
         config=config if config is not None else transformer_config(case),
-        hybrid_stack_spec=hybrid_local_stack_spec,
+        hybrid_stack_spec=spec,
         vocab_size=case.vocab,
         max_sequence_length=case.seq,
         hybrid_layer_pattern=case.pattern,
@@ -658,9 +663,24 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env, variant: str) 
     which drops the bucket on free, to show what unpatched users hit. The outcome is
     written to JSON and then held to what docs/results.md reports for (g).
     """
+    rec = run_repro_child(f"fixedpool_child_{variant}", [] if variant == "fork" else ["--emulate-0182"],
+                          FIXEDPOOL_JSON.replace(".json", f"_{variant}.json"))
+    record_result(f"g_fixedpool_outcome_{variant}", rec)
+    if dist.get_rank() == 0:
+        check_fixedpool_outcome(rec)
+
+
+def run_repro_child(name: str, child_args: list[str], out_json: str,
+                    env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """Rank 0 runs ``_repro_child`` on 2 GPUs in its own torchrun (an illegal memory access cannot
+    take this session down), writes the outcome to ``out_json`` and every rank returns it.
+
+    ``child_args``: ``--emulate-0182``, ``--fused``, ``--te``, ``--maxpool`` (see ``_repro_child``);
+    ``env_extra`` goes on top of this process's environment (e.g. PYTHONPATH of another tree).
+    """
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
-        child_dir = os.path.join(os.environ.get("OUT") or "/tmp", f"fixedpool_child_{variant}")
+        child_dir = os.path.join(os.environ.get("OUT") or "/tmp", name)
         os.makedirs(child_dir, exist_ok=True)
         for f in os.listdir(child_dir):
             os.remove(os.path.join(child_dir, f))
@@ -668,11 +688,12 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env, variant: str) 
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
         env.update(NVLS_GUARDS)
+        env.update(env_extra or {})
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(_free_port()), os.path.abspath(__file__),
-            "--fixedpool-child", child_dir,
-        ] + (["--emulate-0182"] if variant != "fork" else [])
+            "--fixedpool-child", child_dir, *child_args,
+        ]
         t0 = time.time()
         lines: list[str] = []
         # A process group with a timeout (hfsdp.proc): on a hang the ranks print their stacks, then
@@ -689,7 +710,7 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env, variant: str) 
             if any(s in ln for s in ("illegal memory access", "Error", "error:", "No buffer found"))
         ]
         outcome = {
-            "variant": variant,
+            "variant": name,
             "cmd": " ".join(cmd),
             "returncode": rc,
             "seconds": round(time.time() - t0, 1),
@@ -701,23 +722,18 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env, variant: str) 
             "ok" if rc == 0 and ranks and all(r.get("status") == "ok" for r in ranks.values())
             else "failed"
         )
-        out_json = FIXEDPOOL_JSON.replace(".json", f"_{variant}.json")
         with open(out_json, "w") as fh:
             json.dump(outcome, fh, indent=2, default=str)
-        print("fixedpool outcome:", json.dumps({k: outcome[k] for k in ("returncode", "verdict", "crash_lines")}),
+        print(f"{name} outcome:", json.dumps({k: outcome[k] for k in ("returncode", "verdict", "crash_lines")}),
               flush=True)
-        for name, r in ranks.items():
-            print(f"  {name}: status={r.get('status')} outliers={r.get('outlier_units')} "
+        for rank_name, r in ranks.items():
+            print(f"  {rank_name}: status={r.get('status')} outliers={r.get('outlier_units')} "
                   f"fallback_keys={r.get('fallback_keys')} backup={r.get('backup_buckets')} "
                   f"losses={r.get('losses')} error={r.get('error')}", flush=True)
-        payload[0] = {"verdict": outcome["verdict"], "path": out_json}
-        record_result(f"g_fixedpool_outcome_{variant}", outcome)
+        payload[0] = outcome
     dist.broadcast_object_list(payload, src=0)
-    assert payload[0] is not None, "rank 0 did not record the FixedPool outcome"
-    if dist.get_rank() == 0:
-        with open(payload[0]["path"]) as fh:
-            rec = json.load(fh)
-        check_fixedpool_outcome(rec)
+    assert payload[0] is not None, f"rank 0 did not record the outcome of {name}"
+    return payload[0]
 
 
 def check_fixedpool_outcome(rec: dict[str, Any]) -> None:
@@ -743,8 +759,18 @@ def check_fixedpool_outcome(rec: dict[str, Any]) -> None:
         assert len(r["losses"]) == case_steps and r["finite"], (name, r["losses"])
 
 
-def _fixedpool_child(out_dir: str, emulate_0182: bool = False) -> int:
-    """Child entry (under its own torchrun): FixedPool double buffer on UPSTREAM_CASE."""
+CHILD_FLAGS = ("--emulate-0182", "--fused", "--te", "--maxpool")
+
+
+def _repro_child(out_dir: str, flags: list[str]) -> int:
+    """Child entry (under its own torchrun): the double buffer on UPSTREAM_CASE.
+
+    ``--maxpool``: the fork's max-pool (else FixedPool); ``--emulate-0182``: FixedPool's backup
+    swapped back to 0.18.2's TemporaryBucketAllocator; ``--fused``: Mamba's fused path
+    (needs causal-conv1d); ``--te``: upstream's TE spec (needs Transformer Engine).
+    """
+    emulate_0182, maxpool = "--emulate-0182" in flags, "--maxpool" in flags
+    case = dataclasses.replace(UPSTREAM_CASE, mem_eff_path="--fused" in flags, te_spec="--te" in flags)
     from megatron.core import parallel_state
 
     rank = int(os.environ["RANK"])
@@ -760,8 +786,7 @@ def _fixedpool_child(out_dir: str, emulate_0182: bool = False) -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl")
         parallel_state.initialize_model_parallel(1, 1)
-        case = UPSTREAM_CASE
-        run = make_run(case, maxpool=False, double_buffer=True)
+        run = make_run(case, maxpool=maxpool, double_buffer=True)
         if emulate_0182:
             # 0.18.2's FixedPool backup: a TemporaryBucketAllocator whose free() drops the
             # bucket, so the next allocate makes a new storage behind saved aliases ("dropped
@@ -773,7 +798,8 @@ def _fixedpool_child(out_dir: str, emulate_0182: bool = False) -> int:
             for alloc in run.allocators().values():
                 if hasattr(alloc, "backup_allocator"):
                     alloc.backup_allocator = TemporaryBucketAllocator()
-        rec["emulate_0182_backup"] = emulate_0182
+        rec.update(emulate_0182_backup=emulate_0182, maxpool=maxpool, mem_eff_path=case.mem_eff_path,
+                   te_spec=case.te_spec)
         wa = run.pgb.weight_alloc
         all_units = sorted({g.fsdp_unit_id for g in run.pgb.parameter_groups if g.fsdp_unit_id is not None})
         pooled = sorted(getattr(wa, "fsdp_double_buffer_units", []) or [])
@@ -869,6 +895,6 @@ def test_cpu_dry_run_unit_census(case: HybridCase, expected: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) in (3, 4) and sys.argv[1] == "--fixedpool-child":
-        sys.exit(_fixedpool_child(sys.argv[2], emulate_0182=sys.argv[3:] == ["--emulate-0182"]))
-    sys.exit(f"usage: {sys.argv[0]} --fixedpool-child OUT_DIR (run under torchrun)")
+    if len(sys.argv) >= 3 and sys.argv[1] == "--fixedpool-child" and set(sys.argv[3:]) <= set(CHILD_FLAGS):
+        sys.exit(_repro_child(sys.argv[2], sys.argv[3:]))
+    sys.exit(f"usage: {sys.argv[0]} --fixedpool-child OUT_DIR [{'] ['.join(CHILD_FLAGS)}] (run under torchrun)")

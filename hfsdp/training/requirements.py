@@ -1,0 +1,197 @@
+"""Optional packages a run's flags need, checked before any CUDA work.
+
+[Note: optional packages] Transformer Engine (TE), mamba_ssm and causal_conv1d are optional
+([Note: optional extras] in hfsdp/extras.py). Without them Megatron fails late and obscurely:
+TE specs with an ImportError deep in model construction, rope fusion with a ValueError when the
+config is built, and Mamba's fused path (``use_mamba_mem_eff_path``, Megatron's default) in the
+first forward, where mamba_ssm calls causal_conv1d's kernel through a ``None`` ("'NoneType'
+object is not callable"). The entry point calls :func:`check` on the flags as given (before
+Megatron's ``validate_args``, which already touches CUDA for ``--moe-grouped-gemm``) and again
+on the validated args: each missing package becomes a cause naming the flags that need it and a
+way out naming the extra that installs it and the flag that avoids it.
+
+What needs what (0.18.2):
+
+* ``transformer_engine`` (and its torch extension ``transformer_engine_torch``):
+  ``--transformer-impl transformer_engine`` (Megatron's default, and with it
+  ``--moe-grouped-gemm``: TE's grouped linear); ``--cuda-graph-impl transformer_engine``;
+  ``--fp8-format`` / ``--fp4-format``; ``--tp-comm-overlap``; ``--moe-permute-fusion`` and
+  ``--moe-router-fusion`` (TE's fused MoE kernels); rope fusion, which is on by default with
+  ``--position-embedding-type rope`` (TE's fused rotary kernel). Checked with ``find_spec``:
+  importing TE loads CUDA libraries, and the entry point reports a CPU-only machine itself.
+* ``mamba_ssm``: Mamba layers (``M`` in ``--hybrid-layer-pattern``). Checked by importing what
+  Megatron's mamba_mixer imports (``mamba_ssm.ops.triton.ssd_combined`` and ``layernorm_gated``):
+  a mamba_ssm built without its CUDA extension is present but not importable.
+* ``causal_conv1d``: Mamba layers on the fused path (no ``--disable-mamba-mem-eff-path``).
+  Checked by importing what mamba_mixer and mamba_ssm's fused kernel import (a wheel built for
+  another torch or CUDA is present but not importable).
+
+:func:`te_variant_problem` catches a TE core wheel for the wrong CUDA major (the extension built
+against this torch requires the core of torch's CUDA major, so a second, mismatched core is the
+sign of the wrong ``te`` / ``te-cu12`` extra).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from argparse import Namespace
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hfsdp.extras import PACKAGE_EXTRA, install_hint, te_extra
+from hfsdp.training.specs import SpecError
+
+MAMBA_SYMBOL = "M"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.MAMBA
+TE_CORE_DISTS = {12: "transformer-engine-cu12", 13: "transformer-engine-cu13"}
+# What each package must import as, the way Megatron (and mamba_ssm's fused kernel) import it.
+IMPORTS = {
+    "mamba_ssm": ("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.layernorm_gated"),
+    "causal_conv1d": ("causal_conv1d", "causal_conv1d.causal_conv1d_varlen",
+                      "causal_conv1d.cpp_functions"),
+}
+TE_MODULES = ("transformer_engine", "transformer_engine_torch")  # the package and its torch extension
+LABEL = {"transformer_engine": "Transformer Engine", "mamba_ssm": "mamba-ssm",
+         "causal_conv1d": "causal-conv1d"}
+
+
+class MissingPackage(SpecError):
+    """Flags need an optional package that is not usable: ``cause`` and ``fix`` (a UserError's)."""
+
+    def __init__(self, cause: str, fix: str) -> None:
+        self.cause, self.fix = cause, fix
+        super().__init__(f"{cause}; {fix}")
+
+
+@dataclass(frozen=True)
+class Need:
+    """``package`` (import name) is needed by ``why`` (flags); ``avoid`` says how to do without."""
+
+    package: str
+    why: str
+    avoid: str
+
+
+def te_flags(args: Namespace) -> list[tuple[str, str]]:
+    """(flag as the user would write it, how to do without it) for every flag needing TE."""
+    flags: list[tuple[str, str]] = []
+    if getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine":
+        flags.append(("--transformer-impl transformer_engine",
+                      "pass --transformer-impl local (the local, non-TE layer specs)"))
+        if getattr(args, "moe_grouped_gemm", False) and getattr(args, "num_experts", None):
+            flags.append(("--moe-grouped-gemm", "drop --moe-grouped-gemm"))
+    if getattr(args, "cuda_graph_impl", "none") == "transformer_engine":
+        flags.append(("--cuda-graph-impl transformer_engine",
+                      "pass --cuda-graph-impl full_iteration (or none)"))
+    for dest, flag in (("fp8", "--fp8-format"), ("fp4", "--fp4-format")):
+        if getattr(args, dest, None):
+            flags.append((f"{flag} {getattr(args, dest)}", f"drop {flag}"))
+    for dest, flag in (("tp_comm_overlap", "--tp-comm-overlap"),
+                       ("moe_permute_fusion", "--moe-permute-fusion"),
+                       ("moe_router_fusion", "--moe-router-fusion")):
+        if getattr(args, dest, False):
+            flags.append((flag, f"drop {flag}"))
+    if getattr(args, "position_embedding_type", None) == "rope" and getattr(args, "apply_rope_fusion", True):
+        flags.append(("--position-embedding-type rope (rope fusion is on unless --no-rope-fusion)",
+                      "pass --no-rope-fusion"))
+    return flags
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def needs(args: Namespace) -> list[Need]:
+    """Every optional package ``args`` needs, in the order they are reported."""
+    out = []
+    if te := te_flags(args):
+        out.append(Need("transformer_engine", _and([f for f, _ in te]), _and([a for _, a in te])))
+    if MAMBA_SYMBOL in (getattr(args, "hybrid_layer_pattern", None) or ""):
+        out.append(Need("mamba_ssm", "Mamba layers ('M' in --hybrid-layer-pattern)",
+                        "use a --hybrid-layer-pattern without 'M'"))
+        if getattr(args, "use_mamba_mem_eff_path", True):
+            out.append(Need("causal_conv1d",
+                            "Mamba's fused path (use_mamba_mem_eff_path, on unless "
+                            "--disable-mamba-mem-eff-path)",
+                            "pass --disable-mamba-mem-eff-path (nn.Conv1d and mamba_ssm's Triton scan)"))
+    return out
+
+
+def importable(package: str) -> bool:
+    """Whether ``package`` is usable the way Megatron uses it (see the module docstring)."""
+    if package == "transformer_engine":
+        try:
+            return all(importlib.util.find_spec(m) is not None for m in TE_MODULES)
+        except (ImportError, ValueError):
+            return False
+    try:
+        for module in IMPORTS[package]:
+            importlib.import_module(module)
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def missing(args: Namespace, available: Callable[[str], bool] | None = None) -> list[Need]:
+    """The needs of ``args`` whose package is not available (default: :func:`importable`)."""
+    available = available or importable  # looked up per call, so a test can stand in for it
+    return [n for n in needs(args) if not available(n.package)]
+
+
+def torch_cuda_version() -> str | None:
+    """The CUDA version torch was built for (None for a CPU build)."""
+    import torch
+
+    return torch.version.cuda
+
+
+def missing_error(need: Need, torch_cuda: str | None = None) -> MissingPackage:
+    """The cause and way out for one missing package."""
+    extra = te_extra(torch_cuda) if need.package == "transformer_engine" else PACKAGE_EXTRA[need.package]
+    verb = "need" if " and " in need.why else "needs"
+    return MissingPackage(
+        f"{need.why} {verb} {LABEL[need.package]} ({need.package}), which is not importable here",
+        f"install the `{extra}` extra, {install_hint(extra)}; or {need.avoid}",
+    )
+
+
+def te_variant_problem(torch_cuda: str | None,
+                       installed: Callable[[str], str | None] | None = None) -> MissingPackage | None:
+    """The error for a TE core wheel that does not match torch's CUDA major, or None."""
+    installed = installed or _dist_version
+    cores = {major: v for major, dist in TE_CORE_DISTS.items() if (v := installed(dist)) is not None}
+    if not torch_cuda or not cores:
+        return None  # a CPU torch, or TE built from source without a core wheel: nothing to compare
+    major = int(torch_cuda.split(".")[0])
+    wrong = sorted(m for m in cores if m != major)
+    if not wrong:
+        return None
+    names = ", ".join(f"{TE_CORE_DISTS[m]} {cores[m]}" for m in wrong)
+    return MissingPackage(
+        f"{names} is installed, but torch is built for CUDA {torch_cuda}: Transformer Engine's core "
+        "library must match torch's CUDA major",
+        f"`pip uninstall -y {' '.join(TE_CORE_DISTS[m] for m in wrong)}`, then install the "
+        f"`{te_extra(torch_cuda)}` extra, {install_hint(te_extra(torch_cuda))}",
+    )
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check(args: Namespace, available: Callable[[str], bool] | None = None,
+          torch_cuda: Callable[[], str | None] = torch_cuda_version) -> None:
+    """Raise :class:`MissingPackage` naming every missing optional package ``args`` needs."""
+    lacking = missing(args, available)
+    if not lacking and not any(n.package == "transformer_engine" for n in needs(args)):
+        return
+    cuda = torch_cuda()
+    errors = [missing_error(n, cuda) for n in lacking]
+    if not errors and (variant := te_variant_problem(cuda)) is not None:
+        errors = [variant]
+    if errors:
+        raise MissingPackage("; and ".join(e.cause for e in errors), "; ".join(e.fix for e in errors))

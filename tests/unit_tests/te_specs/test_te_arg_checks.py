@@ -1,0 +1,155 @@
+"""validate_args rejects Transformer Engine combinations 0.18.2 cannot run as asked, naming the fix
+(megatron/training/te_arg_checks.py, patch training-te-arg-checks).
+
+Runs Megatron's real parser and ``validate_args`` (CPU, world of 1) on the materialized fork.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import megatron.training.arguments as arguments
+from megatron.training.te_arg_checks import ATTN_ENV, te_arg_problems
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 1 --bf16 --lr 1e-4 --train-iters 2 "
+    "--ckpt-format fsdp_dtensor --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+    "--use-distributed-optimizer"
+).split()
+TE = ["--transformer-impl", "transformer_engine"]
+LOCAL = ["--transformer-impl", "local"]
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64".split()
+DET = ["--deterministic-mode"]
+NONDET_ENV = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
+
+
+@pytest.fixture
+def validate(monkeypatch):
+    """validate_args on ``flags`` with ``env`` set; returns the args or raises its ValueError."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("NCCL_ALGO", "Ring")  # --deterministic-mode asserts it
+    for key in ("CUDA_DEVICE_MAX_CONNECTIONS", NONDET_ENV, *ATTN_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # --moe-grouped-gemm
+    deterministic = torch.are_deterministic_algorithms_enabled()  # --deterministic-mode sets it
+
+    def run(flags, env=None):
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(sys, "argv", ["pretrain", *BASE, *flags])
+        args = arguments.parse_args()
+        arguments.validate_args(args, {})
+        return args
+
+    yield run
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def rejected(validate, flags, env=None) -> str:
+    with pytest.raises(ValueError) as err:
+        validate(flags, env)
+    msg = str(err.value)
+    assert msg.startswith("Transformer Engine arguments that cannot run on this tree"), msg
+    return msg
+
+
+@pytest.mark.parametrize("value, shown", [(None, "unset"), ("1", "'1'"), ("yes", "'yes'")])
+def test_deterministic_te_attention_needs_the_nondeterministic_switch_off(validate, value, shown):
+    env = {} if value is None else {NONDET_ENV: value}
+    msg = rejected(validate, TE + DET, env)
+    assert f"NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 in the environment (it is {shown})" in msg, msg
+    assert "Export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0" in msg, msg
+
+
+@pytest.mark.parametrize("flags, env", [
+    (TE + DET, {NONDET_ENV: "0"}),
+    (LOCAL + DET, {}),  # local attention: Megatron's own DotProductAttention
+    (TE + DET + ["--hybrid-layer-pattern", "M-"], {}),  # no attention layer
+    (TE, {}),  # not deterministic
+])
+def test_deterministic_mode_accepted_without_te_attention_or_with_the_switch(validate, flags, env):
+    assert validate(flags, env).deterministic_mode == ("--deterministic-mode" in flags)
+
+
+def test_hybrid_pattern_with_attention_counts(validate):
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0" in rejected(validate, TE + DET + ["--hybrid-layer-pattern", "M*"])
+
+
+@pytest.mark.parametrize("flags, env, names, suggested", [
+    ([], {"NVTE_FUSED_ATTN": "0"}, "NVTE_FUSED_ATTN=0", "flash"),
+    ([], {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"},
+     "NVTE_FLASH_ATTN=0, NVTE_FUSED_ATTN=1, NVTE_UNFUSED_ATTN=0", "fused"),
+    (["--attention-backend", "fused"], {"NVTE_FLASH_ATTN": "1"}, "NVTE_FLASH_ATTN=1", "auto"),
+])
+def test_attention_switches_in_the_environment_must_match_the_backend(validate, flags, env, names,
+                                                                       suggested):
+    msg = rejected(validate, TE + flags, env)
+    backend = flags[1] if flags else "auto"
+    assert f"{names} in the environment contradict" in msg and f"--attention-backend {backend}" in msg, msg
+    assert f"or pass --attention-backend {suggested}, which they describe" in msg, msg
+
+
+@pytest.mark.parametrize("flags, env", [
+    (["--attention-backend", "fused"], {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1"}),
+    ([], {"NVTE_FLASH_ATTN": "1"}),
+    (["--attention-backend", "fused"], {}),
+])
+def test_attention_switches_that_agree_are_accepted(validate, flags, env):
+    validate(TE + flags, env)
+
+
+def test_no_backend_matches_contradictory_switches(validate):
+    msg = rejected(validate, TE, {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "1"})
+    assert "no --attention-backend matches them all" in msg, msg
+
+
+def test_grouped_gemm_with_local_specs_is_rejected(validate):
+    msg = rejected(validate, LOCAL + MOE + ["--moe-grouped-gemm"])
+    assert "--moe-grouped-gemm has no effect with --transformer-impl local" in msg, msg
+    assert "Drop --moe-grouped-gemm, or use --transformer-impl transformer_engine" in msg, msg
+
+
+@pytest.mark.parametrize("flags", [TE + MOE + ["--moe-grouped-gemm"], LOCAL + ["--moe-grouped-gemm"], LOCAL + MOE])
+def test_grouped_gemm_accepted_with_te_or_without_experts(validate, flags):
+    validate(flags)
+
+
+@pytest.fixture(scope="module")
+def parsed():
+    from hfsdp.training.entry import megatron_parser
+
+    parser = megatron_parser()
+    return lambda flags: parser.parse_known_args([*BASE, *flags])[0]
+
+
+FP8 = "--fp8-format e4m3 --fp8-param-gather --fsdp-double-buffer --megatron-fsdp-max-pool-double-buffer".split()
+
+
+def test_max_pool_with_blockwise_fp8_params_is_rejected(parsed):
+    problems = te_arg_problems(parsed(TE + FP8 + ["--fp8-recipe", "blockwise"]), environ={})
+    assert len(problems) == 1 and "cannot hold blockwise-FP8 parameters" in problems[0], problems
+    assert "Use another --fp8-recipe, drop --fp8-param-gather" in problems[0], problems
+
+
+@pytest.mark.parametrize("drop, add", [
+    ([], ["--fp8-recipe", "tensorwise"]),
+    (["--fp8-param-gather"], ["--fp8-recipe", "blockwise"]),
+    (["--megatron-fsdp-max-pool-double-buffer"], ["--fp8-recipe", "blockwise"]),
+])
+def test_other_fp8_combinations_are_not_rejected(parsed, drop, add):
+    flags = [f for f in TE + FP8 if f not in drop] + add
+    assert te_arg_problems(parsed(flags), environ={}) == []
+
+
+def test_every_problem_is_reported_at_once(parsed):
+    args = parsed(LOCAL + MOE + DET + FP8 + ["--moe-grouped-gemm", "--fp8-recipe", "blockwise"])
+    args.transformer_impl = "transformer_engine"  # TE attention and local grouped GEMM cannot coexist
+    assert len(te_arg_problems(args, environ={"NVTE_UNFUSED_ATTN": "0"})) == 3
+    args.transformer_impl = "local"
+    assert len(te_arg_problems(args, environ={"NVTE_UNFUSED_ATTN": "0"})) == 3

@@ -1,0 +1,128 @@
+"""The Transformer Engine functional cases: what they run, that each twin pair differs only in
+the feature under test, that DETERMINISM is their one source of deterministic settings, and that
+the driver refuses to PASS them without goldens (recorded only with --record)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hfsdp import te_determinism
+from hfsdp.functional.recipe import Recipe, RecipeError, load_recipe
+from hfsdp.functional.run_case import run_case
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CASES = REPO_ROOT / "tests/functional_tests/test_cases"
+TE_CASES = {
+    "hybrid/hybrid_mcore_te_fsdp_1gpu_eager_no_db": None,
+    "hybrid/hybrid_mcore_te_fsdp_1gpu_graph_maxpool": "hybrid/hybrid_mcore_te_fsdp_1gpu_eager_no_db",
+    "hybrid/hybrid_mcore_te_fsdp_1gpu_fused_mamba_eager_no_db": None,
+    "hybrid/hybrid_mcore_te_fsdp_1gpu_fused_mamba_maxpool":
+        "hybrid/hybrid_mcore_te_fsdp_1gpu_fused_mamba_eager_no_db",
+    "moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_eager_no_db": None,
+    "moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_maxpool": "moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_eager_no_db",
+}
+MAXPOOL = {"--fsdp-double-buffer": True, "--megatron-fsdp-max-pool-double-buffer": True}
+GRAPH = {"--cuda-graph-impl": "full_iteration", "--cuda-graph-warmup-steps": 3, "--logging-level": 20}
+
+
+def recipe(case: str) -> Recipe:
+    return load_recipe(CASES / case)
+
+
+def test_the_te_cases_exist_and_take_the_deterministic_settings() -> None:
+    found = {f"{p.parent.parent.name}/{p.parent.name}" for p in CASES.glob("*/*_te_*/model_config.yaml")}
+    assert found == set(TE_CASES)
+    for case, twin in TE_CASES.items():
+        r = recipe(case)
+        assert r.nproc == 1 and r.require_golden and r.determinism == te_determinism.PROFILE, case
+        assert r.model_args["--transformer-impl"] == "transformer_engine", case
+        assert {k: r.model_args[k] for k in te_determinism.flags()} == te_determinism.flags(), case
+        assert r.env_vars == te_determinism.env("pin"), case
+        assert (r.compare_to is None) == (twin is None), case
+        if twin:
+            assert (r.case_dir / r.compare_to).resolve() == (CASES / twin).resolve(), case
+
+
+@pytest.mark.parametrize("case, added", [
+    ("hybrid/hybrid_mcore_te_fsdp_1gpu_graph_maxpool", {**GRAPH, **MAXPOOL}),
+    ("hybrid/hybrid_mcore_te_fsdp_1gpu_fused_mamba_maxpool", MAXPOOL),
+    ("moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_maxpool", MAXPOOL),
+])
+def test_each_case_is_its_twin_plus_the_feature_under_test(case: str, added: dict) -> None:
+    r, twin = recipe(case), recipe(TE_CASES[case])
+    assert {k: v for k, v in r.model_args.items() if k not in twin.model_args} == added
+    assert {k: v for k, v in twin.model_args.items() if r.model_args.get(k) != v} == {}
+    assert r.env_vars == twin.env_vars and r.metrics == twin.metrics
+
+
+def test_te_hybrid_twin_is_the_local_twin_on_te_specs() -> None:
+    te, local = recipe("hybrid/hybrid_mcore_te_fsdp_1gpu_eager_no_db"), recipe(
+        "hybrid/hybrid_mcore_local_fsdp_1gpu_eager_no_db")
+    differ = {k for k in {*te.model_args, *local.model_args} if te.model_args.get(k) != local.model_args.get(k)}
+    assert differ == {"--transformer-impl", "--attention-backend"}, differ
+
+
+@pytest.mark.parametrize("case", TE_CASES)
+def test_fused_mamba_cases_and_only_they_leave_the_mem_eff_path_on(case: str) -> None:
+    r = recipe(case)
+    fused = "fused_mamba" in case
+    if r.model == "hybrid":
+        assert ("--disable-mamba-mem-eff-path" not in r.model_args) == fused, case
+    if r.model == "moe":
+        assert r.model_args.get("--moe-grouped-gemm") is True and "--num-experts" in r.model_args
+
+
+@pytest.mark.parametrize("yaml, words", [
+    ("DETERMINISM: transformer_engine\nENV_VARS:\n  NCCL_ALGO: Tree\nMODEL_ARGS: {--a: 1}\n",
+     "NCCL_ALGO also set by DETERMINISM"),
+    ("DETERMINISM: transformer_engine\nMODEL_ARGS: {--deterministic-mode: true}\n",
+     "--deterministic-mode also set by DETERMINISM"),
+    ("DETERMINISM: transformer_engine\nMODEL_ARGS: {--a: 1}\nMODEL_ARGS_2: {--attention-backend: flash}\n",
+     "--attention-backend also set by DETERMINISM"),
+    ("DETERMINISM: local\nMODEL_ARGS: {--a: 1}\n", "DETERMINISM must be 'transformer_engine'"),
+])
+def test_determinism_is_the_only_source_of_its_settings(tmp_path: Path, yaml: str, words: str) -> None:
+    case = tmp_path / "hybrid" / "c"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(yaml)
+    with pytest.raises(RecipeError, match=words):
+        load_recipe(case)
+
+
+def fake_log(case: Recipe, steps: int = 20) -> str:
+    """A log that satisfies the case's CHECKS and carries every metric of every step."""
+    lines = [f"log_present: {p}" for p in case.checks.log_present]
+    for it in range(1, steps + 1):
+        lines.append(f" [t] iteration {it:8d}/{steps:8d} | consumed samples: {4 * it} | elapsed time per "
+                     f"iteration (ms): 50.0 | lm loss: {10.0 - 0.1 * it:.6E} | num zeros: 0 |")
+        lines.append(f"[Rank 0] (after {it} iterations) memory (MB) | allocated: 100.0 | "
+                     "max allocated: 200.0 | reserved: 300.0 | max reserved: 300.0")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("case", [c for c, twin in TE_CASES.items() if twin])
+def test_driver_passes_no_te_case_without_goldens(tmp_path: Path, case: str) -> None:
+    """Copies of a case and its twin, judged on a log that meets every other condition: FAIL for
+    want of a golden; PASS and a golden only with --record."""
+    cases, out = tmp_path / "cases", tmp_path / "out"
+    copies = {}
+    for name in (TE_CASES[case], case):
+        dst = cases / name
+        dst.mkdir(parents=True)
+        shutil.copy(CASES / name / "model_config.yaml", dst / "model_config.yaml")
+        log = tmp_path / f"{dst.name}.log"
+        log.write_text(fake_log(load_recipe(dst)))
+        copies[name] = (dst, log)
+    twin_dir, twin_log = copies[TE_CASES[case]]
+    assert run_case(twin_dir, output_root=out, evaluate_log=twin_log).status == "FAIL"
+    case_dir, case_log = copies[case]
+    result = run_case(case_dir, output_root=out, evaluate_log=case_log)
+    assert result.status == "FAIL" and result.reasons == [
+        "no golden golden_values_dev_dgx_h200.json; record one with --record on dgx_h200"], result.reasons
+    assert not list(case_dir.glob("golden_values_*.json"))
+    result = run_case(case_dir, output_root=out, evaluate_log=case_log, record=True)
+    assert result.status == "PASS", result.reasons
+    assert (case_dir / "golden_values_dev_dgx_h200.json").is_file()

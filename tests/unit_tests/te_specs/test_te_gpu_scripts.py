@@ -1,0 +1,79 @@
+"""The TE GPU scripts' CPU-checkable behaviour: golden recording only where absent, and refusing
+to run without Transformer Engine or without two GPUs (this machine has neither)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hfsdp.safety import NVLS_SAFE_ENV
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CASES = REPO_ROOT / "tests/functional_tests/test_cases"
+
+
+def script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OUT", "HFSDP_FUNCTIONAL_OUT", "STAGES", "HFSDP_GPU_ENV_READY")}
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(NVLS_SAFE_ENV, PYTHONPATH=path, OUT=str(tmp_path / "out"), HFSDP_GPU_SITE=str(tmp_path / "site"),
+               **extra)
+    return env
+
+
+@pytest.mark.parametrize("platform", ["dgx_h200", "dgx_nokind"])
+def test_record_missing_records_only_cases_without_a_golden(tmp_path: Path, platform: str) -> None:
+    """run_functional.sh --record-missing with the driver stood in by a fake `python`."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f"""#!/bin/sh
+if [ "$1 $2" = "-m hfsdp.functional.run_case" ]; then
+  echo "$*" >> {calls}; echo "HFSDP-FUNCTIONAL RESULT $3: PASS"; exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    (bin_dir / "python").chmod(0o755)
+    cases = ["hybrid/hybrid_mcore_te_fsdp_1gpu_eager_no_db", "hybrid/hybrid_mcore_local_fsdp_1gpu_eager_no_db"]
+    env = script_env(tmp_path, PLATFORM=platform, HFSDP_FUNCTIONAL_OUT=str(tmp_path / "work"),
+                     PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", "tests/gpu/run_functional.sh", "--record-missing", *cases], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 2
+    for case, line in zip(cases, lines, strict=True):
+        assert f"test_cases/{case} " in line and f"--platform {platform}" in line, line
+        missing = not (CASES / case / f"golden_values_dev_{platform}.json").is_file()
+        assert ("--record" in line.split()) == missing, (case, line)
+    assert (tmp_path / "out" / "functional.tgz").is_file()
+
+
+def test_run_te_refuses_without_transformer_engine(tmp_path: Path) -> None:
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    from hfsdp.training.requirements import importable
+
+    if importable("transformer_engine") and importable("causal_conv1d"):
+        pytest.skip("Transformer Engine and causal-conv1d are installed here")
+    proc = subprocess.run(["bash", "tests/gpu/run_te.sh"], cwd=REPO_ROOT, env=script_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-2000:]
+    assert "run_te: not importable:" in text and "nothing run" in text, text[-2000:]
+    assert not (tmp_path / "out" / "functional_summary.txt").exists()
+
+
+def test_fused_mamba_script_refuses_one_gpu(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has 2 GPUs")
+    proc = subprocess.run(["bash", "tests/gpu/run_fused_mamba_fixedpool.sh"], cwd=REPO_ROOT, env=script_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "needs 2 GPUs" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
