@@ -35,6 +35,32 @@ def restore_nvte_environment() -> Iterator[None]:
 
 
 @pytest.fixture
+def megatron_validator(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Callable[[list[str]], Any]]:
+    """``make(base_flags, world_size)`` -> ``run(extra_flags)``: the args after Megatron's own
+    ``parse_args`` + ``validate_args``, on a CPU box (this process is rank 0 of ``world_size``)."""
+    import sys
+
+    import megatron.training.arguments as arguments
+
+    def make(base: Sequence[str], world_size: int) -> Callable[[list[str]], Any]:
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        # validate_args queries the GPU arch late; pretend Hopper on a CPU box.
+        monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+
+        def run(extra: list[str]) -> Any:
+            monkeypatch.setattr(sys, "argv", ["pretrain", *base, *extra])
+            args = arguments.parse_args()
+            arguments.validate_args(args, {})
+            return args
+
+        return run
+
+    return make
+
+
+@pytest.fixture
 def fake_dp_world(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     import torch
     import torch.distributed as dist

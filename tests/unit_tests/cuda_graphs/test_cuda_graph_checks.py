@@ -4,11 +4,9 @@ Runs Megatron's real parser and ``validate_args`` (CPU, world of 1) on the defau
 model's MoE and Megatron-FSDP flags.
 """
 
-import sys
 
 import pytest
 
-import megatron.training.arguments as arguments
 from megatron.training.cuda_graph_checks import DROP_AND_PAD_FLAGS, cuda_graph_arg_problems
 
 BASE = (
@@ -24,19 +22,8 @@ DROP_PAD = DROP_AND_PAD_FLAGS.split()
 
 
 @pytest.fixture
-def validate(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
-
-    def run(extra):
-        monkeypatch.setattr(sys, "argv", ["pretrain"] + BASE + extra)
-        args = arguments.parse_args()
-        arguments.validate_args(args, {})
-        return args
-
-    return run
+def validate(megatron_validator):
+    return megatron_validator(BASE, world_size=1)
 
 
 def test_full_iteration_with_alltoall_drop_and_pad_is_accepted(validate):

@@ -2,11 +2,9 @@
 
 import importlib
 import inspect
-import sys
 
 import pytest
 
-import megatron.training.arguments as arguments
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig as MCoreDDPConfig,
 )
@@ -25,26 +23,10 @@ BASE = (
 FSDP = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params".split()
 
 
-def validator(monkeypatch):
-    """``run(extra_flags)`` -> args after Megatron's parse_args + validate_args (CPU, 2 ranks)."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    # validate_args queries the GPU arch late; pretend Hopper on a CPU box.
-    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
-
-    def run(extra):
-        monkeypatch.setattr(sys, "argv", ["pretrain"] + BASE + extra)
-        args = arguments.parse_args()
-        arguments.validate_args(args, {})
-        return args
-
-    return run
-
-
 @pytest.fixture
-def validated(monkeypatch):
-    return validator(monkeypatch)
+def validated(megatron_validator):
+    """``run(extra_flags)`` -> args after Megatron's parse_args + validate_args (CPU, 2 ranks)."""
+    return megatron_validator(BASE, world_size=2)
 
 
 def test_flags_parse_with_defaults_off(validated):

@@ -5,12 +5,12 @@ import inspect
 
 import pytest
 from test_maxpool_flags import (
+    BASE,
     FSDP,
     FsdpDDPConfig,
     MCoreDDPConfig,
     fs,
     kwargs_fully_shard_passes_on,
-    validator,
 )
 
 from megatron.training.training import get_megatron_ddp_config
@@ -19,8 +19,8 @@ MAXPOOL = ["--megatron-fsdp-max-pool-double-buffer"]
 
 
 @pytest.fixture
-def validated(monkeypatch):
-    return validator(monkeypatch)
+def validated(megatron_validator):
+    return megatron_validator(BASE, world_size=2)
 
 
 def test_default_is_two_lanes(validated):
