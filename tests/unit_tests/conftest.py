@@ -8,6 +8,7 @@ at the CPU while the buffer allocates its temporary buckets.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -16,22 +17,24 @@ import pytest
 FAKE_DP = 2
 
 
+# NVTE_* as the test session found them (conftest is imported before any test or fixture runs).
+_NVTE_AT_START = {k: v for k, v in os.environ.items() if k.startswith("NVTE_")}
+
+
 @pytest.fixture(autouse=True)
 def restore_nvte_environment() -> Iterator[None]:
-    """Undo NVTE_* variables a test leaves behind.
+    """After each test, put NVTE_* back as the session found them.
 
     Building a model in-process runs Megatron's LanguageModule, which writes NVTE_FLASH_ATTN,
-    NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN into os.environ from --attention-backend; a later
-    test's subprocess would inherit them and meet the TE argument check that rejects them.
+    NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN into os.environ from --attention-backend (also from
+    module- or session-scoped fixtures, set up before this one); a later test's subprocess would
+    inherit them and meet the TE argument check that rejects them.
     """
-    import os
-
-    before = {k: v for k, v in os.environ.items() if k.startswith("NVTE_")}
     yield
     for key in [k for k in os.environ if k.startswith("NVTE_")]:
-        if key not in before:
+        if key not in _NVTE_AT_START:
             del os.environ[key]
-    os.environ.update(before)
+    os.environ.update(_NVTE_AT_START)
 
 
 @pytest.fixture

@@ -21,8 +21,12 @@ def script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("OUT", "HFSDP_FUNCTIONAL_OUT", "STAGES", "HFSDP_GPU_ENV_READY")}
     path = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env.update(NVLS_SAFE_ENV, PYTHONPATH=path, OUT=str(tmp_path / "out"), HFSDP_GPU_SITE=str(tmp_path / "site"),
-               **extra)
+    # The scripts call `python`/`python3`: the interpreter running these tests (CI does not
+    # activate its venv).
+    bin_path = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    env.update(NVLS_SAFE_ENV, PYTHONPATH=path, PATH=bin_path, OUT=str(tmp_path / "out"),
+               HFSDP_GPU_SITE=str(tmp_path / "site"))
+    env.update(extra)
     return env
 
 
