@@ -215,7 +215,12 @@ def run_group(
 
         reader = threading.Thread(target=pump, name="run_group-output", daemon=True)
         reader.start()
-    proc.wait()
+    try:
+        proc.wait()
+    except BaseException:  # Ctrl-C reaches only us (the group has its own session): end it too
+        finished.set()
+        group.end(signals, term_grace_s)
+        raise
     finished.set()
     watcher.join()
     stragglers: list[int] = []

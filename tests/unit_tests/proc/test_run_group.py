@@ -147,3 +147,33 @@ def test_environment_passes_through_and_only_the_watchdog_is_added(monkeypatch):
     proc.run_group(py(code), timeout_s=60, on_line=lines.append, stack_grace_s=5.0)
     assert lines == ["1 50\n"]  # ranks dump stacks on their own a little before the deadline
     assert proc.child_env({"X": "y", AFTER_ENV: "7"}, 60, 5.0) == {"X": "y", AFTER_ENV: "7"}
+
+
+def test_an_interrupt_of_the_caller_ends_the_group(tmp_path, monkeypatch):
+    """Ctrl-C reaches only the caller (the run has its own session): the run must not outlive it."""
+    import subprocess
+
+    pidfile = tmp_path / "child.pid"
+    child = f"""
+        import os, time
+        open({str(pidfile)!r}, "w").write(str(os.getpid()))
+        time.sleep(120)
+    """
+    real_wait = subprocess.Popen.wait
+    interrupted: list[bool] = []
+
+    def wait(self, timeout=None):
+        if not interrupted:  # the caller's first wait is where its Ctrl-C lands
+            interrupted.append(True)
+            wait_for(pidfile)
+            raise KeyboardInterrupt
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", wait)
+    with pytest.raises(KeyboardInterrupt):
+        proc.run_group(py(child), timeout_s=60, **FAST)
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid), f"child {pid} outlived the interrupted caller"
