@@ -84,15 +84,18 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return opts, argv[split + 1:]
 
 
-def planned_pools(flags: Sequence[str], nproc: int,
-                  extra_env: dict[str, str] | None = None) -> dict[str, dict[str, int]]:
+def planned_pools(flags: Sequence[str], nproc: int, extra_env: dict[str, str] | None = None,
+                  names: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
     """Planned pool bytes per configuration (weights + grads) from a CPU-only planner run.
 
     The planner builds the preset's model with local specs (no TE on a CPU); a TE configuration
     has the same parameters per unit, so its planned pool is the local one (bucket padding may
-    differ slightly; the measured pool is in the run report).
+    differ slightly; the measured pool is in the run report). ``names``: the configurations to
+    plan (default all); only their lane counts are asked of the planner, so a model too small
+    for a lanes configuration that was not asked for still gets its other plans.
     """
-    lanes = sorted({c.lanes for c in cfgs.CONFIGS.values() if c.plan == "lanes"})
+    wanted = list(cfgs.CONFIGS) if names is None else list(names)
+    lanes = sorted({cfgs.CONFIGS[n].lanes for n in wanted if cfgs.CONFIGS[n].plan == "lanes"})
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         env = dict(job_env(os.environ, extra_env or {}), CUDA_VISIBLE_DEVICES="")
@@ -103,10 +106,10 @@ def planned_pools(flags: Sequence[str], nproc: int,
             print("planner failed; continuing without planned sizes:\n" + proc.stderr[-2000:])
             return {}
         with open(out) as f:
-            return pools_from_plan(json.load(f))
+            return pools_from_plan(json.load(f), wanted)
 
 
-def pools_from_plan(plan: dict[str, Any]) -> dict[str, dict[str, int]]:
+def pools_from_plan(plan: dict[str, Any], names: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
     """Per configuration with a ``plan`` figure: its planned pool (weights + grads) from the
     planner's JSON, and the analytic minimum of the 2-group pools it is compared with."""
     alloc = plan["allocators"]
@@ -116,7 +119,8 @@ def pools_from_plan(plan: dict[str, Any]) -> dict[str, dict[str, int]]:
 
     minimum = total("analytic_minimum_bytes")
     out: dict[str, dict[str, int]] = {}
-    for name, config in cfgs.CONFIGS.items():
+    for name in cfgs.CONFIGS if names is None else names:
+        config = cfgs.CONFIGS[name]
         if config.plan == "lanes":
             # The analytic minimum counts two groups of the largest unit: not this pool's bound.
             out[name] = {"pool_bytes": sum(a["lane_plans"][str(config.lanes)]["pool_bytes"]
@@ -212,8 +216,9 @@ def _main(argv: Sequence[str]) -> int:
     te_wanted = [n for n in wanted if n in cfgs.CONFIGS and cfgs.CONFIGS[n].spec == "te"]
     if te_wanted and not requirements.importable("transformer_engine"):
         raise UserError(f"{', '.join(te_wanted)} need Transformer Engine, which is not importable here",
-                        f"install the TE extra ({extras.install_hint('te')}; `te-cu12` for a CUDA 12 "
-                        "torch), or drop the te_* configurations from --configs")
+                        f"install the TE extra, "
+                        f"{extras.install_hint(extras.te_extra(requirements.torch_cuda_version()))}, "
+                        "or drop the te_* configurations from --configs")
     graphed = [n for n in wanted if n in cfgs.CONFIGS and cfgs.CONFIGS[n].graphed]
     if graphed and profiling(opts):
         print(f"error: {', '.join(graphed)} run under a CUDA graph inside pretrain; the profiling "
@@ -238,7 +243,7 @@ def _main(argv: Sequence[str]) -> int:
         else:
             skipped[name] = reason
             print(f"skip {name}: {reason}")
-    planned = {} if opts.no_plan else planned_pools(flags, opts.nproc, opts.env)
+    planned = {} if opts.no_plan else planned_pools(flags, opts.nproc, opts.env, runnable)
     order = res.interleaved_order(runnable, opts.repeats)
     runs: list[res.RunResult] = []
     failures: dict[str, str] = {}

@@ -43,9 +43,12 @@ for preset in "${presets[@]}"; do
     --timed-steps "${TIMED_STEPS:-20}" --run-timeout "${RUN_TIMEOUT:-240}" --keep-logs "$logs" \
     --out-json "$out/bench-$preset.json" --out-png "$out/bench-$preset.png" \
     -- --logging-level 20 2>&1 | tee "$out/bench-$preset.log"
-  echo "run_cuda_graphs: $preset benchmark rc=${PIPESTATUS[0]}" | tee -a "$summary"
+  bench_rc=${PIPESTATUS[0]}
+  [ "$bench_rc" -ne 0 ] && rc=$bench_rc  # the script's exit status is the worst of its stages
+  echo "run_cuda_graphs: $preset benchmark rc=$bench_rc" | tee -a "$summary"
   sed -n '/^pool check:/,/^wrote /p' "$out/bench-$preset.log" | grep -v '^wrote ' >> "$summary"
   grep -h "full-iteration CUDA graph" "$logs"/*.log > "$out/bench-$preset-capture-memory.txt" 2>/dev/null
   tar czf "$out/bench-$preset-logs.tgz" -C "$logs" . 2>/dev/null
 done
 echo "run_cuda_graphs: done in $(( $(date +%s) - t0 ))s; NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE" | tee -a "$summary"
+exit "$rc"

@@ -27,10 +27,10 @@ mkdir -p "$OUT"
 export OUT MAXPOOL_GPU_RESULTS="$OUT/fused_mamba_fixedpool.json"
 rm -f "$MAXPOOL_GPU_RESULTS" "$OUT"/fused_mamba_*.json
 start=$(date +%s)
-torchrun --nproc-per-node 2 -m pytest -q -s -rA \
+python -m torch.distributed.run --nproc-per-node 2 -m pytest -q -s -rA \
   tests/unit_tests/distributed/megatron_fsdp/test_fused_mamba_fixedpool_gpu.py "$@" 2>&1 | tee "$OUT/fused_mamba_fixedpool.log"
 rc=${PIPESTATUS[0]}
-python3 - "$OUT" "$rc" "$(( $(date +%s) - start ))" <<'PY'
+python - "$OUT" "$rc" "$(( $(date +%s) - start ))" <<'PY'
 import glob, json, os, sys
 out, rc, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 verdicts = {}

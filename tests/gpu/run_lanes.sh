@@ -15,7 +15,8 @@
 #    (pool = plan, home misses), which also goes to the summary.
 # Results under $OUT (default /tmp/hfsdp_lanes): cuda_graphs_summary.txt, functional.tgz,
 # bench-<preset>.{json,png,log}, bench-<preset>-logs.tgz. BUDGET_S as in run_cuda_graphs.sh.
-. tests/gpu/setup_gpu_env.sh || { echo "run_lanes: GPU set-up failed" >&2; exit 2; }
+[ -n "${HFSDP_GPU_ENV_READY:-}" ] || . tests/gpu/setup_gpu_env.sh \
+  || { echo "run_lanes: GPU set-up failed" >&2; exit 2; }
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
@@ -24,8 +25,10 @@ if [ "$REPEATS" -lt 3 ]; then
   echo "run_lanes: REPEATS=$REPEATS; step-time comparisons need at least 3 repeats" >&2
   exit 2
 fi
-CASES="hybrid/hybrid_mcore_local_fsdp_1gpu_eager_maxpool_lanes3 hybrid/hybrid_mcore_local_fsdp_1gpu_graph_maxpool_lanes3"
-[ "$NPROC" -ge 2 ] && CASES="$CASES hybrid/hybrid_mcore_local_fsdp_2gpu_eager_maxpool_lanes3"
+# Each lanes case after its COMPARE_TO twin, so the twin's metrics come from this run.
+CASES="hybrid/hybrid_mcore_local_fsdp_1gpu_eager_no_db hybrid/hybrid_mcore_local_fsdp_1gpu_eager_maxpool_lanes3"
+CASES="$CASES hybrid/hybrid_mcore_local_fsdp_1gpu_graph_maxpool_lanes3"
+[ "$NPROC" -ge 2 ] && CASES="$CASES hybrid/hybrid_mcore_local_fsdp_2gpu_eager_no_db hybrid/hybrid_mcore_local_fsdp_2gpu_eager_maxpool_lanes3"
 export CASES CONFIGS=no_db,maxpool,maxpool_lanes3,no_db_graph,maxpool_graph,maxpool_lanes3_graph
 export BENCH_NEEDS_S=${BENCH_NEEDS_S:-630}  # six configurations instead of four
 exec bash tests/gpu/run_cuda_graphs.sh "$@"

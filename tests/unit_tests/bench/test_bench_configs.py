@@ -52,6 +52,9 @@ def test_pools_from_plan_take_each_configs_figure():
     assert pools["fixedpool"]["pool_bytes"] == 200
     assert pools["maxpool_lanes3"] == pools["maxpool_lanes3_graph"] == {"pool_bytes": 550}
     assert "no_db" not in pools and "no_db_graph" not in pools
+    # Only the configurations asked for; a plan without their lane count is not needed.
+    only = pools_from_plan({"allocators": {"weight": {**alloc, "lane_plans": {}}}}, ["no_db", "maxpool"])
+    assert only == {"maxpool": {"pool_bytes": 400, "analytic_minimum_bytes": 400}}
 
 
 @pytest.mark.parametrize("nvls", ["0", "1", None])

@@ -153,6 +153,16 @@ def test_importable_follows_how_megatron_imports(monkeypatch, tmp_path: Path) ->
     assert R.importable("transformer_engine")
 
 
+
+def test_a_package_that_breaks_on_import_is_not_importable(monkeypatch, tmp_path: Path) -> None:
+    """A kernel package built for another torch can raise anything at import, not only ImportError."""
+    (tmp_path / "causal_conv1d").mkdir()
+    (tmp_path / "causal_conv1d" / "__init__.py").write_text(
+        "raise RuntimeError('compiled for another torch')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "causal_conv1d", raising=False)
+    assert not R.importable("causal_conv1d")
+
 # ---- through the real entry point (pretrain_*.py), the package faked missing -----------------
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
