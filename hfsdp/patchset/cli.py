@@ -57,6 +57,8 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
             print(f"  [removed] {name} (applied, no longer in series)")
     if st.base_mismatch:
         print(f"base:    STALE: {st.base_mismatch}")
+    if st.fork_mismatch:
+        print(f"fork:    STALE: {st.fork_mismatch}")
     print("stamp:   " + ("up to date" if st.up_to_date else "STALE -> run `scripts/patchset materialize`"))
     if st.edits:
         how = ("`scripts/patchset diff` / `refresh`" if st.up_to_date

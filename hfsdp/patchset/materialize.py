@@ -40,6 +40,7 @@ class TreeStatus:
     edits: dict[str, str] = field(default_factory=dict)
     kept: dict[str, Entry] = field(default_factory=dict)  # not made by this tool; a rebuild keeps them
     base_mismatch: str | None = None
+    fork_mismatch: str | None = None  # the tree's fork version differs from patches/base.toml's
     leftovers: list[litter.Litter] = field(default_factory=list)  # of killed writers (litter.py)
 
 
@@ -71,6 +72,9 @@ def tree_status(project: Project) -> TreeStatus:
     if stamp.base_version != pin.version or stamp.sdist_sha256 != pin.sha256:
         status.base_mismatch = (f"tree built from {stamp.base_version} ({stamp.sdist_sha256[:12]}), "
                                 f"pin is {pin.version} ({pin.sha256[:12]})")
+    if stamp.fork_version != pin.fork_version:
+        status.fork_mismatch = (f"tree stamped {stamp.fork_version}, patches/base.toml says "
+                                f"{pin.fork_version} ([fork] release changed)")
     return status
 
 

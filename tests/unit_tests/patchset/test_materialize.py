@@ -59,10 +59,13 @@ def test_new_fork_release_restamps_the_tree(fake: Env) -> None:
     assert read_stamp(fake.project.root).fork_version == "0.18.2+hfsdp.7"
     base = fake.project.root / "patches" / "base.toml"
     base.write_text(base.read_text().replace("release = 7", "release = 8"))
-    assert not tree_status(fake.project).up_to_date
+    stale = tree_status(fake.project)
+    assert not stale.up_to_date
+    assert stale.fork_mismatch == ("tree stamped 0.18.2+hfsdp.7, patches/base.toml says 0.18.2+hfsdp.8 "
+                                   "([fork] release changed)")
     assert materialize(fake.project, log=quiet) is True
     assert read_stamp(fake.project.root).fork_version == "0.18.2+hfsdp.8"
-    assert tree_status(fake.project).up_to_date
+    assert tree_status(fake.project).up_to_date and tree_status(fake.project).fork_mismatch is None
 
 
 def test_hash_mismatch_is_refused_and_nothing_is_extracted(fake: Env, tmp_path: Path, monkeypatch) -> None:
