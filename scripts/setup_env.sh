@@ -7,7 +7,7 @@
 #   HFSDP_TORCH_SPEC='torch==X'  torch to install when the venv has none (default below)
 #   HFSDP_WITH_MAMBA=1           also install mamba_ssm's Triton-only build (as on the GPU machines),
 #                                so Mamba layers can be constructed in CPU tests; HFSDP_MAMBA_WHEEL
-#                                names a prebuilt wheel, else ../shared/device/wheels or a local build
+#                                names a prebuilt wheel, else .gpu-wheels/mamba_ssm-*.whl or a local build
 set -eo pipefail
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -46,7 +46,9 @@ echo "setup_env: pip install -e .[test]"
 "$HFSDP_PY" -m pip install -q --disable-pip-version-check -e "$_root[test]"
 if [ "${HFSDP_WITH_MAMBA:-0}" = 1 ] && ! "$HFSDP_PY" -c 'import mamba_ssm' >/dev/null 2>&1; then
   _pip() { "$HFSDP_PY" -m pip install -q --disable-pip-version-check "$@"; }
-  _whl=${HFSDP_MAMBA_WHEEL:-$(ls "$_root"/../shared/device/wheels/mamba_ssm-*.whl 2>/dev/null | head -1)}
+  # A prebuilt wheel in .gpu-wheels/ (the GPU set-up's folder) is used; without one (the usual
+  # case) the build below makes it.
+  _whl=${HFSDP_MAMBA_WHEEL:-$(ls "$_root"/.gpu-wheels/mamba_ssm-*.whl 2>/dev/null | head -1 || true)}
   _pip huggingface_hub transformers setuptools wheel ninja packaging
   if [ -z "$_whl" ]; then
     _wdir=$(mktemp -d)
