@@ -108,6 +108,7 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     from hfsdp.training import data, forward_step, fsdp_units, model_provider, run_report
     from hfsdp.training.requirements import MissingPackage
     from hfsdp.training.specs import SpecError
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
     from megatron.core.enums import ModelType
     from megatron.training import print_rank_0
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -132,11 +133,14 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
         # We pass a model_provider function on purpose (the ModelConfig path is hybrid-only).
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
         cfg = pretrain_cfg_container_from_args(args)
-    pretrain(
-        cfg,
-        data.train_valid_test_datasets_provider,
-        model_provider.make_model_provider(family),
-        ModelType.encoder_or_decoder,
-        forward_step.forward_step,
-    )
+    try:
+        pretrain(
+            cfg,
+            data.train_valid_test_datasets_provider,
+            model_provider.make_model_provider(family),
+            ModelType.encoder_or_decoder,
+            forward_step.forward_step,
+        )
+    except MaxPoolLanesError as exc:  # a flag error only the built model reveals (unit count)
+        raise UserError(str(exc), flags_fix()) from exc
     run_report.write_if_requested()  # HFSDP_RUN_REPORT: peaks, pools, capture (run_report.py)

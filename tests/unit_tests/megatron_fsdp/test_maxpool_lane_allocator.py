@@ -29,7 +29,7 @@ from test_maxpool_allocator import (
 
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan as mp
-from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import LaneMaxPoolAllocator
+from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import LaneMaxPoolAllocator, MaxPoolLanesError
 
 
 @pytest.fixture
@@ -155,7 +155,7 @@ def test_init_fetch_falls_back_without_counting_and_too_small_lanes_are_named(gm
 
 
 def test_more_lanes_than_units_and_two_lanes_are_refused():
-    with pytest.raises(ValueError, match=r"megatron_fsdp_max_pool_lanes \(--megatron-fsdp-max-pool-lanes\) "
+    with pytest.raises(MaxPoolLanesError, match=r"megatron_fsdp_max_pool_lanes \(--megatron-fsdp-max-pool-lanes\) "
                                          r"asks for 4 lanes, more than the 3 FSDP units of this model "
                                          r"chunk, so 1 lane\(s\) would hold no unit; use at most 3 lanes"):
         make(bf16_units(10, 20, 30), lanes=4)
@@ -252,5 +252,6 @@ def test_grad_drain_keeps_n_units(stack_buffer, monkeypatch, lanes, drained):
 
 
 def test_more_lanes_than_the_chunks_units_fail_at_build(stack_buffer):
-    with pytest.raises(ValueError, match="asks for 6 lanes, more than the 5 FSDP units"):
+    # Its own type: the training entry points report it as a flag error (one sentence).
+    with pytest.raises(MaxPoolLanesError, match="asks for 6 lanes, more than the 5 FSDP units"):
         stack_buffer(megatron_fsdp_max_pool_lanes=6)

@@ -80,3 +80,31 @@ def test_a_valid_configuration_on_a_cpu_machine_says_training_needs_gpus():
     plan = subprocess.run([sys.executable, *argv[1:], *TINY], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert plan.returncode == 0 and "FixedPool" in plan.stdout, plan.stderr[-3000:]
+
+
+def test_too_many_lanes_found_while_building_is_one_sentence():
+    """More lanes than a model chunk's units is only known once its buffer is built (inside
+    pretrain); the entry reports it like a flag error, not as a traceback."""
+    code = f"""
+import sys
+import hfsdp.training.entry as entry
+import megatron.training.training as training
+from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
+
+def pretrain(*args, **kwargs):  # what LaneMaxPoolAllocator raises while the buffer is built
+    raise MaxPoolLanesError("[weight] megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes) "
+                            "asks for 6 lanes, more than the 5 FSDP units of this model chunk")
+
+training.pretrain = pretrain
+entry.require_cuda = lambda: None
+sys.argv = ["pretrain_gpt.py", *{TINY!r}]
+entry.main()
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("HFSDP_DEBUG", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error: [weight] megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes) asks for 6 lanes" \
+        in proc.stderr, proc.stderr[-3000:]
