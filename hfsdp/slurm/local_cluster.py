@@ -13,20 +13,33 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 MUNGE_KEY = Path("/etc/munge/munge.key")
 
 
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+# Slurm's and munge's daemons and runuser live in sbin, which a non-login PATH may lack.
+SBIN_DIRS = ("/usr/local/sbin", "/usr/sbin", "/sbin")
+
+
+def with_sbin(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the sbin folders appended to its PATH (those it lacks)."""
+    path = [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p]
+    return {**env, "PATH": os.pathsep.join([*path, *(d for d in SBIN_DIRS if d not in path)])}
+
+
+def _run(cmd: list[str], env: Mapping[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=with_sbin(os.environ if env is None else env),
+                          **kw)
 
 
 def ensure_installed(timeout_s: float = 400) -> None:
     """apt-get install slurm-wlm and munge unless their daemons are already on PATH."""
-    if all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "munged")):
+    search = with_sbin(os.environ)["PATH"]
+    if all(shutil.which(b, path=search) for b in ("slurmctld", "slurmd", "sbatch", "munged")):
         return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    env = with_sbin({**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
     for cmd in (["apt-get", "update", "-qq"],
                 ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"]):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -69,7 +82,7 @@ class LocalCluster:
         self.host = socket.gethostname().split(".")[0]
         self.conf = self.workdir / "slurm.conf"
         self._started_munged = False
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.env = with_sbin({**os.environ, "SLURM_CONF": str(self.conf)})
 
     # Lifecycle #
 
@@ -127,7 +140,8 @@ class LocalCluster:
 
     @staticmethod
     def _munge_works() -> bool:
-        return subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
+        return subprocess.run("munge -n | unmunge", shell=True, capture_output=True,
+                              env=with_sbin(os.environ)).returncode == 0
 
     def _slurm_conf(self) -> str:
         w = self.workdir

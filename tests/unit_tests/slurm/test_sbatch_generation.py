@@ -97,3 +97,12 @@ def test_submit_dry_run_writes_manifest(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "jobs.json").read_text())
     assert manifest[0]["case"] == str(CASE) and manifest[0]["job_id"] is None
     assert Path(manifest[0]["script"]).is_file()
+
+
+def test_local_cluster_finds_sbin_tools_on_a_non_login_path() -> None:
+    """runuser, slurmctld and munged live in sbin, which `env -i PATH=/usr/bin:/bin` lacks."""
+    from hfsdp.slurm.local_cluster import SBIN_DIRS, with_sbin
+
+    path = with_sbin({"PATH": "/usr/bin:/bin:/usr/sbin"})["PATH"].split(":")
+    assert path == ["/usr/bin", "/bin", "/usr/sbin", "/usr/local/sbin", "/sbin"], path
+    assert with_sbin({})["PATH"].split(":")[-len(SBIN_DIRS):] == list(SBIN_DIRS)
