@@ -103,7 +103,15 @@ FILL80_OVERRIDES = (
     "--ffn-hidden-size", "12288", "--moe-ffn-hidden-size", "2048", "--num-experts", "16",
     "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
 )
-PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES, "fill80": FILL80_OVERRIDES}
+# "Fills most of one 80 GB GPU with experts": the default hybrid four times deeper (M*E x 16, 48
+# layers) with 80 experts per MoE layer, 2.94B params, at the default's hidden size, sequence and
+# micro-batch. Parameters, gradients and optimizer state (18 bytes a parameter, 52.9 GB) rather
+# than sequence-length activations fill the GPU, so compute per step stays small and many small
+# expert kernels dominate: the regime of fine-grained MoE at small per-GPU batch, where the host,
+# not the GPU, limits an eager step. fill80 is the compute-bound counterpart.
+FILL80_EXPERTS_OVERRIDES = ("--hybrid-layer-pattern", "M*E" * 16, "--num-experts", "80")
+PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES, "fill80": FILL80_OVERRIDES,
+           "fill80_experts": FILL80_EXPERTS_OVERRIDES}
 
 
 def override_flags(base: Sequence[str], overrides: Sequence[str]) -> list[str]:

@@ -24,6 +24,31 @@ def test_presets():
         C.model_flags("nope")
 
 
+def test_fill80_experts_fills_an_80gb_gpu_with_parameters(tmp_path):
+    """fill80_experts is the default model, deeper and with more experts: same width, sequence and
+    micro-batch (so the per-layer compute of the default), 2.9-3.0B parameters whose model state
+    (bf16 weights + fp32 main weights, grads and two Adam moments: 18 bytes each) takes 60-70 % of
+    80 GB, leaving room for activations and the graph's pool. Its MoE dispatch is capturable."""
+    import io
+    import json
+    from contextlib import redirect_stdout
+
+    from hfsdp.planner import cli
+
+    flags, default = C.model_flags("fill80_experts"), C.model_flags("default")
+    value = lambda fl, name: fl[fl.index(name) + 1]  # noqa: E731
+    assert value(flags, "--hybrid-layer-pattern") == "M*E" * 16
+    for same in ("--hidden-size", "--seq-length", "--micro-batch-size", "--moe-ffn-hidden-size",
+                 "--moe-token-dispatcher-type", "--moe-expert-capacity-factor"):
+        assert value(flags, same) == value(default, same), same
+    out = tmp_path / "plan.json"
+    with redirect_stdout(io.StringIO()):
+        assert cli.main([*flags, "--plan-dp-size", "1", "--plan-json", str(out)]) == 0
+    params = json.loads(out.read_text())["total_params"]
+    assert 2.9e9 < params < 3.0e9, params
+    assert 0.60 < 18 * params / 80e9 < 0.70, 18 * params / 80e9
+
+
 def test_configs_flags():
     assert C.CONFIGS["no_db"].flags == ()
     assert "--fsdp-double-buffer" in C.CONFIGS["fixedpool"].flags
