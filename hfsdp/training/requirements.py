@@ -38,6 +38,7 @@ import importlib.metadata
 import importlib.util
 from argparse import Namespace
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass
 
 from hfsdp.extras import PACKAGE_EXTRA, install_hint, te_extra
@@ -122,7 +123,7 @@ def importable(package: str) -> bool:
     """Whether ``package`` is usable the way Megatron uses it (see the module docstring)."""
     if package == "transformer_engine":
         try:
-            return all(importlib.util.find_spec(m) is not None for m in TE_MODULES)
+            return _te_torch_extension_present()
         except (ImportError, ValueError):
             return False
     try:
@@ -131,6 +132,24 @@ def importable(package: str) -> bool:
     except Exception:  # a build for another torch/CUDA/Triton fails in many ways, not only ImportError
         return False
     return True
+
+
+def _te_torch_extension_present() -> bool:
+    """TE and its torch extension, found where TE's own loader looks (``load_framework_extension``
+    in ``transformer_engine/common``): a top-level ``transformer_engine_torch`` module, or its
+    shared object beside the package, inside it, or in its ``wheel_lib/`` folder, where TE 2.x
+    wheels put it (there it is importable only once ``transformer_engine.pytorch`` has loaded it)."""
+    te_pkg, ext = TE_MODULES
+    spec = importlib.util.find_spec(te_pkg)
+    if spec is None:
+        return False
+    if importlib.util.find_spec(ext) is not None:
+        return True
+    for location in spec.submodule_search_locations or ():
+        package = Path(location)
+        if any(any(folder.glob(f"{ext}*.so")) for folder in (package.parent, package, package / "wheel_lib")):
+            return True
+    return False
 
 
 def missing(args: Namespace, available: Callable[[str], bool] | None = None) -> list[Need]:

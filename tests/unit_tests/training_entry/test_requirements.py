@@ -153,6 +153,24 @@ def test_importable_follows_how_megatron_imports(monkeypatch, tmp_path: Path) ->
     assert R.importable("transformer_engine")
 
 
+@pytest.mark.parametrize("where", ["wheel_lib", "package", "beside"])
+def test_te_torch_extension_found_where_te_loads_it(monkeypatch, tmp_path: Path, where: str) -> None:
+    """TE 2.x wheels ship the torch extension as a shared object inside the package
+    (transformer_engine/wheel_lib/), not importable by name until transformer_engine.pytorch
+    loads it: such an install is usable, and an extension for nothing else does not count."""
+    package = tmp_path / "transformer_engine"
+    (package / "wheel_lib").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+    monkeypatch.delitem(sys.modules, "transformer_engine_torch", raising=False)
+    (package / "wheel_lib" / "transformer_engine_jax.cpython-312-x86_64-linux-gnu.so").write_text("")
+    assert not R.importable("transformer_engine")
+    folder = {"wheel_lib": package / "wheel_lib", "package": package, "beside": tmp_path}[where]
+    (folder / "transformer_engine_torch.cpython-312-x86_64-linux-gnu.so").write_text("")
+    assert R.importable("transformer_engine")
+
+
 
 def test_a_package_that_breaks_on_import_is_not_importable(monkeypatch, tmp_path: Path) -> None:
     """A kernel package built for another torch can raise anything at import, not only ImportError."""
