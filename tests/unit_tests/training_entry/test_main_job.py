@@ -73,3 +73,22 @@ def test_train_tees_output_and_returns_the_exit_code(monkeypatch, tmp_path, caps
     assert M.train([], 1, 2, str(log)) == 3
     assert log.read_text() == "iteration 1\niteration 2\n"
     assert "iteration 2" in capsys.readouterr().out
+
+
+def test_runs_share_triton_autotuning_unless_the_caller_chose(monkeypatch, tmp_path):
+    """The eager comparison reuses the graphed run's Triton choices (TRITON_CACHE_AUTOTUNING=1);
+    a caller's own value, and every other variable, reach the run unchanged."""
+    import json
+    import sys
+
+    script = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in "
+              "('TRITON_CACHE_AUTOTUNING', 'NCCL_NVLS_ENABLE')}))")
+    monkeypatch.setattr(M.pretrain_launch, "command", lambda flags, nproc, steps: [sys.executable, "-c", script])
+    log = tmp_path / "main.log"
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    assert M.train([], 1, 2, str(log)) == 0
+    assert json.loads(log.read_text()) == {"TRITON_CACHE_AUTOTUNING": "1", "NCCL_NVLS_ENABLE": "1"}
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
+    assert M.train([], 1, 2, str(log)) == 0
+    assert json.loads(log.read_text())["TRITON_CACHE_AUTOTUNING"] == "0"
