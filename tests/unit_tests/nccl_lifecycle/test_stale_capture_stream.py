@@ -128,16 +128,21 @@ def test_real_api_call_succeeds():
     torch.autograd.graph.set_override_stale_capture_stream(False)  # restore process default
 
 
-def test_missing_api_warns_once_and_capture_proceeds(capture_env, monkeypatch, caplog):
+def test_missing_api_is_said_once_at_info_and_capture_proceeds(capture_env, monkeypatch, caplog):
+    """Without the override (torch 2.11) the warm-up on the capture stream covers it, so the
+    one line says so at INFO: no warning that capture may fail or that torch must change."""
     monkeypatch.delattr(torch.autograd.graph, FEATURE)
     wrapper = _wrapper(capture_env)
-    with caplog.at_level(logging.WARNING, logger=fcg.logger.name):
+    with caplog.at_level(logging.INFO, logger=fcg.logger.name):
         _capture(wrapper, forward_only=False)  # training capture
         _capture(wrapper, forward_only=True)  # validation capture
         assert fcg.enable_stale_capture_stream_override() is False
-    warnings = [r for r in caplog.records if FEATURE in r.getMessage()]
-    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
-    assert "pytorch/pytorch#180090" in warnings[0].getMessage()
+    lines = [r for r in caplog.records if FEATURE in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert lines[0].levelno == logging.INFO, lines[0].levelname
+    assert "pytorch/pytorch#180090" in lines[0].getMessage()
+    assert "warm-up steps ran on the capture stream" in lines[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
     assert capture_env.events.count("capture_begin") == 2
 
 
