@@ -7,7 +7,8 @@
 # ignored .gpu-wheels/, e.g. .gpu-wheels/site, what an earlier setup installed stays there.)
 # 1. Transformer Engine (with its torch extension) and causal-conv1d must import, be the pinned
 #    versions, and run a TE LayerNormLinear forward and backward on the GPU; otherwise nothing runs.
-# 2. The six TE functional cases, each twin before the cases compared to it: goldens compared.
+# 2. The seven TE functional cases (each twin before the cases compared to it, then checkpoint
+#    resume across the max-pool flag): goldens compared.
 #    --record-missing records the golden of a case that has none for this GPU kind (only from a
 #    run that passed its COMPARE_TO check); cases with goldens are always compared.
 # 3. Only if they pass: one benchmark invocation over TE_COMPARISON (hfsdp/bench/configs.py):
@@ -67,7 +68,8 @@ if [[ " $stages " == *" functional "* ]]; then
   OUT="$out" CASE_TIMEOUT=${CASE_TIMEOUT:-300} bash tests/gpu/run_functional.sh "${record[@]}" \
     hybrid/hybrid_mcore_te_fsdp_1gpu_eager_no_db hybrid/hybrid_mcore_te_fsdp_1gpu_graph_maxpool \
     hybrid/hybrid_mcore_te_fsdp_1gpu_fused_mamba_eager_no_db hybrid/hybrid_mcore_te_fsdp_1gpu_fused_mamba_maxpool \
-    moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_eager_no_db moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_maxpool
+    moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_eager_no_db moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_maxpool \
+    hybrid/hybrid_mcore_te_fsdp_1gpu_resume_no_db_to_maxpool
   rc=$?
   cat "$out/functional_summary.txt" >> "$summary"
   if [ "$rc" -ne 0 ]; then

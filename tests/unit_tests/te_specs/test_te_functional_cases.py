@@ -23,6 +23,8 @@ TE_CASES = {
         "hybrid/hybrid_mcore_te_fsdp_1gpu_fused_mamba_eager_no_db",
     "moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_eager_no_db": None,
     "moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_maxpool": "moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_eager_no_db",
+    # checkpoint resume: saved without double buffering, resumed with max-pool (MODEL_ARGS_2)
+    "hybrid/hybrid_mcore_te_fsdp_1gpu_resume_no_db_to_maxpool": None,
 }
 MAXPOOL = {"--fsdp-double-buffer": True, "--megatron-fsdp-max-pool-double-buffer": True}
 GRAPH = {"--cuda-graph-impl": "full_iteration", "--cuda-graph-warmup-steps": 3, "--logging-level": 20}
@@ -126,3 +128,11 @@ def test_driver_passes_no_te_case_without_goldens(tmp_path: Path, case: str) -> 
     result = run_case(case_dir, output_root=out, evaluate_log=case_log, record=True)
     assert result.status == "PASS", result.reasons
     assert (case_dir / "golden_values_dev_dgx_h200.json").is_file()
+
+
+def test_te_resume_case_switches_only_the_max_pool_flag_at_the_resume() -> None:
+    r = recipe("hybrid/hybrid_mcore_te_fsdp_1gpu_resume_no_db_to_maxpool")
+    assert r.test_type == "ckpt-resume"
+    assert r.model_args_2 == MAXPOOL
+    assert not MAXPOOL.keys() & r.model_args.keys()
+    assert r.model_args["--ckpt-format"] == "fsdp_dtensor"
