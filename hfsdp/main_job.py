@@ -5,7 +5,8 @@ local GPU with Megatron-FSDP, the max-pool double buffer and, when the model can
 full-iteration CUDA graphs: the fastest configuration the fork offers. Then a short eager run
 of the same model shows what the graph buys. When the configuration cannot be captured (the
 CUDA-graph argument checks name why), it trains eagerly and says so. Each run is Megatron's
-own ``pretrain`` under torchrun; the caller's environment is passed through unchanged.
+own ``pretrain`` under torchrun; the caller's environment is passed through (one default
+added, below).
 
 Environment: ``TRAIN_ITERS`` (graphed run, default 30), ``EAGER_ITERS`` (comparison, default
 10, 0 skips it), ``NPROC`` (default: all GPUs). The runs get the caller's environment, plus

@@ -4,13 +4,14 @@
 Read off TE 2.20.2 (its PyTorch package and the common library's GEMM and fused-attention
 code), Megatron 0.18.2 as materialized here, mamba_ssm 2.3.2.post1 and causal-conv1d 1.7.0, then
 VERIFIED ON A GPU (1 x H100, TE 2.20.2, torch 2.11.0+cu130, 2026-11-24) with the functional
-cases' kernel choice (pinned Triton): the six TE cases run in separate processes, and each
-max-pool, graphed or lanes case had the lm loss of its eager no-double-buffer twin at all 20
-steps; docs/transformer-engine.md records it. Not verified: the benchmark's shared-choice
-variant (``TRITON_CACHE_AUTOTUNING``), and other GPU kinds. One place for them: the functional cases take them with ``DETERMINISM:
-transformer_engine`` in model_config.yaml (hfsdp/functional/recipe.py) and the benchmark with
-``--deterministic`` (hfsdp/bench/run.py). Each setting says why it is needed; ``NOT_SET`` says
-what was looked at and deliberately left alone.
+cases' kernel choice (pinned Triton): the TE cases run in separate processes, and each max-pool
+or graphed case had the lm loss of its eager no-double-buffer twin at all 20 steps;
+docs/transformer-engine.md records it. Not verified: the benchmark's shared-choice variant
+(``TRITON_CACHE_AUTOTUNING``), and other GPU kinds. One place for them: the functional cases
+take them with ``DETERMINISM: transformer_engine`` in model_config.yaml
+(hfsdp/functional/recipe.py) and the benchmark with ``--deterministic`` (hfsdp/bench/run.py).
+Each setting says why it is needed; ``NOT_SET`` says what was looked at and deliberately left
+alone.
 
 Kernel choice across processes is the one part that differs by use: the functional cases pin
 Triton's autotuners to their first valid config (``HFSDP_TRITON_PIN_AUTOTUNE=1``, same choice on

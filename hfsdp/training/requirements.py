@@ -17,8 +17,9 @@ What needs what (0.18.2):
   ``--moe-grouped-gemm``: TE's grouped linear); ``--cuda-graph-impl transformer_engine``;
   ``--fp8-format`` / ``--fp4-format``; ``--tp-comm-overlap``; ``--moe-permute-fusion`` and
   ``--moe-router-fusion`` (TE's fused MoE kernels); rope fusion, which is on by default with
-  ``--position-embedding-type rope`` (TE's fused rotary kernel). Checked with ``find_spec``:
-  importing TE loads CUDA libraries, and the entry point reports a CPU-only machine itself.
+  ``--position-embedding-type rope`` (TE's fused rotary kernel). Checked without importing TE
+  (that loads CUDA libraries, and the entry point reports a CPU-only machine itself): the
+  package with ``find_spec``, its torch extension where TE's own loader looks for it.
 * ``mamba_ssm``: Mamba layers (``M`` in ``--hybrid-layer-pattern``). Checked by importing what
   Megatron's mamba_mixer imports (``mamba_ssm.ops.triton.ssd_combined`` and ``layernorm_gated``):
   a mamba_ssm built without its CUDA extension is present but not importable.
@@ -38,8 +39,8 @@ import importlib.metadata
 import importlib.util
 from argparse import Namespace
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 from hfsdp.extras import PACKAGE_EXTRA, install_hint, te_extra
 from hfsdp.training.specs import SpecError
@@ -137,8 +138,8 @@ def importable(package: str) -> bool:
 def _te_torch_extension_present() -> bool:
     """TE and its torch extension, found where TE's own loader looks (``load_framework_extension``
     in ``transformer_engine/common``): a top-level ``transformer_engine_torch`` module, or its
-    shared object beside the package, inside it, or in its ``wheel_lib/`` folder, where TE 2.x
-    wheels put it (there it is importable only once ``transformer_engine.pytorch`` has loaded it)."""
+    shared object inside the package or in its ``wheel_lib/`` folder, where TE 2.x wheels put it
+    (there it is importable only once ``transformer_engine.pytorch`` has loaded it)."""
     te_pkg, ext = TE_MODULES
     spec = importlib.util.find_spec(te_pkg)
     if spec is None:
@@ -147,7 +148,7 @@ def _te_torch_extension_present() -> bool:
         return True
     for location in spec.submodule_search_locations or ():
         package = Path(location)
-        if any(any(folder.glob(f"{ext}*.so")) for folder in (package.parent, package, package / "wheel_lib")):
+        if any(any(folder.glob(f"{ext}*.so")) for folder in (package, package / "wheel_lib")):
             return True
     return False
 

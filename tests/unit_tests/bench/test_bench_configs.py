@@ -28,7 +28,8 @@ def test_fill80_experts_fills_an_80gb_gpu_with_parameters(tmp_path):
     """fill80_experts is the default model, deeper and with more experts: same width, sequence and
     micro-batch (so the per-layer compute of the default), 2.9-3.0B parameters whose model state
     (bf16 weights + fp32 main weights, grads and two Adam moments: 18 bytes each) takes 60-70 % of
-    80 GB, leaving room for activations and the graph's pool. Its MoE dispatch is capturable."""
+    80 GB, leaving room for activations and the graph's pool. Its MoE dispatch flags are the
+    default's, which test_default_model_is_capturable checks."""
     import io
     import json
     from contextlib import redirect_stdout
@@ -39,7 +40,7 @@ def test_fill80_experts_fills_an_80gb_gpu_with_parameters(tmp_path):
     value = lambda fl, name: fl[fl.index(name) + 1]  # noqa: E731
     assert value(flags, "--hybrid-layer-pattern") == "M*E" * 16
     for same in ("--hidden-size", "--seq-length", "--micro-batch-size", "--moe-ffn-hidden-size",
-                 "--moe-token-dispatcher-type", "--moe-expert-capacity-factor"):
+                 "--moe-token-dispatcher-type", "--moe-expert-capacity-factor", "--moe-router-topk"):
         assert value(flags, same) == value(default, same), same
     out = tmp_path / "plan.json"
     with redirect_stdout(io.StringIO()):

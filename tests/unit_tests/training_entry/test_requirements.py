@@ -153,7 +153,7 @@ def test_importable_follows_how_megatron_imports(monkeypatch, tmp_path: Path) ->
     assert R.importable("transformer_engine")
 
 
-@pytest.mark.parametrize("where", ["wheel_lib", "package", "beside"])
+@pytest.mark.parametrize("where", ["wheel_lib", "package", "top-level"])
 def test_te_torch_extension_found_where_te_loads_it(monkeypatch, tmp_path: Path, where: str) -> None:
     """TE 2.x wheels ship the torch extension as a shared object inside the package
     (transformer_engine/wheel_lib/), not importable by name until transformer_engine.pytorch
@@ -166,7 +166,7 @@ def test_te_torch_extension_found_where_te_loads_it(monkeypatch, tmp_path: Path,
     monkeypatch.delitem(sys.modules, "transformer_engine_torch", raising=False)
     (package / "wheel_lib" / "transformer_engine_jax.cpython-312-x86_64-linux-gnu.so").write_text("")
     assert not R.importable("transformer_engine")
-    folder = {"wheel_lib": package / "wheel_lib", "package": package, "beside": tmp_path}[where]
+    folder = {"wheel_lib": package / "wheel_lib", "package": package, "top-level": tmp_path}[where]
     (folder / "transformer_engine_torch.cpython-312-x86_64-linux-gnu.so").write_text("")
     assert R.importable("transformer_engine")
 
