@@ -1,4 +1,4 @@
-"""The capture memory report groups reserved segments by graph pool and stream (CPU)."""
+"""The capture memory report groups segments (reserved and in use) by graph pool and stream (CPU)."""
 
 import logging
 from types import SimpleNamespace
@@ -12,20 +12,26 @@ MIB = 2**20
 
 def _segments():
     return [
-        {"segment_pool_id": (0, 0), "stream": 0, "total_size": 100 * MIB},  # default stream
-        {"segment_pool_id": (0, 0), "stream": 0, "total_size": 20 * MIB},
-        {"segment_pool_id": (0, 0), "stream": 77, "total_size": 30 * MIB},  # capture stream
-        {"segment_pool_id": (1, 0), "stream": 77, "total_size": 40 * MIB},  # a graph pool
-        {"segment_pool_id": (0, 0), "stream": 5, "total_size": 2 * MIB},  # a comm side stream
+        {"segment_pool_id": (0, 0), "stream": 0, "total_size": 100 * MIB,  # default stream
+         "allocated_size": 90 * MIB},
+        {"segment_pool_id": (0, 0), "stream": 0, "total_size": 20 * MIB, "allocated_size": 1 * MIB},
+        {"segment_pool_id": (0, 0), "stream": 77, "total_size": 30 * MIB,  # capture stream
+         "allocated_size": 4 * MIB},
+        {"segment_pool_id": (1, 0), "stream": 77, "total_size": 40 * MIB,  # a graph pool
+         "allocated_size": 0},
+        {"segment_pool_id": (0, 0), "stream": 5, "total_size": 2 * MIB,  # a comm side stream
+         "allocated_size": 2 * MIB},
     ]
 
 
-def test_reserved_by_place(monkeypatch):
+def test_memory_by_place(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_snapshot", _segments)
-    places = mem.reserved_by_place({"default stream": 0, "capture stream": 77})
-    assert places == {"graph pools": 40 * MIB, "default stream": 120 * MIB,
-                      "capture stream": 30 * MIB, "other streams": 2 * MIB}
-    assert sum(places.values()) == sum(s["total_size"] for s in _segments())
+    places = mem.memory_by_place({"default stream": 0, "capture stream": 77})
+    assert places == {"graph pools": (40 * MIB, 0), "default stream": (120 * MIB, 91 * MIB),
+                      "capture stream": (30 * MIB, 4 * MIB), "other streams": (2 * MIB, 2 * MIB)}
+    assert list(places) == ["graph pools", "default stream", "capture stream", "other streams"]
+    assert sum(r for r, _ in places.values()) == sum(s["total_size"] for s in _segments())
+    assert sum(u for _, u in places.values()) == sum(s["allocated_size"] for s in _segments())
 
 
 def _fake_cuda(monkeypatch, calls):
@@ -47,7 +53,8 @@ def test_log_line_names_every_place(monkeypatch, caplog):
         mem.log_capture_memory("training", "after capture", SimpleNamespace(cuda_stream=77))
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("full-iteration CUDA graph (training) after capture: reserved 192 MiB")
-    for part in ("graph pools 40", "default stream 120", "capture stream 30", "other streams 2",
+    for part in ("graph pools 40 (0 in use)", "default stream 120 (91 in use)",
+                 "capture stream 30 (4 in use)", "other streams 2 (2 in use)",
                  "allocated 150 MiB", "peak reserved 200 MiB", "peak allocated 160 MiB"):
         assert part in line, (part, line)
 
