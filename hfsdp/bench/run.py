@@ -64,6 +64,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--run-timeout", type=int, default=300, help="Seconds per torchrun.")
     p.add_argument("--keep-logs", default=None,
                    help="Copy every timing run's Megatron log and run report into this folder.")
+    p.add_argument("--from-logs", default=None, metavar="DIR",
+                   help="Launch nothing: summarize the runs a --keep-logs folder holds (an "
+                        "invocation that stopped early). Give the same preset, configurations, "
+                        "repeats, steps and flags as the invocation that wrote it.")
     p.add_argument("--no-prime", action="store_true",
                    help="Skip the discarded priming run (it fills the Triton compile/autotune "
                         "caches so the first timed run is not slower than the rest).")
@@ -193,6 +197,76 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     return run, f"{stem}.log"
 
 
+def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argparse.Namespace,
+            start: float) -> tuple[list[res.RunResult], dict[str, str], dict[str, Any]]:
+    """Launch every (repeat, configuration) of ``order``, after the optional priming run."""
+    runs: list[res.RunResult] = []
+    failures: dict[str, str] = {}
+    primed: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="hfsdp-bench-") as workdir:
+        if order and not opts.no_prime:
+            # The first process on a fresh machine JIT-compiles and autotunes the Triton kernels
+            # (a 2xH200 run took > 100 s vs ~31 s after); without priming, that cost and the
+            # cache warming that follows land in whichever configuration runs first.
+            name = order[0][1]
+            t0 = time.time()
+            run, _ = launch(cfgs.CONFIGS[name], -1, flags, opts, workdir,
+                            timeout_s=max(2 * opts.run_timeout, 300))
+            primed = {"config": name, "wall_s": round(time.time() - t0, 1), "ok": run is not None}
+            print(f"[prime] {name} (discarded) {'ok' if run else 'FAILED'} in "
+                  f"{primed['wall_s']:.0f}s", flush=True)
+        for k, (repeat, name) in enumerate(order, 1):
+            t0 = time.time()
+            run, info = launch(cfgs.CONFIGS[name], repeat, flags, opts, workdir)
+            wall = time.time() - t0
+            if run is None:
+                failures[f"{name}#{repeat}"] = info
+                print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} FAILED after {wall:.0f}s\n{info}",
+                      flush=True)
+                continue
+            runs.append(run)
+            print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} median step "
+                  f"{run.median_step_s * 1e3:8.1f} ms  peak alloc "
+                  f"{run.peak_allocated_bytes / res.MIB:9.1f} MiB  peak reserved "
+                  f"{run.peak_reserved_bytes / res.MIB:9.1f} MiB  (run {wall:.0f}s, "
+                  f"total {time.time() - start:.0f}s)", flush=True)
+    return runs, failures, primed
+
+
+def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequence[str],
+                   opts: argparse.Namespace) -> tuple[list[res.RunResult], dict[str, str]]:
+    """The runs of ``order`` that ``folder`` (a ``--keep-logs`` folder) holds, read as
+    :func:`launch_pretrain` reads a finished run; the others are returned as failures."""
+    if not os.path.isdir(folder):
+        raise UserError(f"--from-logs {folder}: no such folder",
+                        "give the folder an earlier invocation's --keep-logs wrote")
+    runs: list[res.RunResult] = []
+    failures: dict[str, str] = {}
+    for repeat, name in order:
+        stem = os.path.join(folder, f"{name}-{repeat}")
+        if not os.path.exists(f"{stem}.log"):
+            failures[f"{name}#{repeat}"] = f"not in {folder}"
+            continue
+        config = cfgs.CONFIGS[name]
+        try:
+            run = pretrain_launch.result(name, repeat, f"{stem}.log", f"{stem}.report.json",
+                                         warmup_steps=opts.warmup_steps, timed_steps=opts.timed_steps,
+                                         nproc=opts.nproc, flags=[*flags, *config.flags])
+            if config.graphed and not run.cuda_graph_captured:
+                raise pretrain_launch.RunFailed("no full-iteration CUDA graph was captured")
+        except pretrain_launch.RunFailed as exc:
+            failures[f"{name}#{repeat}"] = str(exc)
+            continue
+        runs.append(run)
+    print(f"{len(runs)} of {len(order)} runs read from {folder}"
+          + (f"; missing or unusable: {', '.join(failures)}" if failures else ""))
+    if not runs:
+        raise UserError(f"--from-logs {folder}: none of the {len(order)} runs asked for is there",
+                        "check --configs, --repeats and the step counts against the invocation "
+                        "that wrote the folder")
+    return runs, failures
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     return run_cli("benchmark_double_buffer", lambda: _main(sys.argv[1:] if argv is None else argv))
 
@@ -214,7 +288,7 @@ def _main(argv: Sequence[str]) -> int:
                                                               else [], extra))
     wanted = [c.strip() for c in opts.configs.split(",") if c.strip()]
     te_wanted = [n for n in wanted if n in cfgs.CONFIGS and cfgs.CONFIGS[n].spec == "te"]
-    if te_wanted and not requirements.importable("transformer_engine"):
+    if te_wanted and not opts.from_logs and not requirements.importable("transformer_engine"):
         raise UserError(f"{', '.join(te_wanted)} need Transformer Engine, which is not importable here",
                         f"install the TE extra, "
                         f"{extras.install_hint(extras.te_extra(requirements.torch_cuda_version()))}, "
@@ -245,37 +319,12 @@ def _main(argv: Sequence[str]) -> int:
             print(f"skip {name}: {reason}")
     planned = {} if opts.no_plan else planned_pools(flags, opts.nproc, opts.env, runnable)
     order = res.interleaved_order(runnable, opts.repeats)
-    runs: list[res.RunResult] = []
-    failures: dict[str, str] = {}
     start = time.time()
     primed: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="hfsdp-bench-") as workdir:
-        if order and not opts.no_prime:
-            # The first process on a fresh machine JIT-compiles and autotunes the Triton kernels
-            # (a 2xH200 run took > 100 s vs ~31 s after); without priming, that cost and the
-            # cache warming that follows land in whichever configuration runs first.
-            name = order[0][1]
-            t0 = time.time()
-            run, _ = launch(cfgs.CONFIGS[name], -1, flags, opts, workdir,
-                            timeout_s=max(2 * opts.run_timeout, 300))
-            primed = {"config": name, "wall_s": round(time.time() - t0, 1), "ok": run is not None}
-            print(f"[prime] {name} (discarded) {'ok' if run else 'FAILED'} in "
-                  f"{primed['wall_s']:.0f}s", flush=True)
-        for k, (repeat, name) in enumerate(order, 1):
-            t0 = time.time()
-            run, info = launch(cfgs.CONFIGS[name], repeat, flags, opts, workdir)
-            wall = time.time() - t0
-            if run is None:
-                failures[f"{name}#{repeat}"] = info
-                print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} FAILED after {wall:.0f}s\n{info}",
-                      flush=True)
-                continue
-            runs.append(run)
-            print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} median step "
-                  f"{run.median_step_s * 1e3:8.1f} ms  peak alloc "
-                  f"{run.peak_allocated_bytes / res.MIB:9.1f} MiB  peak reserved "
-                  f"{run.peak_reserved_bytes / res.MIB:9.1f} MiB  (run {wall:.0f}s, "
-                  f"total {time.time() - start:.0f}s)", flush=True)
+    if opts.from_logs:
+        runs, failures = runs_from_logs(opts.from_logs, order, flags, opts)
+    else:
+        runs, failures, primed = run_all(order, flags, opts, start)
     summaries = res.summarize(runs, planned=planned)
     print("\n".join(res.format_table(summaries)))
     # TE configurations also against their own eager baseline (the TE targets are ratios to it).
@@ -293,7 +342,7 @@ def _main(argv: Sequence[str]) -> int:
         "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc,
         "repeats": opts.repeats, "warmup_steps": opts.warmup_steps,
         "timed_steps": opts.timed_steps, "order": order, "skipped": skipped,
-        "failures": failures, "primed": primed, "env": opts.env,
+        "failures": failures, "primed": primed, "env": opts.env, "from_logs": opts.from_logs,
         "configs": {n: cfgs.CONFIGS[n].description for n in wanted if n in cfgs.CONFIGS},
         "torch": _torch_version(), "wall_s": round(time.time() - start, 1),
         "deterministic": opts.deterministic,

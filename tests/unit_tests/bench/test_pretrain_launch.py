@@ -127,3 +127,47 @@ def test_graphed_configs_refuse_options_that_cannot_time_them(argv, words, capsy
     monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("nothing may run"))
     assert B.main(argv + ["--no-plan", "--no-chart"]) == 2
     assert words in capsys.readouterr().err
+
+
+def _keep(folder, name: str, repeat: int, steps: int, ms: float, captured: bool) -> None:
+    """A --keep-logs pair (<config>-<repeat>.log and .report.json) as a timing run leaves it."""
+    run_dir = folder / f"tmp-{name}-{repeat}"
+    run_dir.mkdir()
+    log, report = _write_run(run_dir, steps, ms=ms, captured=captured)
+    (folder / f"{name}-{repeat}.log").write_text(open(log).read())
+    (folder / f"{name}-{repeat}.report.json").write_text(open(run_report.rank_path(report, 0)).read())
+
+
+def test_from_logs_summarizes_an_invocation_that_stopped_early(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("--from-logs launches nothing"))
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for name, repeat, ms in (("no_db", 0, 500.0), ("no_db", 1, 520.0), ("maxpool_graph", 0, 60.0)):
+        _keep(kept, name, repeat, steps=8, ms=ms, captured=name.endswith("graph"))
+    _keep(kept, "no_db_graph", 0, steps=8, ms=70.0, captured=False)  # kept, but captured nothing
+    out = tmp_path / "r.json"
+    rc = B.main(["--nproc", "1", "--configs", "no_db,no_db_graph,maxpool_graph", "--repeats", "2",
+                 "--warmup-steps", "5", "--timed-steps", "3", "--no-plan", "--no-chart",
+                 "--from-logs", str(kept), "--out-json", str(out), "--", *MODEL])
+    assert rc == 1, "an incomplete invocation is not a success"
+    doc = json.loads(out.read_text())
+    summary = {s["config"]: s for s in doc["summary"]}
+    assert summary["no_db"]["runs"] == 2 and summary["maxpool_graph"]["runs"] == 1
+    assert "no_db_graph" not in summary
+    assert summary["no_db"]["median_step_s"] == pytest.approx((507.0 + 527.0) / 2 / 1e3)
+    assert doc["meta"]["from_logs"] == str(kept)
+    assert set(doc["meta"]["failures"]) == {"no_db_graph#0", "no_db_graph#1", "maxpool_graph#1"}
+    assert "no full-iteration CUDA graph" in doc["meta"]["failures"]["no_db_graph#0"]
+    assert doc["meta"]["failures"]["maxpool_graph#1"] == f"not in {kept}"
+    assert "3 of 6 runs read from" in capsys.readouterr().out
+
+
+def test_from_logs_without_the_runs_is_a_sentence(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = B.main(["--nproc", "1", "--configs", "no_db", "--no-plan", "--from-logs",
+                 str(tmp_path / "absent"), "--out-json", str(out)])
+    assert rc == 2 and "no such folder" in capsys.readouterr().err and not out.exists()
+    (tmp_path / "empty").mkdir()
+    rc = B.main(["--nproc", "1", "--configs", "no_db", "--no-plan", "--from-logs",
+                 str(tmp_path / "empty"), "--out-json", str(out)])
+    assert rc == 2 and "none of the 3 runs" in capsys.readouterr().err and not out.exists()
