@@ -76,19 +76,24 @@ def test_train_tees_output_and_returns_the_exit_code(monkeypatch, tmp_path, caps
 
 
 def test_runs_share_triton_autotuning_unless_the_caller_chose(monkeypatch, tmp_path):
-    """The eager comparison reuses the graphed run's Triton choices (TRITON_CACHE_AUTOTUNING=1);
-    a caller's own value, and every other variable, reach the run unchanged."""
+    """The eager comparison reuses the graphed run's Triton choices (TRITON_CACHE_AUTOTUNING=1)
+    and the runs get expandable allocator segments; a caller's own values, and every other
+    variable, reach the run unchanged."""
     import json
     import sys
 
-    script = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in "
-              "('TRITON_CACHE_AUTOTUNING', 'NCCL_NVLS_ENABLE')}))")
+    names = ("TRITON_CACHE_AUTOTUNING", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_NVLS_ENABLE")
+    script = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
     monkeypatch.setattr(M.pretrain_launch, "command", lambda flags, nproc, steps: [sys.executable, "-c", script])
     log = tmp_path / "main.log"
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     assert M.train([], 1, 2, str(log)) == 0
-    assert json.loads(log.read_text()) == {"TRITON_CACHE_AUTOTUNING": "1", "NCCL_NVLS_ENABLE": "1"}
+    assert json.loads(log.read_text()) == {"TRITON_CACHE_AUTOTUNING": "1", "NCCL_NVLS_ENABLE": "1",
+                                           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert M.train([], 1, 2, str(log)) == 0
-    assert json.loads(log.read_text())["TRITON_CACHE_AUTOTUNING"] == "0"
+    assert json.loads(log.read_text()) == {"TRITON_CACHE_AUTOTUNING": "0", "NCCL_NVLS_ENABLE": "1",
+                                           "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
