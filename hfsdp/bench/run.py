@@ -29,7 +29,7 @@ from hfsdp.bench import pretrain_launch
 from hfsdp.bench import results as res
 from hfsdp.launch_env import add_env_option, job_env, parse_assignments
 from hfsdp.proc import run_group
-from hfsdp.training import requirements
+from hfsdp.training import requirements, run_report
 from hfsdp.usererror import UserError, run_cli
 
 
@@ -234,14 +234,16 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
 
 
 def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequence[str],
-                   opts: argparse.Namespace) -> tuple[list[res.RunResult], dict[str, str]]:
+                   opts: argparse.Namespace) -> tuple[list[res.RunResult], dict[str, str], dict[str, Any]]:
     """The runs of ``order`` that ``folder`` (a ``--keep-logs`` folder) holds, read as
-    :func:`launch_pretrain` reads a finished run; the others are returned as failures."""
+    :func:`launch_pretrain` reads a finished run; the others are returned as failures. Also
+    the torch version(s) and device(s) the run reports name: the runs', not this machine's."""
     if not os.path.isdir(folder):
         raise UserError(f"--from-logs {folder}: no such folder",
                         "give the folder an earlier invocation's --keep-logs wrote")
     runs: list[res.RunResult] = []
     failures: dict[str, str] = {}
+    seen: dict[str, set[str]] = {}
     for repeat, name in order:
         stem = os.path.join(folder, f"{name}-{repeat}")
         if not os.path.exists(f"{stem}.log"):
@@ -258,13 +260,16 @@ def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequenc
             failures[f"{name}#{repeat}"] = str(exc)
             continue
         runs.append(run)
+        report = run_report.read(f"{stem}.report.json", opts.nproc)
+        for key in ("torch", "device"):
+            seen.setdefault(key, set()).add(str(report.get(key)))
     print(f"{len(runs)} of {len(order)} runs read from {folder}"
           + (f"; missing or unusable: {', '.join(failures)}" if failures else ""))
     if not runs:
         raise UserError(f"--from-logs {folder}: none of the {len(order)} runs asked for is there",
                         "check --configs, --repeats and the step counts against the invocation "
                         "that wrote the folder")
-    return runs, failures
+    return runs, failures, {key: ", ".join(sorted(values)) for key, values in seen.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -321,8 +326,9 @@ def _main(argv: Sequence[str]) -> int:
     order = res.interleaved_order(runnable, opts.repeats)
     start = time.time()
     primed: dict[str, Any] = {}
+    machine: dict[str, Any] = {"torch": _torch_version()}  # from the run reports with --from-logs
     if opts.from_logs:
-        runs, failures = runs_from_logs(opts.from_logs, order, flags, opts)
+        runs, failures, machine = runs_from_logs(opts.from_logs, order, flags, opts)
     else:
         runs, failures, primed = run_all(order, flags, opts, start)
     summaries = res.summarize(runs, planned=planned)
@@ -344,7 +350,7 @@ def _main(argv: Sequence[str]) -> int:
         "timed_steps": opts.timed_steps, "order": order, "skipped": skipped,
         "failures": failures, "primed": primed, "env": opts.env, "from_logs": opts.from_logs,
         "configs": {n: cfgs.CONFIGS[n].description for n in wanted if n in cfgs.CONFIGS},
-        "torch": _torch_version(), "wall_s": round(time.time() - start, 1),
+        **machine, "wall_s": None if opts.from_logs else round(time.time() - start, 1),
         "deterministic": opts.deterministic,
         "te_determinism_verified": te_determinism.VERIFIED if opts.deterministic else None,
     }

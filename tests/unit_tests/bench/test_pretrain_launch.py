@@ -31,7 +31,8 @@ def _write_run(tmp_path, steps: int, ms: float = 70.0, skip: int | None = None,
     for rank in range(ranks):
         path = run_report.rank_path(str(report), rank)
         with open(path, "w") as f:
-            json.dump({"peak_allocated_bytes": 100 + rank, "peak_reserved_bytes": 200 - rank,
+            json.dump({"torch": "2.11.0+cu130", "device": "NVIDIA H100 80GB HBM3",
+                       "peak_allocated_bytes": 100 + rank, "peak_reserved_bytes": 200 - rank,
                        "pool_bytes_measured": 64, "cuda_graph_captured": captured,
                        "maxpool_stats": {"home_misses": rank, "pool_bytes_allocated": 64}}, f)
     return str(log), str(report)
@@ -155,7 +156,9 @@ def test_from_logs_summarizes_an_invocation_that_stopped_early(monkeypatch, tmp_
     assert summary["no_db"]["runs"] == 2 and summary["maxpool_graph"]["runs"] == 1
     assert "no_db_graph" not in summary
     assert summary["no_db"]["median_step_s"] == pytest.approx((507.0 + 527.0) / 2 / 1e3)
-    assert doc["meta"]["from_logs"] == str(kept)
+    assert doc["meta"]["from_logs"] == str(kept) and doc["meta"]["wall_s"] is None
+    # The machine is the runs' (their reports), not the one that summarizes them.
+    assert (doc["meta"]["torch"], doc["meta"]["device"]) == ("2.11.0+cu130", "NVIDIA H100 80GB HBM3")
     assert set(doc["meta"]["failures"]) == {"no_db_graph#0", "no_db_graph#1", "maxpool_graph#1"}
     assert "no full-iteration CUDA graph" in doc["meta"]["failures"]["no_db_graph#0"]
     assert doc["meta"]["failures"]["maxpool_graph#1"] == f"not in {kept}"
