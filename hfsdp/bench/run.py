@@ -285,7 +285,7 @@ def _main(argv: Sequence[str]) -> int:
             doc = json.load(f)
         summaries = [res.ConfigSummary(**d) for d in doc["summary"]]
         write_chart(opts.out_png, summaries, f"Megatron-FSDP double buffering, "
-                    f"{doc['meta'].get('preset')} model, {doc['meta'].get('nproc')} GPUs")
+                    f"{doc['meta'].get('preset')} model, {gpus(doc['meta'].get('nproc'))}")
         print(f"wrote {opts.out_png}")
         return 0
     # Flags after -- win over --deterministic's, which win over the preset's.
@@ -365,11 +365,16 @@ def _main(argv: Sequence[str]) -> int:
 
         try:
             write_chart(opts.out_png, summaries,
-                        f"Megatron-FSDP double buffering, {opts.preset} model, {opts.nproc} GPUs")
+                        f"Megatron-FSDP double buffering, {opts.preset} model, {gpus(opts.nproc)}")
             print(f"wrote {opts.out_png}")
         except ChartUnavailable as exc:
             print(f"chart skipped: {exc}")
     return 1 if failures else 0
+
+
+def gpus(n: Any) -> str:
+    """'1 GPU', '2 GPUs' (chart titles)."""
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
 def _torch_version() -> Any:

@@ -173,3 +173,7 @@ def test_deterministic_gives_every_run_the_te_settings(te_launch, tmp_path):
         assert env == {**te_determinism.env("cache"), "NCCL_ALGO": "Tree"}  # --env wins
     meta = json.loads((tmp_path / "r.json").read_text())["meta"]
     assert meta["deterministic"] is True and meta["te_determinism_verified"] is te_determinism.VERIFIED
+
+
+def test_chart_titles_count_gpus_in_words():
+    assert (B.gpus(1), B.gpus(2)) == ("1 GPU", "2 GPUs")
