@@ -166,6 +166,19 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
         return res.run_from_dict(json.load(f)), log
 
 
+def read_run(config: cfgs.BenchConfig, repeat: int, stem: str, flags: Sequence[str],
+             opts: argparse.Namespace) -> res.RunResult:
+    """A finished timing run from ``<stem>.log`` and ``<stem>.report.json``; raises
+    ``pretrain_launch.RunFailed`` when they lack a timed step or, for a graphed configuration,
+    the capture."""
+    run = pretrain_launch.result(config.name, repeat, f"{stem}.log", f"{stem}.report.json",
+                                 warmup_steps=opts.warmup_steps, timed_steps=opts.timed_steps,
+                                 nproc=opts.nproc, flags=[*flags, *config.flags])
+    if config.graphed and not run.cuda_graph_captured:
+        raise pretrain_launch.RunFailed("no full-iteration CUDA graph was captured")
+    return run
+
+
 def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
                     opts: argparse.Namespace, workdir: str,
                     timeout_s: int | None = None) -> tuple[res.RunResult | None, str]:
@@ -180,11 +193,7 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     try:
         if rc != 0:
             raise pretrain_launch.RunFailed(f"rc={rc}")
-        run = pretrain_launch.result(config.name, repeat, f"{stem}.log", f"{stem}.report.json",
-                                     warmup_steps=opts.warmup_steps, timed_steps=opts.timed_steps,
-                                     nproc=opts.nproc, flags=[*flags, *config.flags])
-        if config.graphed and not run.cuda_graph_captured:
-            raise pretrain_launch.RunFailed("no full-iteration CUDA graph was captured")
+        run = read_run(config, repeat, stem, flags, opts)
     except pretrain_launch.RunFailed as exc:
         with open(f"{stem}.log", errors="replace") as f:
             tail = f.read()[-3000:]
@@ -249,13 +258,8 @@ def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequenc
         if not os.path.exists(f"{stem}.log"):
             failures[f"{name}#{repeat}"] = f"not in {folder}"
             continue
-        config = cfgs.CONFIGS[name]
         try:
-            run = pretrain_launch.result(name, repeat, f"{stem}.log", f"{stem}.report.json",
-                                         warmup_steps=opts.warmup_steps, timed_steps=opts.timed_steps,
-                                         nproc=opts.nproc, flags=[*flags, *config.flags])
-            if config.graphed and not run.cuda_graph_captured:
-                raise pretrain_launch.RunFailed("no full-iteration CUDA graph was captured")
+            run = read_run(cfgs.CONFIGS[name], repeat, stem, flags, opts)
         except pretrain_launch.RunFailed as exc:
             failures[f"{name}#{repeat}"] = str(exc)
             continue
