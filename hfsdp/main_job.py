@@ -5,12 +5,13 @@ local GPU with Megatron-FSDP, the max-pool double buffer and, when the model can
 full-iteration CUDA graphs: the fastest configuration the fork offers. Then a short eager run
 of the same model shows what the graph buys. When the configuration cannot be captured (the
 CUDA-graph argument checks name why), it trains eagerly and says so. Each run is Megatron's
-own ``pretrain`` under torchrun; the caller's environment is passed through (one default
-added, below).
+own ``pretrain`` under torchrun; the caller's environment is passed through, with at most two
+defaults added where the caller set nothing (:func:`run_env`).
 
 Environment: ``TRAIN_ITERS`` (graphed run, default 30), ``EAGER_ITERS`` (comparison, default
 10, 0 skips it), ``NPROC`` (default: all GPUs). The runs get the caller's environment, plus
-``TRITON_CACHE_AUTOTUNING=1`` when it is unset (see ``SHARED_AUTOTUNE_ENV``).
+``TRITON_CACHE_AUTOTUNING=1`` when it is unset (see ``SHARED_AUTOTUNE_ENV``) and, on one GPU,
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when that is unset (see ``ALLOC_CONF_ENV``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def capture_problems(flags: Sequence[str], nproc: int) -> list[str]:
     parser = margs.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     with contextlib.redirect_stderr(io.StringIO()):
         args = parser.parse_args([*flags, *GRAPH_FLAGS])
-    return cuda_graph_arg_problems(args)
+    args.world_size = nproc  # Megatron's parse_args sets it from WORLD_SIZE; the bare parser does not
+    return cuda_graph_arg_problems(args, run_env(os.environ, nproc, flags))
 
 
 def print_capture_check(extra: Sequence[str] = (), nproc: int = 1) -> bool:
@@ -76,18 +78,23 @@ SHARED_AUTOTUNE_ENV = "TRITON_CACHE_AUTOTUNING"
 # Under a full-iteration graph, cache the eager warm-up left in segments that a live block pins
 # stays reserved beside the graph's pool; expandable segments hand it back page by page. On the
 # default model with TE specs this took graphed peak reserved from 1.094x to 1.016x eager's
-# (docs/cuda-graphs.md, "Memory"). A PYTORCH_CUDA_ALLOC_CONF the caller set is kept whole.
+# (docs/cuda-graphs.md, "Memory"). Only on one GPU, where it was measured: with several ranks a
+# graph holds NCCL collectives, which need NCCL_GRAPH_REGISTER=0 beside expandable segments
+# (megatron/training/cuda_graph_checks.py), and Megatron-FSDP refuses it with --use-nccl-ub on
+# torch < 2.11. A PYTORCH_CUDA_ALLOC_CONF the caller set is kept whole.
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOC_CONF_DEFAULT = "expandable_segments:True"
 
 
-def run_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def run_env(environ: Mapping[str, str] | None = None, nproc: int = 1,
+            flags: Sequence[str] = ()) -> dict[str, str]:
     """The environment of the main job's runs: the caller's, passed through unchanged, plus
-    Triton's shared autotune cache and expandable allocator segments where the caller has not
-    chosen."""
+    Triton's shared autotune cache and, on one GPU without NCCL user buffers, expandable
+    allocator segments, each only where the caller has not chosen."""
     env = dict(os.environ if environ is None else environ)
     env.setdefault(SHARED_AUTOTUNE_ENV, "1")
-    env.setdefault(ALLOC_CONF_ENV, ALLOC_CONF_DEFAULT)
+    if nproc == 1 and "--use-nccl-ub" not in flags:
+        env.setdefault(ALLOC_CONF_ENV, ALLOC_CONF_DEFAULT)
     return env
 
 
@@ -106,7 +113,7 @@ def train(flags: Sequence[str], nproc: int, steps: int, log_path: str) -> int:
             sys.stdout.write(line)
             log.write(line)
 
-        ended = run_group(cmd, on_line=tee, env=run_env())
+        ended = run_group(cmd, on_line=tee, env=run_env(os.environ, nproc, flags))
     if ended.stragglers:
         print(f"main_job: ended {len(ended.stragglers)} worker(s) left behind by the run",
               file=sys.stderr)

@@ -79,3 +79,26 @@ def test_every_problem_is_reported_at_once():
     Args.cuda_graph_impl = "none"
     Args.moe_token_dispatcher_type = "allgather"
     assert cuda_graph_arg_problems(Args()) == [], "no graphs, nothing to reject"
+
+
+@pytest.mark.parametrize("world_size, environ, rejected", [
+    (2, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+    (8, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256, expandable_segments:True"}, True),
+    (2, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_GRAPH_REGISTER": "0"}, False),
+    (1, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, False),  # no collective captured
+    (2, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+    (2, {}, False),
+])
+def test_expandable_segments_with_several_ranks_need_nccl_graph_register_off(world_size, environ, rejected):
+    class Args:
+        cuda_graph_impl = "full_iteration"
+        use_megatron_fsdp = True
+        num_experts = None
+
+    Args.world_size = world_size
+    problems = cuda_graph_arg_problems(Args(), environ)
+    assert bool(problems) == rejected, problems
+    if rejected:
+        assert "NCCL_GRAPH_REGISTER=0" in problems[0] and f"{world_size} ranks" in problems[0]
+    Args.cuda_graph_impl = "none"
+    assert cuda_graph_arg_problems(Args(), environ) == [], "eager runs have no graph to protect"

@@ -97,3 +97,27 @@ def test_runs_share_triton_autotuning_unless_the_caller_chose(monkeypatch, tmp_p
     assert M.train([], 1, 2, str(log)) == 0
     assert json.loads(log.read_text()) == {"TRITON_CACHE_AUTOTUNING": "0", "NCCL_NVLS_ENABLE": "1",
                                            "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+
+
+def test_expandable_segments_only_where_measured():
+    """One GPU without NCCL user buffers gets the allocator default; several ranks (NCCL in the
+    graph) or --use-nccl-ub keep the caller's allocator settings exactly."""
+    assert M.run_env({}, 1)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in M.run_env({}, 2)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in M.run_env({}, 1, ["--use-nccl-ub"])
+    assert M.run_env({"PYTORCH_CUDA_ALLOC_CONF": "x"}, 1)["PYTORCH_CUDA_ALLOC_CONF"] == "x"
+
+
+def test_capture_check_sees_the_runs_allocator(monkeypatch):
+    """A caller's expandable segments on several GPUs, without NCCL_GRAPH_REGISTER=0, is a
+    capture problem (the job then trains eagerly and says why); on one GPU it is not."""
+    monkeypatch.setenv("WORLD_SIZE", "1")  # capture_problems only sets it when unset
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    flags = [*M.DEFAULT_MODEL_FLAGS, *M.MAXPOOL_FLAGS]
+    (problem,) = M.capture_problems(flags, 2)
+    assert "NCCL_GRAPH_REGISTER=0" in problem
+    assert M.capture_problems(flags, 1) == []
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
+    assert M.capture_problems(flags, 2) == []
