@@ -17,8 +17,9 @@ ngpu=$("$HFSDP_PY" -c 'import torch; print(torch.cuda.device_count())')
 if [ "${ngpu:-0}" -ge 1 ]; then
   # Max-pool double buffer + full-iteration CUDA graphs when the model can be captured (else eager,
   # saying why), then a short eager run for comparison: hfsdp/main_job.py. Your environment is
-  # passed through unchanged (on shared machines where NVLink multicast must stay off, export
-  # NCCL_NVLS_ENABLE=0 yourself).
+  # passed through, with two defaults where you set nothing (TRITON_CACHE_AUTOTUNING=1 and, on one
+  # GPU, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; hfsdp/main_job.py run_env). On shared
+  # machines where NVLink multicast must stay off, export NCCL_NVLS_ENABLE=0 yourself.
   exec "$HFSDP_PY" -m hfsdp.main_job "$@"
 fi
 
