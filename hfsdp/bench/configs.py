@@ -109,7 +109,8 @@ FILL80_OVERRIDES = (
 # than sequence-length activations fill the GPU, so compute per step stays small and many small
 # expert kernels dominate: the regime of fine-grained MoE at small per-GPU batch, built so that
 # the host rather than the GPU limits an eager step (1 x H100, expandable segments: eager 4.09 s
-# per step, graphed max-pool 0.54 s; peak reserved 56,478 MiB eager, 56,634 graphed). fill80 is the compute-bound counterpart.
+# per step, graphed max-pool 0.54 s; peak reserved 56,478 MiB eager, 56,634 graphed). fill80 is
+# the compute-bound counterpart.
 FILL80_EXPERTS_OVERRIDES = ("--hybrid-layer-pattern", "M*E" * 16, "--num-experts", "80")
 PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES, "fill80": FILL80_OVERRIDES,
            "fill80_experts": FILL80_EXPERTS_OVERRIDES}

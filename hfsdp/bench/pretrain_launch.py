@@ -93,4 +93,5 @@ def result(config: str, repeat: int, log_path: str, report_path: str, *, warmup_
         lm_loss=tuple(losses.get(s) for s in range(1, total + 1)),
         maxpool_stats=report.get("maxpool_stats"),
         cuda_graph_captured=report.get("cuda_graph_captured"),
+        torch=report.get("torch"), device=report.get("device"),
     )

@@ -35,6 +35,8 @@ class RunResult:
     timeline: Any | None = None
     memory_peak: dict[str, Any] | None = None
     cuda_graph_captured: bool | None = None  # pretrain runs: a full-iteration graph ran
+    torch: str | None = None  # pretrain runs: what the run report names (the run's machine)
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if not self.step_times_s:
@@ -250,4 +252,15 @@ def run_from_dict(d: dict[str, Any]) -> RunResult:
         timeline=d.get("timeline"),
         memory_peak=d.get("memory_peak"),
         cuda_graph_captured=d.get("cuda_graph_captured"),
+        torch=d.get("torch"), device=d.get("device"),
     )
+
+
+def machine(runs: Sequence[RunResult]) -> dict[str, str]:
+    """The torch version(s) and device(s) the runs report, each joined when they differ."""
+    out = {}
+    for key in ("torch", "device"):
+        values = sorted({v for v in (getattr(r, key) for r in runs) if v})
+        if values:
+            out[key] = ", ".join(values)
+    return out

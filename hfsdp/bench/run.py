@@ -29,7 +29,7 @@ from hfsdp.bench import pretrain_launch
 from hfsdp.bench import results as res
 from hfsdp.launch_env import add_env_option, job_env, parse_assignments
 from hfsdp.proc import run_group
-from hfsdp.training import requirements, run_report
+from hfsdp.training import requirements
 from hfsdp.usererror import UserError, run_cli
 
 
@@ -190,20 +190,34 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     with open(f"{stem}.log", "w") as f:
         ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout, env=env, stdout=f)
     rc = "timeout" if ended.timed_out else ended.returncode
+    failed: str | None = None  # why the run does not count; kept beside its log (--from-logs)
     try:
         if rc != 0:
             raise pretrain_launch.RunFailed(f"rc={rc}")
         run = read_run(config, repeat, stem, flags, opts)
     except pretrain_launch.RunFailed as exc:
+        failed = str(exc)
         with open(f"{stem}.log", errors="replace") as f:
             tail = f.read()[-3000:]
         return None, f"{exc}; log tail:\n{tail}"
     finally:
         if opts.keep_logs:
-            os.makedirs(opts.keep_logs, exist_ok=True)
-            for path in glob.glob(f"{stem}.log") + glob.glob(f"{stem}.report.json*"):
-                shutil.copy(path, opts.keep_logs)
+            keep_run(stem, opts.keep_logs, failed)
     return run, f"{stem}.log"
+
+
+def keep_run(stem: str, folder: str, failed: str | None) -> None:
+    """Copy a run's log and report into ``folder``; a failed run also gets
+    ``<config>-<repeat>.failed`` with the reason, a run that counts loses a stale one."""
+    os.makedirs(folder, exist_ok=True)
+    for path in glob.glob(f"{stem}.log") + glob.glob(f"{stem}.report.json*"):
+        shutil.copy(path, folder)
+    marker = os.path.join(folder, os.path.basename(stem) + ".failed")
+    if failed is not None:
+        with open(marker, "w") as f:
+            f.write(failed + "\n")
+    elif os.path.exists(marker):
+        os.remove(marker)  # our own marker from an earlier run of this name into this folder
 
 
 def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argparse.Namespace,
@@ -243,20 +257,23 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
 
 
 def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequence[str],
-                   opts: argparse.Namespace) -> tuple[list[res.RunResult], dict[str, str], dict[str, Any]]:
+                   opts: argparse.Namespace) -> tuple[list[res.RunResult], dict[str, str]]:
     """The runs of ``order`` that ``folder`` (a ``--keep-logs`` folder) holds, read as
-    :func:`launch_pretrain` reads a finished run; the others are returned as failures. Also
-    the torch version(s) and device(s) the run reports name: the runs', not this machine's."""
+    :func:`launch_pretrain` reads a finished run; the others, and those it marked failed
+    (``<config>-<repeat>.failed``), are returned as failures."""
     if not os.path.isdir(folder):
         raise UserError(f"--from-logs {folder}: no such folder",
                         "give the folder an earlier invocation's --keep-logs wrote")
     runs: list[res.RunResult] = []
     failures: dict[str, str] = {}
-    seen: dict[str, set[str]] = {}
     for repeat, name in order:
         stem = os.path.join(folder, f"{name}-{repeat}")
         if not os.path.exists(f"{stem}.log"):
             failures[f"{name}#{repeat}"] = f"not in {folder}"
+            continue
+        if os.path.exists(f"{stem}.failed"):
+            with open(f"{stem}.failed") as f:
+                failures[f"{name}#{repeat}"] = f"failed when it ran: {f.read().strip()}"
             continue
         try:
             run = read_run(cfgs.CONFIGS[name], repeat, stem, flags, opts)
@@ -264,16 +281,14 @@ def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequenc
             failures[f"{name}#{repeat}"] = str(exc)
             continue
         runs.append(run)
-        report = run_report.read(f"{stem}.report.json", opts.nproc)
-        for key in ("torch", "device"):
-            seen.setdefault(key, set()).add(str(report.get(key)))
     print(f"{len(runs)} of {len(order)} runs read from {folder}"
           + (f"; missing or unusable: {', '.join(failures)}" if failures else ""))
     if not runs:
-        raise UserError(f"--from-logs {folder}: none of the {len(order)} runs asked for is there",
+        raise UserError(f"--from-logs {folder}: no usable run among the {len(order)} asked for "
+                        f"({'; '.join(f'{k}: {v}' for k, v in failures.items())[:500]})",
                         "check --configs, --repeats and the step counts against the invocation "
                         "that wrote the folder")
-    return runs, failures, {key: ", ".join(sorted(values)) for key, values in seen.items()}
+    return runs, failures
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -330,9 +345,8 @@ def _main(argv: Sequence[str]) -> int:
     order = res.interleaved_order(runnable, opts.repeats)
     start = time.time()
     primed: dict[str, Any] = {}
-    machine: dict[str, Any] = {"torch": _torch_version()}  # from the run reports with --from-logs
     if opts.from_logs:
-        runs, failures, machine = runs_from_logs(opts.from_logs, order, flags, opts)
+        runs, failures = runs_from_logs(opts.from_logs, order, flags, opts)
     else:
         runs, failures, primed = run_all(order, flags, opts, start)
     summaries = res.summarize(runs, planned=planned)
@@ -354,7 +368,9 @@ def _main(argv: Sequence[str]) -> int:
         "timed_steps": opts.timed_steps, "order": order, "skipped": skipped,
         "failures": failures, "primed": primed, "env": opts.env, "from_logs": opts.from_logs,
         "configs": {n: cfgs.CONFIGS[n].description for n in wanted if n in cfgs.CONFIGS},
-        **machine, "wall_s": None if opts.from_logs else round(time.time() - start, 1),
+        # The runs' own machine (their reports); profiling runs report none: this process's torch.
+        "torch": _torch_version(), **res.machine(runs),
+        "wall_s": None if opts.from_logs else round(time.time() - start, 1),
         "deterministic": opts.deterministic,
         "te_determinism_verified": te_determinism.VERIFIED if opts.deterministic else None,
     }

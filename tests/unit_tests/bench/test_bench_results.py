@@ -190,3 +190,13 @@ def test_pool_check_compares_pool_with_plan_and_counts_home_misses():
     assert lines[2].split() == ["maxpool_lanes3", "pool", "!=", "plan", "(200.0", "vs", "100.0",
                                 "MiB);", "home", "misses", "2"]
     assert R.format_pool_check(R.summarize(runs[:1]), runs[:1]) == []
+
+
+def test_machine_names_what_the_runs_report():
+    def run(torch, device):
+        return R.RunResult("no_db", 0, (0.1,), 1, 1, 1, torch=torch, device=device)
+
+    assert R.machine([run("2.11.0+cu130", "NVIDIA H100 80GB HBM3")] * 2) == {
+        "torch": "2.11.0+cu130", "device": "NVIDIA H100 80GB HBM3"}
+    assert R.machine([run("2.11.0", "H100"), run("2.12.0", "H100")])["torch"] == "2.11.0, 2.12.0"
+    assert R.machine([run(None, None)]) == {}, "profiling runs report no machine"

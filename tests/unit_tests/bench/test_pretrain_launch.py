@@ -11,6 +11,7 @@ from hfsdp.bench import pretrain_launch as P
 from hfsdp.bench import run as B
 from hfsdp.proc import GroupResult
 from hfsdp.training import run_report
+from hfsdp.usererror import UserError
 
 MODEL = ["--micro-batch-size", "2", "--seq-length", "1024", "--num-layers", "2"]
 
@@ -75,7 +76,7 @@ def test_result_names_missing_steps_and_reports(tmp_path):
                  nproc=1, flags=MODEL)
 
 
-def _fake_pretrain(monkeypatch, tmp_path, captured: bool):
+def _fake_pretrain(monkeypatch, tmp_path, captured: bool, returncode: int = 0):
     seen = []
 
     def fake_run(cmd, *, timeout_s, env, stdout):
@@ -85,7 +86,7 @@ def _fake_pretrain(monkeypatch, tmp_path, captured: bool):
         stdout.write(open(src_log).read())
         with open(env[run_report.ENV], "w") as f:
             f.write(open(src_report).read())
-        return GroupResult(returncode=0, timed_out=False, seconds=0.1)
+        return GroupResult(returncode=returncode, timed_out=False, seconds=0.1)
 
     monkeypatch.setattr(B, "run_group", fake_run)
     return seen
@@ -173,4 +174,29 @@ def test_from_logs_without_the_runs_is_a_sentence(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     rc = B.main(["--nproc", "1", "--configs", "no_db", "--no-plan", "--from-logs",
                  str(tmp_path / "empty"), "--out-json", str(out)])
-    assert rc == 2 and "none of the 3 runs" in capsys.readouterr().err and not out.exists()
+    err = capsys.readouterr().err
+    assert rc == 2 and "no usable run among the 3 asked for" in err and not out.exists()
+    assert "no_db#0: not in" in err
+
+
+def test_a_kept_run_that_failed_stays_failed_for_from_logs(monkeypatch, tmp_path):
+    """Complete steps and a report but a bad exit (say a crash at teardown): the run did not
+    count when it ran, so --from-logs must not count it either; a later good run of the same
+    name into the same folder clears the marker."""
+    opts, _ = B.parse(["--nproc", "1", "--warmup-steps", "5", "--timed-steps", "3",
+                       "--keep-logs", str(tmp_path / "kept")])
+    work = tmp_path / "work"
+    work.mkdir()
+    _fake_pretrain(monkeypatch, tmp_path, captured=False, returncode=-11)
+    run, info = B.launch(B.cfgs.CONFIGS["no_db"], 0, MODEL, opts, str(work))
+    assert run is None and info.startswith("rc=-11")
+    marker = tmp_path / "kept" / "no_db-0.failed"
+    assert marker.read_text() == "rc=-11\n"
+    with pytest.raises(UserError, match="no_db#0: failed when it ran: rc=-11"):
+        B.runs_from_logs(str(tmp_path / "kept"), [(0, "no_db")], MODEL, opts)
+    _fake_pretrain(monkeypatch, tmp_path, captured=False, returncode=0)
+    run, _ = B.launch(B.cfgs.CONFIGS["no_db"], 0, MODEL, opts, str(work))
+    assert run is not None and not marker.exists()
+    runs, failures = B.runs_from_logs(str(tmp_path / "kept"), [(0, "no_db")], MODEL, opts)
+    assert [r.config for r in runs] == ["no_db"] and failures == {}
+    assert (runs[0].torch, runs[0].device) == ("2.11.0+cu130", "NVIDIA H100 80GB HBM3")
