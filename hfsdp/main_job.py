@@ -93,8 +93,10 @@ def run_env(environ: Mapping[str, str] | None = None, nproc: int = 1,
     allocator segments, each only where the caller has not chosen."""
     env = dict(os.environ if environ is None else environ)
     env.setdefault(SHARED_AUTOTUNE_ENV, "1")
-    if nproc == 1 and "--use-nccl-ub" not in flags:
-        env.setdefault(ALLOC_CONF_ENV, ALLOC_CONF_DEFAULT)
+    # torch reads PYTORCH_ALLOC_CONF before PYTORCH_CUDA_ALLOC_CONF: either is the caller's choice.
+    chosen = any(name in env for name in ("PYTORCH_ALLOC_CONF", ALLOC_CONF_ENV))
+    if nproc == 1 and "--use-nccl-ub" not in flags and not chosen:
+        env[ALLOC_CONF_ENV] = ALLOC_CONF_DEFAULT
     return env
 
 

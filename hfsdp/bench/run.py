@@ -190,11 +190,12 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     with open(f"{stem}.log", "w") as f:
         ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout, env=env, stdout=f)
     rc = "timeout" if ended.timed_out else ended.returncode
-    failed: str | None = None  # why the run does not count; kept beside its log (--from-logs)
+    failed: str | None = "not read"  # why the run does not count; kept beside its log (--from-logs)
     try:
         if rc != 0:
             raise pretrain_launch.RunFailed(f"rc={rc}")
         run = read_run(config, repeat, stem, flags, opts)
+        failed = None
     except pretrain_launch.RunFailed as exc:
         failed = str(exc)
         with open(f"{stem}.log", errors="replace") as f:

@@ -88,6 +88,13 @@ def test_every_problem_is_reported_at_once():
     (1, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, False),  # no collective captured
     (2, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
     (2, {}, False),
+    # torch reads PYTORCH_ALLOC_CONF first, and the last entry of a key wins
+    (2, {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
+    (2, {"PYTORCH_ALLOC_CONF": "expandable_segments:False",
+         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, False),
+    (2, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,expandable_segments:False"}, False),
+    (2, {"PYTORCH_CUDA_ALLOC_CONF": "roundup_power2_divisions:[256:1,512:2],expandable_segments:True"},
+     True),
 ])
 def test_expandable_segments_with_several_ranks_need_nccl_graph_register_off(world_size, environ, rejected):
     class Args:

@@ -106,6 +106,8 @@ def test_expandable_segments_only_where_measured():
     assert "PYTORCH_CUDA_ALLOC_CONF" not in M.run_env({}, 2)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in M.run_env({}, 1, ["--use-nccl-ub"])
     assert M.run_env({"PYTORCH_CUDA_ALLOC_CONF": "x"}, 1)["PYTORCH_CUDA_ALLOC_CONF"] == "x"
+    assert M.run_env({"PYTORCH_ALLOC_CONF": "x"}, 1) == {"PYTORCH_ALLOC_CONF": "x",
+                                                        "TRITON_CACHE_AUTOTUNING": "1"}
 
 
 def test_capture_check_sees_the_runs_allocator(monkeypatch):
@@ -114,6 +116,7 @@ def test_capture_check_sees_the_runs_allocator(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")  # capture_problems only sets it when unset
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
     flags = [*M.DEFAULT_MODEL_FLAGS, *M.MAXPOOL_FLAGS]
     (problem,) = M.capture_problems(flags, 2)
