@@ -11,7 +11,8 @@ defaults added where the caller set nothing (:func:`run_env`).
 Environment: ``TRAIN_ITERS`` (graphed run, default 30), ``EAGER_ITERS`` (comparison, default
 10, 0 skips it), ``NPROC`` (default: all GPUs). The runs get the caller's environment, plus
 ``TRITON_CACHE_AUTOTUNING=1`` when it is unset (see ``SHARED_AUTOTUNE_ENV``) and, on one GPU,
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when that is unset (see ``ALLOC_CONF_ENV``).
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when neither it nor ``PYTORCH_ALLOC_CONF``
+is set (see ``ALLOC_CONF_ENV``).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ SHARED_AUTOTUNE_ENV = "TRITON_CACHE_AUTOTUNING"
 # (docs/cuda-graphs.md, "Memory"). Only on one GPU, where it was measured: with several ranks a
 # graph holds NCCL collectives, which need NCCL_GRAPH_REGISTER=0 beside expandable segments
 # (megatron/training/cuda_graph_checks.py), and Megatron-FSDP refuses it with --use-nccl-ub on
-# torch < 2.11. A PYTORCH_CUDA_ALLOC_CONF the caller set is kept whole.
+# torch < 2.11. An allocator setting the caller made (either variable) is kept whole.
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOC_CONF_DEFAULT = "expandable_segments:True"
 
