@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,7 +23,7 @@ from typing import Any
 
 from hfsdp import extras, te_determinism
 from hfsdp.bench import configs as cfgs
-from hfsdp.bench import pretrain_launch
+from hfsdp.bench import kept, pretrain_launch
 from hfsdp.bench import results as res
 from hfsdp.launch_env import add_env_option, job_env, parse_assignments
 from hfsdp.proc import run_group
@@ -166,19 +164,6 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
         return res.run_from_dict(json.load(f)), log
 
 
-def read_run(config: cfgs.BenchConfig, repeat: int, stem: str, flags: Sequence[str],
-             opts: argparse.Namespace) -> res.RunResult:
-    """A finished timing run from ``<stem>.log`` and ``<stem>.report.json``; raises
-    ``pretrain_launch.RunFailed`` when they lack a timed step or, for a graphed configuration,
-    the capture."""
-    run = pretrain_launch.result(config.name, repeat, f"{stem}.log", f"{stem}.report.json",
-                                 warmup_steps=opts.warmup_steps, timed_steps=opts.timed_steps,
-                                 nproc=opts.nproc, flags=[*flags, *config.flags])
-    if config.graphed and not run.cuda_graph_captured:
-        raise pretrain_launch.RunFailed("no full-iteration CUDA graph was captured")
-    return run
-
-
 def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
                     opts: argparse.Namespace, workdir: str,
                     timeout_s: int | None = None) -> tuple[res.RunResult | None, str]:
@@ -194,7 +179,7 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     try:
         if rc != 0:
             raise pretrain_launch.RunFailed(f"rc={rc}")
-        run = read_run(config, repeat, stem, flags, opts)
+        run = kept.read_run(config, repeat, stem, flags, opts)
         failed = None
     except pretrain_launch.RunFailed as exc:
         failed = str(exc)
@@ -203,22 +188,8 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
         return None, f"{exc}; log tail:\n{tail}"
     finally:
         if opts.keep_logs:
-            keep_run(stem, opts.keep_logs, failed)
+            kept.keep_run(stem, opts.keep_logs, failed)
     return run, f"{stem}.log"
-
-
-def keep_run(stem: str, folder: str, failed: str | None) -> None:
-    """Copy a run's log and report into ``folder``; a failed run also gets
-    ``<config>-<repeat>.failed`` with the reason, a run that counts loses a stale one."""
-    os.makedirs(folder, exist_ok=True)
-    for path in glob.glob(f"{stem}.log") + glob.glob(f"{stem}.report.json*"):
-        shutil.copy(path, folder)
-    marker = os.path.join(folder, os.path.basename(stem) + ".failed")
-    if failed is not None:
-        with open(marker, "w") as f:
-            f.write(failed + "\n")
-    elif os.path.exists(marker):
-        os.remove(marker)  # our own marker from an earlier run of this name into this folder
 
 
 def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argparse.Namespace,
@@ -255,41 +226,6 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
                   f"{run.peak_reserved_bytes / res.MIB:9.1f} MiB  (run {wall:.0f}s, "
                   f"total {time.time() - start:.0f}s)", flush=True)
     return runs, failures, primed
-
-
-def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequence[str],
-                   opts: argparse.Namespace) -> tuple[list[res.RunResult], dict[str, str]]:
-    """The runs of ``order`` that ``folder`` (a ``--keep-logs`` folder) holds, read as
-    :func:`launch_pretrain` reads a finished run; the others, and those it marked failed
-    (``<config>-<repeat>.failed``), are returned as failures."""
-    if not os.path.isdir(folder):
-        raise UserError(f"--from-logs {folder}: no such folder",
-                        "give the folder an earlier invocation's --keep-logs wrote")
-    runs: list[res.RunResult] = []
-    failures: dict[str, str] = {}
-    for repeat, name in order:
-        stem = os.path.join(folder, f"{name}-{repeat}")
-        if not os.path.exists(f"{stem}.log"):
-            failures[f"{name}#{repeat}"] = f"not in {folder}"
-            continue
-        if os.path.exists(f"{stem}.failed"):
-            with open(f"{stem}.failed") as f:
-                failures[f"{name}#{repeat}"] = f"failed when it ran: {f.read().strip()}"
-            continue
-        try:
-            run = read_run(cfgs.CONFIGS[name], repeat, stem, flags, opts)
-        except pretrain_launch.RunFailed as exc:
-            failures[f"{name}#{repeat}"] = str(exc)
-            continue
-        runs.append(run)
-    print(f"{len(runs)} of {len(order)} runs read from {folder}"
-          + (f"; missing or unusable: {', '.join(failures)}" if failures else ""))
-    if not runs:
-        raise UserError(f"--from-logs {folder}: no usable run among the {len(order)} asked for "
-                        f"({'; '.join(f'{k}: {v}' for k, v in failures.items())[:500]})",
-                        "check --configs, --repeats and the step counts against the invocation "
-                        "that wrote the folder")
-    return runs, failures
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -347,7 +283,7 @@ def _main(argv: Sequence[str]) -> int:
     start = time.time()
     primed: dict[str, Any] = {}
     if opts.from_logs:
-        runs, failures = runs_from_logs(opts.from_logs, order, flags, opts)
+        runs, failures = kept.runs_from_logs(opts.from_logs, order, flags, opts)
     else:
         runs, failures, primed = run_all(order, flags, opts, start)
     summaries = res.summarize(runs, planned=planned)

@@ -1,0 +1,82 @@
+"""A timing run's files after it ends: read a finished run, keep it, read kept runs back.
+
+``--keep-logs DIR`` copies each run's Megatron log and run report into DIR (:func:`keep_run`);
+``--from-logs DIR`` summarizes such a folder without launching anything
+(:func:`runs_from_logs`), for an invocation that stopped early. Both read a run the one way
+:func:`read_run` does, so a kept run counts exactly when it counted as it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+from collections.abc import Sequence
+
+from hfsdp.bench import configs as cfgs
+from hfsdp.bench import pretrain_launch
+from hfsdp.bench import results as res
+from hfsdp.usererror import UserError
+
+
+def read_run(config: cfgs.BenchConfig, repeat: int, stem: str, flags: Sequence[str],
+             opts: argparse.Namespace) -> res.RunResult:
+    """A finished timing run from ``<stem>.log`` and ``<stem>.report.json``; raises
+    ``pretrain_launch.RunFailed`` when they lack a timed step or, for a graphed configuration,
+    the capture."""
+    run = pretrain_launch.result(config.name, repeat, f"{stem}.log", f"{stem}.report.json",
+                                 warmup_steps=opts.warmup_steps, timed_steps=opts.timed_steps,
+                                 nproc=opts.nproc, flags=[*flags, *config.flags])
+    if config.graphed and not run.cuda_graph_captured:
+        raise pretrain_launch.RunFailed("no full-iteration CUDA graph was captured")
+    return run
+
+
+def keep_run(stem: str, folder: str, failed: str | None) -> None:
+    """Copy a run's log and report into ``folder``; a failed run also gets
+    ``<config>-<repeat>.failed`` with the reason, a run that counts loses a stale one."""
+    os.makedirs(folder, exist_ok=True)
+    for path in glob.glob(f"{stem}.log") + glob.glob(f"{stem}.report.json*"):
+        shutil.copy(path, folder)
+    marker = os.path.join(folder, os.path.basename(stem) + ".failed")
+    if failed is not None:
+        with open(marker, "w") as f:
+            f.write(failed + "\n")
+    elif os.path.exists(marker):
+        os.remove(marker)  # our own marker from an earlier run of this name into this folder
+
+
+def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequence[str],
+                   opts: argparse.Namespace) -> tuple[list[res.RunResult], dict[str, str]]:
+    """The runs of ``order`` that ``folder`` (a ``--keep-logs`` folder) holds, read as
+    :func:`launch_pretrain` reads a finished run; the others, and those it marked failed
+    (``<config>-<repeat>.failed``), are returned as failures."""
+    if not os.path.isdir(folder):
+        raise UserError(f"--from-logs {folder}: no such folder",
+                        "give the folder an earlier invocation's --keep-logs wrote")
+    runs: list[res.RunResult] = []
+    failures: dict[str, str] = {}
+    for repeat, name in order:
+        stem = os.path.join(folder, f"{name}-{repeat}")
+        if not os.path.exists(f"{stem}.log"):
+            failures[f"{name}#{repeat}"] = f"not in {folder}"
+            continue
+        if os.path.exists(f"{stem}.failed"):
+            with open(f"{stem}.failed") as f:
+                failures[f"{name}#{repeat}"] = f"failed when it ran: {f.read().strip()}"
+            continue
+        try:
+            run = read_run(cfgs.CONFIGS[name], repeat, stem, flags, opts)
+        except pretrain_launch.RunFailed as exc:
+            failures[f"{name}#{repeat}"] = str(exc)
+            continue
+        runs.append(run)
+    print(f"{len(runs)} of {len(order)} runs read from {folder}"
+          + (f"; missing or unusable: {', '.join(failures)}" if failures else ""))
+    if not runs:
+        raise UserError(f"--from-logs {folder}: no usable run among the {len(order)} asked for "
+                        f"({'; '.join(f'{k}: {v}' for k, v in failures.items())[:500]})",
+                        "check --configs, --repeats and the step counts against the invocation "
+                        "that wrote the folder")
+    return runs, failures
