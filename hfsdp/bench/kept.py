@@ -49,8 +49,8 @@ def keep_run(stem: str, folder: str, failed: str | None) -> None:
 
 def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequence[str],
                    opts: argparse.Namespace) -> tuple[list[res.RunResult], dict[str, str]]:
-    """The runs of ``order`` that ``folder`` (a ``--keep-logs`` folder) holds, read as
-    :func:`launch_pretrain` reads a finished run; the others, and those it marked failed
+    """The runs of ``order`` that ``folder`` (a ``--keep-logs`` folder) holds, each read by
+    :func:`read_run` as when it ran; the others, and those :func:`keep_run` marked failed
     (``<config>-<repeat>.failed``), are returned as failures."""
     if not os.path.isdir(folder):
         raise UserError(f"--from-logs {folder}: no such folder",
