@@ -35,6 +35,8 @@ class BenchConfig:
 # Full-iteration CUDA graph: Megatron's default 3 eager warm-up steps, capture on step 4.
 GRAPH_FLAGS = ("--cuda-graph-impl", "full_iteration")
 GRAPH_WARMUP_STEPS = 3
+# Megatron's default rerun mode, given explicitly so that a graphed run keeps it.
+VALIDATE_FLAGS = ("--rerun-mode", "validate_results")
 # Transformer Engine layer specs (replaces the presets' --transformer-impl local; argparse keeps
 # the last value). The hybrid TE spec builds TE attention, TE layer-norm linears and TE grouped
 # GEMM experts (TEGroupedMLP) whatever --moe-grouped-gemm says.
@@ -82,6 +84,16 @@ CONFIGS = {
     "te_maxpool_graph": BenchConfig(
         "te_maxpool_graph", (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, *GRAPH_FLAGS),
         "Transformer Engine specs, max-pool double buffer, full-iteration CUDA graph", "maxpool", "te"),
+    # Diagnostic: Megatron's default --rerun-mode, kept explicitly, under the graph. Graphed runs
+    # otherwise run it disabled (megatron/training/cuda_graph_rerun.py); this times the per-step
+    # all-reduce and host sync that the change removes.
+    "no_db_graph_validate": BenchConfig(
+        "no_db_graph_validate", (*GRAPH_FLAGS, *VALIDATE_FLAGS),
+        "no double buffer, full-iteration CUDA graph, --rerun-mode validate_results", None),
+    "te_no_db_graph_validate": BenchConfig(
+        "te_no_db_graph_validate", (*TE_FLAGS, *GRAPH_FLAGS, *VALIDATE_FLAGS),
+        "Transformer Engine specs, no double buffer, full-iteration CUDA graph, "
+        "--rerun-mode validate_results", None, "te"),
 }
 # maxpool_ub is opt-in (--configs ...,maxpool_ub): --use-nccl-ub JIT-builds megatron's NCCL
 # allocator extension (load_inline, needs nvcc, nccl.h and libnccl.so), unproven on the GPU box.

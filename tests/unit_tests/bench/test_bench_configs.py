@@ -114,8 +114,20 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
     assert "maxpool_ub" in C.CONFIGS and "fixedpool" in C.CONFIGS
     assert [n for n in C.CONFIGS if C.CONFIGS[n].graphed] == ["maxpool_ub_graph", "no_db_graph",
                                                               "maxpool_graph", "maxpool_lanes3_graph",
-                                                              "te_no_db_graph", "te_maxpool_graph"]
+                                                              "te_no_db_graph", "te_maxpool_graph",
+                                                              "no_db_graph_validate",
+                                                              "te_no_db_graph_validate"]
     assert C.CONFIGS["maxpool_graph"].flags[:2] == C.CONFIGS["maxpool"].flags
+
+
+def test_validate_configs_are_their_graphed_twins_with_megatrons_default_rerun_mode():
+    for name in ("no_db_graph", "te_no_db_graph"):
+        twin, validate = C.CONFIGS[name], C.CONFIGS[name + "_validate"]
+        assert validate.flags == (*twin.flags, "--rerun-mode", "validate_results")
+        assert validate.graphed and validate.spec == twin.spec and validate.plan is None
+    assert C.loss_groups(["te_no_db", "te_no_db_graph_validate", "no_db", "no_db_graph_validate"]) == {
+        "no_db": ["no_db", "no_db_graph_validate"],
+        "te_no_db": ["te_no_db", "te_no_db_graph_validate"]}
 
 
 def test_default_model_is_capturable():
