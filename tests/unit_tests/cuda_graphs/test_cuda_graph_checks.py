@@ -6,18 +6,11 @@ model's MoE and Megatron-FSDP flags.
 
 
 import pytest
+from graph_flags import BASE, FULL
 
 from megatron.training.cuda_graph_checks import DROP_AND_PAD_FLAGS, cuda_graph_arg_problems
 
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--max-position-embeddings 32 --micro-batch-size 1 --bf16 --lr 1e-4 --train-iters 2 "
-    "--ckpt-format fsdp_dtensor --no-check-for-nan-in-loss-and-grad "
-    "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
-    "--use-distributed-optimizer"
-).split()
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64".split()
-FULL = "--cuda-graph-impl full_iteration".split()
 DROP_PAD = DROP_AND_PAD_FLAGS.split()
 
 

@@ -7,17 +7,9 @@ machine itself, to show what the mode changes per step: the host-synchronizing a
 import warnings
 
 import pytest
+from graph_flags import BASE, FULL
 
 from megatron.training.cuda_graph_rerun import given_on_command_line, rerun_mode_for_graphs
-
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--max-position-embeddings 32 --micro-batch-size 1 --bf16 --lr 1e-4 --train-iters 2 "
-    "--ckpt-format fsdp_dtensor --no-check-for-nan-in-loss-and-grad "
-    "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
-    "--use-distributed-optimizer"
-).split()
-FULL = "--cuda-graph-impl full_iteration".split()
 
 
 @pytest.fixture
