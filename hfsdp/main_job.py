@@ -40,14 +40,16 @@ def capture_problems(flags: Sequence[str], nproc: int) -> list[str]:
     import argparse
     import contextlib
     import io
+    from unittest import mock
 
-    os.environ.setdefault("WORLD_SIZE", str(nproc))
-    os.environ.setdefault("RANK", "0")
     import megatron.training.arguments as margs
     from megatron.training.cuda_graph_checks import cuda_graph_arg_problems
 
+    # Megatron's parser reads the launcher's WORLD_SIZE and RANK for some defaults; give them
+    # for this parse only, where the caller has not, so the job's own environment stays as it was.
+    launch = {k: v for k, v in (("WORLD_SIZE", str(nproc)), ("RANK", "0")) if k not in os.environ}
     parser = margs.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    with contextlib.redirect_stderr(io.StringIO()):
+    with mock.patch.dict(os.environ, launch), contextlib.redirect_stderr(io.StringIO()):
         args = parser.parse_args([*flags, *GRAPH_FLAGS])
     args.world_size = nproc  # Megatron's parse_args sets it from WORLD_SIZE; the bare parser does not
     return cuda_graph_arg_problems(args, run_env(os.environ, nproc, flags))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -113,7 +115,7 @@ def test_expandable_segments_only_where_measured():
 def test_capture_check_sees_the_runs_allocator(monkeypatch):
     """A caller's expandable segments on several GPUs, without NCCL_GRAPH_REGISTER=0, is a
     capture problem (the job then trains eagerly and says why); on one GPU it is not."""
-    monkeypatch.setenv("WORLD_SIZE", "1")  # capture_problems only sets it when unset
+    monkeypatch.setenv("WORLD_SIZE", "1")  # the caller's values win over capture_problems' own
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
@@ -124,3 +126,12 @@ def test_capture_check_sees_the_runs_allocator(monkeypatch):
     assert M.capture_problems(flags, 1) == []
     monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
     assert M.capture_problems(flags, 2) == []
+
+
+def test_capture_check_leaves_the_environment_as_it_found_it(monkeypatch):
+    """The parse gets WORLD_SIZE and RANK for itself; the job's environment does not keep them."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    before = dict(os.environ)
+    M.capture_problems([*M.DEFAULT_MODEL_FLAGS, *M.MAXPOOL_FLAGS], 2)
+    assert dict(os.environ) == before
