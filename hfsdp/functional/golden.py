@@ -7,12 +7,23 @@ Thresholds (upstream ``CHECK_THRESHOLDS``, plus one deliberate change):
 * ``lm loss``: exact (the recipes run ``--deterministic-mode``); the value compared is the one
   Megatron prints (``%.6E``), so "exact" means all printed digits agree.
 * ``num-zeros``: rtol 0.20.  ``mem-*``: rtol 0.05 per step.
-* ``iteration-time``: median over steps after ``ITER_TIME_WARMUP`` steps, rtol 0.15 (upstream uses
-  0.05 with medians over steps 5-20 of 100-step GPU-bound runs). Our cases are tiny (< 100 ms
-  per step), so an iteration is dominated by host-side Python/launch overhead, whose run-to-run
-  jitter on a shared node is ~5-10 %; 0.05 would flake, 0.15 still catches a 2x regression
-  such as an allocator falling back to per-step cudaMalloc. Override with
-  ``HFSDP_ITER_TIME_RTOL``.
+* ``iteration-time``: the median over steps after ``ITER_TIME_WARMUP`` steps may be at most
+  ``ITER_TIME_MAX_RATIO`` (2.0) times the golden's; a faster run never fails. Upstream checks
+  0.05 both ways on 100-step GPU-bound runs; ours are host-bound (see the Note below). A median
+  more than ``ITER_TIME_NOTE_RTOL`` off the golden either way is reported
+  (:func:`iteration_time_drift`), not failed. Override the ratio with
+  ``HFSDP_ITER_TIME_MAX_RATIO``.
+
+[Note: iteration time is a host measurement]
+The 1-GPU cases step in 20-200 ms, and most of an eager step is host-side Python and kernel
+launches, so the same code, bits and GPU kind run at different speeds on different hosts. The
+H200 golden of ``hybrid_mcore_local_fsdp_1gpu_eager_no_db`` (recorded at 6a9e8b9) has a median
+of 109 ms; on 2026-11-24 two other H200 machines ran the current tree at 141 ms and at 165/166
+ms, and on the second of them the golden's own tree ran at 182/190 ms. A 15 % band both ways
+failed those correct runs. Across hosts a functional test can only answer a coarse question:
+did the step get more than 2x slower, as when graphed steps fall back to eager ones (6-8x here)
+or an allocator falls back to per-step cudaMalloc? Smaller speed changes are the benchmark's
+job, which measures both sides in one invocation on one host (docs/benchmark.md).
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ from hfsdp.usererror import UserError
 ITER_TIME_WARMUP = 3
 RTOL = {"num-zeros": 0.20}
 MEM_RTOL = 0.05
-ITER_TIME_RTOL_DEFAULT = 0.15
+ITER_TIME_MAX_RATIO = 2.0  # a functional run fails only when its median step is this much slower
+ITER_TIME_NOTE_RTOL = 0.15  # beyond this either way the driver prints a note: another host, or a stale golden
 
 
 @dataclass(frozen=True)
@@ -186,8 +198,41 @@ def incomplete_metrics(metrics: Metrics, names: tuple[str, ...] | list[str]) -> 
     return check_golden(to_golden(metrics, names), names)
 
 
-def _iter_time_rtol() -> float:
-    return float(os.environ.get("HFSDP_ITER_TIME_RTOL", ITER_TIME_RTOL_DEFAULT))
+def iter_time_max_ratio() -> float:
+    """``ITER_TIME_MAX_RATIO``, or ``HFSDP_ITER_TIME_MAX_RATIO`` when set (a number >= 1)."""
+    raw = os.environ.get("HFSDP_ITER_TIME_MAX_RATIO")
+    if raw is None:
+        return ITER_TIME_MAX_RATIO
+    try:
+        ratio = float(raw)
+    except ValueError:
+        ratio = math.nan
+    if not ratio >= 1.0:  # NaN fails too
+        raise UserError(f"HFSDP_ITER_TIME_MAX_RATIO={raw!r} is not a number >= 1",
+                        f"unset it (default {ITER_TIME_MAX_RATIO}) or give the largest slow-down "
+                        "a run may have against its golden, e.g. 2.0")
+    return ratio
+
+
+def _iter_time_medians(expected: dict[int, float], actual: dict[int, float],
+                       steps: list[int]) -> tuple[float, float] | None:
+    """Median step time of golden and run after the warm-up (None: no such steps)."""
+    exp_times = [expected[s] for s in steps if s > ITER_TIME_WARMUP]
+    act_times = [actual[s] for s in steps if s > ITER_TIME_WARMUP and s in actual]
+    if not exp_times or not act_times:
+        return None
+    return statistics.median(exp_times), statistics.median(act_times)
+
+
+def iteration_time_drift(expected: Metrics, actual: Metrics) -> str | None:
+    """A note when the run's median step is more than ``ITER_TIME_NOTE_RTOL`` off the golden's."""
+    exp, act = expected.get("iteration-time"), actual.get("iteration-time")
+    medians = _iter_time_medians(exp, act, sorted(exp)) if exp and act else None
+    if medians is None or abs(medians[1] - medians[0]) <= ITER_TIME_NOTE_RTOL * medians[0]:
+        return None
+    me, ma = medians
+    return (f"iteration-time median {ma * 1000:.1f} ms is {ma / me:.2f}x the golden's {me * 1000:.1f} ms "
+            f"(fails only above {iter_time_max_ratio()}x): another host, or a golden to re-record")
 
 
 def compare(expected: Metrics, actual: Metrics, names: tuple[str, ...] | list[str],
@@ -206,14 +251,13 @@ def compare(expected: Metrics, actual: Metrics, names: tuple[str, ...] | list[st
         act = actual.get(name, {})
         wanted = sorted(s for s in exp if steps is None or s in steps)
         if name == "iteration-time":
-            exp_times = [exp[s] for s in wanted if s > ITER_TIME_WARMUP]
-            act_times = [act[s] for s in wanted if s > ITER_TIME_WARMUP and s in act]
-            if not exp_times or not act_times:
+            medians = _iter_time_medians(exp, act, wanted)
+            if medians is None:
                 problems.append(Mismatch(name, None, None, None, "no post-warm-up steps"))
                 continue
-            me, ma = statistics.median(exp_times), statistics.median(act_times)
-            if abs(ma - me) > _iter_time_rtol() * abs(me):
-                problems.append(Mismatch(name, None, me, ma, f"median rtol {_iter_time_rtol()}"))
+            me, ma = medians
+            if not ma <= iter_time_max_ratio() * me:  # NaN fails too
+                problems.append(Mismatch(name, None, me, ma, f"median more than {iter_time_max_ratio()}x the golden's"))
             continue
         for step in wanted:
             if step not in act:

@@ -343,6 +343,9 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         else:
             for mismatch in golden.compare(expected, metrics, list(recipe.metrics)):
                 result.fail(f"golden {golden_path.name}: {mismatch}")
+            drift = golden.iteration_time_drift(expected, metrics) if "iteration-time" in recipe.metrics else None
+            if drift:
+                print(f"note: golden {golden_path.name}: {drift}")
             for uncovered in golden.uncovered_steps(expected, metrics, recipe.metrics):
                 result.fail(f"golden {golden_path.name}: {uncovered}; re-record it with --record")
     elif recipe.require_golden:

@@ -145,6 +145,33 @@ def test_golden_with_fewer_steps_than_the_run_fails(tmp_path):
         result.reasons
 
 
+@pytest.mark.parametrize(("golden_step_s", "status", "note"), [
+    (0.050, "PASS", None),      # the log's 50 ms steps: no note
+    (0.030, "PASS", "1.67x"),   # another host: noted, not failed
+    (0.100, "PASS", "0.50x"),   # faster than the golden: a golden to re-record
+    (0.024, "FAIL", None),      # 2.08x slower: fails
+])
+def test_iteration_time_fails_only_when_much_slower_and_notes_drift(tmp_path, capsys, monkeypatch,
+                                                                    golden_step_s, status, note):
+    monkeypatch.delenv("HFSDP_ITER_TIME_MAX_RATIO", raising=False)
+    case = make_case(tmp_path / "cases", steps=6, extra="  - iteration-time\n")
+    g = good_golden(steps=6)
+    g.update(golden.to_golden({"iteration-time": {i: golden_step_s for i in range(1, 7)}}, ["iteration-time"]))
+    (case / "golden_values_dev_dgx_h200.json").write_text(json.dumps(g))
+    log = tmp_path / "run1.log"
+    log.write_text(log_text(6))
+    result = run_case(case, output_root=tmp_path / "out", evaluate_log=log)
+    printed = capsys.readouterr().out
+    assert result.status == status, result.reasons
+    if status == "FAIL":
+        assert any("iteration-time @ median" in r and "2.0x" in r for r in result.reasons), result.reasons
+    notes = [line for line in printed.splitlines() if line.startswith("note: golden")]
+    if note is None and status == "PASS":
+        assert notes == [], notes
+    elif note is not None:
+        assert len(notes) == 1 and note in notes[0], notes
+
+
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"lm loss": 3}'])
 def test_unreadable_golden_fails_naming_the_file(tmp_path, text):
     result = judge_against(tmp_path, text)

@@ -12,6 +12,7 @@ import pytest
 from hfsdp.functional import golden, logparse
 from hfsdp.functional.recipe import RecipeError, args_to_argv, load_recipe, merged_args
 from hfsdp.functional.run_case import Launch, build_command, prepare_resume
+from hfsdp.usererror import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CASES = REPO_ROOT / "tests/functional_tests/test_cases"
@@ -51,13 +52,51 @@ def test_golden_roundtrip_and_thresholds(tmp_path: Path) -> None:
     assert golden.compare(g, m, ["num-zeros"])[0].why == "metric missing from golden"
 
 
+def _times(per_step: float, first: float | None = None) -> dict[str, dict[int, float]]:
+    series = {i: per_step for i in range(1, 11)}
+    if first is not None:
+        series[1] = first
+    return {"iteration-time": series}
+
+
 def test_iteration_time_uses_post_warmup_median() -> None:
-    exp = {"iteration-time": {i: 0.100 for i in range(1, 11)}}
-    act = {"iteration-time": {i: 0.100 for i in range(1, 11)}}
-    act["iteration-time"][1] = 5.0  # warm-up outlier is ignored
-    assert golden.compare(exp, act, ["iteration-time"]) == []
-    slow = {"iteration-time": {i: 0.2 for i in range(1, 11)}}
-    assert golden.compare(exp, slow, ["iteration-time"])[0].metric == "iteration-time"
+    exp = _times(0.100)
+    assert golden.compare(exp, _times(0.100, first=5.0), ["iteration-time"]) == []  # warm-up outlier ignored
+    # Only steps after the warm-up count: a slow step 1-3 does not fail, a slow median does.
+    slow_warmup = _times(0.100)
+    slow_warmup["iteration-time"].update({1: 9.0, 2: 9.0, 3: 9.0})
+    assert golden.compare(exp, slow_warmup, ["iteration-time"]) == []
+
+
+@pytest.mark.parametrize(("per_step", "fails"), [(0.050, False), (0.141, False), (0.199, False),
+                                                   (0.201, True), (0.700, True), (float("nan"), True)])
+def test_iteration_time_fails_only_above_max_ratio(per_step: float, fails: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HFSDP_ITER_TIME_MAX_RATIO", raising=False)
+    problems = golden.compare(_times(0.100), _times(per_step), ["iteration-time"])
+    assert bool(problems) == fails, problems
+    if fails:
+        assert problems[0].metric == "iteration-time" and "2.0x" in problems[0].why
+
+
+def test_iteration_time_ratio_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HFSDP_ITER_TIME_MAX_RATIO", "1.15")
+    assert golden.compare(_times(0.100), _times(0.120), ["iteration-time"])[0].why == \
+        "median more than 1.15x the golden's"
+    for bad in ("fast", "0.5", "nan"):
+        monkeypatch.setenv("HFSDP_ITER_TIME_MAX_RATIO", bad)
+        with pytest.raises(UserError, match="HFSDP_ITER_TIME_MAX_RATIO"):
+            golden.compare(_times(0.100), _times(0.120), ["iteration-time"])
+
+
+def test_iteration_time_drift_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HFSDP_ITER_TIME_MAX_RATIO", raising=False)
+    assert golden.iteration_time_drift(_times(0.100), _times(0.110)) is None
+    assert golden.iteration_time_drift(_times(0.100), {}) is None
+    slower = golden.iteration_time_drift(_times(0.109), _times(0.165))
+    assert slower is not None and "165.0 ms is 1.51x the golden's 109.0 ms" in slower
+    faster = golden.iteration_time_drift(_times(0.0327), _times(0.0272))
+    assert faster is not None and "0.83x" in faster and "re-record" in faster
 
 
 def test_all_recipes_load_and_follow_conventions() -> None:
