@@ -307,6 +307,7 @@ def _main(argv: Sequence[str]) -> int:
         "configs": {n: cfgs.CONFIGS[n].description for n in wanted if n in cfgs.CONFIGS},
         # The runs' own machine (their reports); profiling runs report none: this process's torch.
         "torch": _torch_version(), **res.machine(runs),
+        "optional_packages": requirements.installed_versions(),  # the runs inherit this environment
         "wall_s": None if opts.from_logs else round(time.time() - start, 1),
         "deterministic": opts.deterministic,
         "te_determinism_verified": te_determinism.VERIFIED if opts.deterministic else None,

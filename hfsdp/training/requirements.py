@@ -203,6 +203,16 @@ def _dist_version(dist: str) -> str | None:
         return None
 
 
+# Installed optional packages change what a local-spec run executes, not only TE-spec runs: with
+# TE (or Apex) importable Megatron's optimizer and multi-tensor kernels are theirs, not torch's.
+RECORDED_DISTS = ("transformer-engine", "apex", "mamba-ssm", "causal-conv1d")
+
+
+def installed_versions() -> dict[str, str | None]:
+    """Version of each optional distribution in ``RECORDED_DISTS`` (None: not installed)."""
+    return {dist: _dist_version(dist) for dist in RECORDED_DISTS}
+
+
 def check(args: Namespace, available: Callable[[str], bool] | None = None,
           torch_cuda: Callable[[], str | None] = torch_cuda_version) -> None:
     """Raise :class:`MissingPackage` naming every missing optional package ``args`` needs."""

@@ -228,3 +228,9 @@ def test_entry_point_without_the_mamba_kernels() -> None:
     assert "Mamba layers ('M' in --hybrid-layer-pattern) needs mamba-ssm (mamba_ssm)" in cause, cause
     assert "Mamba's fused path" in cause and "causal-conv1d (causal_conv1d)" in cause, cause
     assert fix.count("-e .[ssm]") == 2 and "pass --disable-mamba-mem-eff-path" in fix, fix
+
+
+def test_installed_versions_names_every_recorded_dist(monkeypatch):
+    monkeypatch.setattr(R, "_dist_version", {"transformer-engine": "2.20.2", "mamba-ssm": "2.3.2.post1"}.get)
+    assert R.installed_versions() == {"transformer-engine": "2.20.2", "apex": None,
+                                      "mamba-ssm": "2.3.2.post1", "causal-conv1d": None}
