@@ -15,13 +15,14 @@ Thresholds (upstream ``CHECK_THRESHOLDS``, plus one deliberate change):
   ``HFSDP_ITER_TIME_MAX_RATIO``.
 
 [Note: iteration time is a host measurement]
-The 1-GPU cases step in 20-200 ms, and most of an eager step is host-side Python and kernel
-launches, so the same code, bits and GPU kind run at different speeds on different hosts. The
+The 1-GPU cases step in about 20-250 ms, and most of an eager step is host-side Python and kernel
+launches, so the same code, bits and GPU kind run at different speeds from one machine to the
+next. The
 H200 golden of ``hybrid_mcore_local_fsdp_1gpu_eager_no_db`` (recorded at 6a9e8b9) has a median
-of 109 ms; on 2026-11-24 two other H200 machines ran the current tree at 141 ms and at 165/166
-ms, and on the second of them the golden's own tree ran at 182/190 ms. A 15 % band both ways
-failed those correct runs. Across hosts a functional test can only answer a coarse question:
-did the step get more than 2x slower, as when graphed steps fall back to eager ones (6-8x here)
+of 109 ms; on 2026-11-24 two later H200 machine starts ran the current tree at 141 ms and at
+165/166 ms, and on the second the golden's own tree ran at 182/190 ms. A 15 % band both ways
+failed those correct runs. Across machines a functional test can only answer a coarse question:
+did the step get more than 2x slower, as when graphed steps fall back to eager ones (5-9x here)
 or an allocator falls back to per-step cudaMalloc? Smaller speed changes are the benchmark's
 job, which measures both sides in one invocation on one host (docs/benchmark.md).
 """
