@@ -17,9 +17,8 @@ Thresholds (upstream ``CHECK_THRESHOLDS``, plus one deliberate change):
 [Note: iteration time is a host measurement]
 The 1-GPU cases step in about 20-250 ms, and most of an eager step is host-side Python and kernel
 launches, so the same code, bits and GPU kind run at different speeds from one machine to the
-next. The
-H200 golden of ``hybrid_mcore_local_fsdp_1gpu_eager_no_db`` (recorded at 6a9e8b9) has a median
-of 109 ms; on 2026-11-24 two later H200 machine starts ran the current tree at 141 ms and at
+next. The H200 golden of ``hybrid_mcore_local_fsdp_1gpu_eager_no_db`` (recorded at 6a9e8b9) has
+a median of 109 ms; on 2026-11-24 two later H200 machine starts ran the current tree at 141 ms and at
 165/166 ms, and on the second the golden's own tree ran at 182/190 ms. A 15 % band both ways
 failed those correct runs. Across machines a functional test can only answer a coarse question:
 did the step get more than 2x slower, as when graphed steps fall back to eager ones (5-9x here)
@@ -45,7 +44,7 @@ ITER_TIME_WARMUP = 3
 RTOL = {"num-zeros": 0.20}
 MEM_RTOL = 0.05
 ITER_TIME_MAX_RATIO = 2.0  # a functional run fails only when its median step is this much slower
-ITER_TIME_NOTE_RTOL = 0.15  # beyond this either way the driver prints a note: another host, or a stale golden
+ITER_TIME_NOTE_RTOL = 0.15  # beyond this either way the driver prints a note: another machine, or a stale golden
 
 
 @dataclass(frozen=True)
@@ -233,7 +232,7 @@ def iteration_time_drift(expected: Metrics, actual: Metrics) -> str | None:
         return None
     me, ma = medians
     return (f"iteration-time median {ma * 1000:.1f} ms is {ma / me:.2f}x the golden's {me * 1000:.1f} ms "
-            f"(fails only above {iter_time_max_ratio()}x): another host, or a golden to re-record")
+            f"(fails only above {iter_time_max_ratio()}x): another machine, or a golden to re-record")
 
 
 def compare(expected: Metrics, actual: Metrics, names: tuple[str, ...] | list[str],
