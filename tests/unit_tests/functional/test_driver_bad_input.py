@@ -147,7 +147,7 @@ def test_golden_with_fewer_steps_than_the_run_fails(tmp_path):
 
 @pytest.mark.parametrize(("golden_step_s", "status", "note"), [
     (0.050, "PASS", None),      # the log's 50 ms steps: no note
-    (0.030, "PASS", "1.67x"),   # another host: noted, not failed
+    (0.030, "PASS", "1.67x"),   # another machine: noted, not failed
     (0.100, "PASS", "0.50x"),   # faster than the golden: a golden to re-record
     (0.024, "FAIL", None),      # 2.08x slower: fails
 ])
