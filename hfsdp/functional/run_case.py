@@ -343,7 +343,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         else:
             for mismatch in golden.compare(expected, metrics, list(recipe.metrics)):
                 result.fail(f"golden {golden_path.name}: {mismatch}")
-            drift = golden.iteration_time_drift(expected, metrics) if "iteration-time" in recipe.metrics else None
+            drift = golden.iteration_time_drift(expected, metrics)  # None when the recipe times nothing
             if drift:
                 print(f"note: golden {golden_path.name}: {drift}")
             for uncovered in golden.uncovered_steps(expected, metrics, recipe.metrics):
