@@ -77,7 +77,7 @@ def test_local_shard_step_matches_the_dtensor_step(mesh, placement, foreach, cls
     assert new.state_dict()["param_groups"] == ref.state_dict()["param_groups"]
 
 
-def test_plain_tensors_and_non_dtensor_grads_are_stepped_as_they_are(mesh):
+def test_plain_tensors_are_stepped_as_they_are_beside_swapped_dtensors(mesh):
     plain = torch.nn.Parameter(torch.randn(5))
     dt = torch.nn.Parameter(DTensor.from_local(torch.randn(5), mesh, [Shard(0)], run_check=False))
     dt.grad = DTensor.from_local(torch.randn(5), mesh, [Shard(0)], run_check=False)
@@ -89,6 +89,118 @@ def test_plain_tensors_and_non_dtensor_grads_are_stepped_as_they_are(mesh):
     with local_shards(opt, [no_grad]) as stepped:
         assert not isinstance(stepped[0], DTensor) and stepped[0].grad is None
     assert len(opt.state) == 0
+
+
+def _with_grad(mesh, local, placement, grad_local, grad_placement):
+    p = torch.nn.Parameter(DTensor.from_local(local, mesh, [placement], run_check=False))
+    p.grad = DTensor.from_local(grad_local, mesh, [grad_placement], run_check=False)
+    return p
+
+
+@pytest.mark.parametrize("odd", ["replicate-grad", "plain-grad", "replicate-state"])
+def test_a_list_with_another_layout_is_not_swapped(mesh, odd):
+    """A gradient or state of another layout needs DTensor's redistribution: the whole list (foreach
+    cannot mix DTensors and plain tensors) is stepped as it is."""
+    good = _with_grad(mesh, torch.randn(4), Shard(0), torch.randn(4), Shard(0))
+    # Shard(0) of a global (8,) parameter; a Replicate gradient holds all 8 elements on each rank.
+    other = _with_grad(mesh, torch.randn(4), Shard(0), torch.randn(8), Replicate())
+    opt = torch.optim.AdamW([good, other], lr=1e-3)
+    if odd == "plain-grad":  # a plain tensor of the global size (autograd refuses the local size)
+        other.grad = torch.randn(8)
+    elif odd == "replicate-state":
+        other.grad = DTensor.from_local(torch.randn(4), mesh, [Shard(0)], run_check=False)
+        opt.state[other] = {"step": torch.tensor(1.0), "exp_avg": DTensor.from_local(
+            torch.zeros(8), mesh, [Replicate()], run_check=False)}
+    with local_shards(opt, [good, other]) as stepped:
+        assert stepped[0] is good and stepped[1] is other
+    assert set(map(id, opt.state)) <= {id(other)}
+
+
+def test_a_mixed_list_steps_as_torch_does(mesh):
+    def build():
+        torch.manual_seed(3)
+        params = _params(mesh, Shard(0))
+        for p in params:
+            p.grad = DTensor.from_local(torch.randn_like(p.to_local()), mesh, [Shard(0)], run_check=False)
+        full = torch.randn(2 * 5)  # a Replicate gradient of a Shard(0) parameter of 2 x 5 elements
+        odd = _with_grad(mesh, torch.randn(5), Shard(0), full, Replicate())
+        return params + [odd]
+
+    ref_params, new_params = build(), build()
+    ref = torch.optim.AdamW(ref_params, lr=1e-3)
+    new = with_bounded_temporaries(torch.optim.AdamW)(new_params, lr=1e-3)  # one chunk: all of them
+    ref.step()
+    new.step()
+    for p, q in zip(ref_params, new_params, strict=True):
+        assert torch.equal(p.to_local(), q.to_local())
+
+
+def test_zero_dim_dtensor_parameters_get_dtensor_state(mesh):
+    def build():
+        torch.manual_seed(4)
+        p = torch.nn.Parameter(DTensor.from_local(torch.randn(()), mesh, [Replicate()], run_check=False))
+        p.grad = DTensor.from_local(torch.randn(()), mesh, [Replicate()], run_check=False)
+        return p
+
+    p, q = build(), build()
+    ref = torch.optim.AdamW([p], lr=1e-3)
+    new = with_bounded_temporaries(torch.optim.AdamW)([q], lr=1e-3)
+    for _ in range(2):
+        ref.step()
+        new.step()
+    assert torch.equal(p.to_local(), q.to_local())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert isinstance(ref.state[p][key], DTensor) and isinstance(new.state[q][key], DTensor), key
+        assert torch.equal(ref.state[p][key].to_local(), new.state[q][key].to_local()), key
+    assert not isinstance(new.state[q]["step"], DTensor)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_state_dict_matches_and_round_trips(mesh, amsgrad):
+    ref_params, new_params = _params(mesh, Shard(0)), _params(mesh, Shard(0))
+    ref = torch.optim.AdamW(_groups(ref_params), lr=1e-3, amsgrad=amsgrad)
+    new = with_bounded_temporaries(torch.optim.AdamW, chunk_numel=400)(_groups(new_params), lr=1e-3, amsgrad=amsgrad)
+    torch.manual_seed(5)
+    for _ in range(2):
+        for p, q in zip(ref_params, new_params, strict=True):
+            g = torch.randn_like(p.to_local())
+            p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
+            q.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
+        ref.step()
+        new.step()
+
+    def flat(state_dict):
+        return {(i, k): (type(v).__name__, v.to_local() if isinstance(v, DTensor) else v)
+                for i, st in state_dict["state"].items() for k, v in st.items()}
+
+    want, got = flat(ref.state_dict()), flat(new.state_dict())
+    assert want.keys() == got.keys()
+    for key, (kind, value) in want.items():
+        assert got[key][0] == kind and torch.equal(got[key][1], value), key
+    again = with_bounded_temporaries(torch.optim.AdamW, chunk_numel=400)(_groups(new_params), lr=1e-3, amsgrad=amsgrad)
+    again.load_state_dict(new.state_dict())
+    for key, (kind, value) in flat(again.state_dict()).items():
+        assert got[key][0] == kind and torch.equal(got[key][1], value), key
+
+
+def test_no_alias_survives_a_first_step_that_fails(mesh, monkeypatch):
+    params = _params(mesh, Shard(0))
+    opt = with_bounded_temporaries(torch.optim.AdamW, chunk_numel=400)(params, lr=1e-3)
+    for p in params:
+        p.grad = DTensor.from_local(torch.ones_like(p.to_local()), mesh, [Shard(0)], run_check=False)
+
+    def half_step(self, closure=None):  # makes state for the shown aliases, then fails
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p)}
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", half_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    assert opt.param_groups[0]["params"] == params
+    assert all(isinstance(k, DTensor) for k in opt.state), "an entry keyed by a local alias survived"
+    assert all(isinstance(opt.state[p]["exp_avg"], DTensor) for p in opt.state)
 
 
 def test_state_is_restored_when_a_step_fails(mesh, monkeypatch):
