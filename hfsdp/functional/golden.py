@@ -4,8 +4,9 @@ File: ``golden_values_{environment}_{platform}.json`` =
 ``{"<metric>": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": v, ...}}}``.
 
 Thresholds (upstream ``CHECK_THRESHOLDS``, plus one deliberate change):
-* ``lm loss``: exact (the recipes run ``--deterministic-mode``); the value compared is the one
-  Megatron prints (``%.6E``), so "exact" means all printed digits agree.
+* ``lm loss`` and ``lm loss validation`` (``LOSS_METRICS``): exact (the recipes run
+  ``--deterministic-mode``); the value compared is the one Megatron prints (``%.6E``), so
+  "exact" means all printed digits agree.
 * ``num-zeros``: rtol 0.20.  ``mem-*``: rtol 0.05 per step.
 * ``iteration-time``: the median over steps after ``ITER_TIME_WARMUP`` steps may be at most
   ``ITER_TIME_MAX_RATIO`` (2.0) times the golden's; a faster run never fails. Upstream checks
@@ -41,6 +42,8 @@ from hfsdp.functional.logparse import Metrics
 from hfsdp.usererror import UserError
 
 ITER_TIME_WARMUP = 3
+# Compared exactly (or within a resume's loss_rtol); the order is the one reports use.
+LOSS_METRICS = ("lm loss", "lm loss validation")
 RTOL = {"num-zeros": 0.20}
 MEM_RTOL = 0.05
 ITER_TIME_MAX_RATIO = 2.0  # a functional run fails only when its median step is this much slower
@@ -239,8 +242,8 @@ def compare(expected: Metrics, actual: Metrics, names: tuple[str, ...] | list[st
             steps: set[int] | None = None, loss_rtol: float = 0.0) -> list[Mismatch]:
     """Mismatches of ``actual`` against ``expected`` for ``names``; ``steps`` limits the steps.
 
-    ``loss_rtol`` > 0 relaxes ``lm loss`` from identical to that relative tolerance (only a
-    resume into another unit layout asks for it; recipe.py ``RESUME_COMPARE``).
+    ``loss_rtol`` > 0 relaxes the ``LOSS_METRICS`` from identical to that relative tolerance
+    (only a resume into another unit layout asks for it; recipe.py ``RESUME_COMPARE``).
     """
     problems: list[Mismatch] = []
     for name in names:
@@ -264,7 +267,7 @@ def compare(expected: Metrics, actual: Metrics, names: tuple[str, ...] | list[st
                 problems.append(Mismatch(name, step, exp[step], None, "step missing"))
                 continue
             e, a = exp[step], act[step]
-            if name == "lm loss":
+            if name in LOSS_METRICS:
                 if loss_rtol == 0.0 and e != a:
                     problems.append(Mismatch(name, step, e, a, "must be identical"))
                 elif loss_rtol and not abs(a - e) <= loss_rtol * abs(e):  # NaN fails too

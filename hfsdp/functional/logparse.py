@@ -9,9 +9,16 @@ and, with ``--log-memory-interval 1`` (``report_memory`` on data-parallel rank 0
 
     [Rank 0] (after 3 iterations) memory (MB) | allocated: 812.5 | max allocated: 1650.1 | ...
 
+and, after each evaluation (``evaluate_and_print_results``, with ``--eval-iters`` > 0)::
+
+    validation loss at iteration 8 on validation set | lm loss value: 9.876543E+00 | lm loss PPL: ...
+
 Metric names follow Megatron's TensorBoard keys so the golden JSON looks like upstream's:
 ``lm loss``, ``num-zeros``, ``iteration-time`` (seconds), ``mem-allocated-bytes``,
-``mem-max-allocated-bytes``, ``mem-reserved-bytes``, ``mem-max-reserved-bytes``.
+``mem-max-allocated-bytes``, ``mem-reserved-bytes``, ``mem-max-reserved-bytes``, and
+``<key> validation`` for each validation loss (``lm loss validation``). Megatron evaluates again
+after the last step, so the last iteration can show two validation lines; as for every
+metric, the later one wins.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from collections.abc import Iterable
 
 _ITER = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 _FIELD = re.compile(r"\s*([^:|]+?):\s*([-+0-9.eEnaif]+)\s*(?=\|)")
+_VALID = re.compile(r"\bvalidation loss at iteration (\d+) on validation set\s*\|(.*)$")
+_VALID_FIELD = re.compile(r"\s*([^:|]+?) value:\s*([-+0-9.eEnaif]+)\s*(?=\|)")
 _MEM = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\)(.*)$")
 _MEM_FIELDS = {
     "allocated": "mem-allocated-bytes",
@@ -58,6 +67,15 @@ def parse_log(lines: Iterable[str]) -> Metrics:
                     put("num-zeros", step, value)
                 elif key in ("grad norm", "load_balancing_loss"):
                     put(key.replace(" ", "-"), step, value)
+            continue
+        m = _VALID.search(line)
+        if m:
+            step = int(m.group(1))
+            for key, raw in _VALID_FIELD.findall(m.group(2) + "|"):
+                try:
+                    put(f"{key.strip()} validation", step, float(raw))
+                except ValueError:
+                    continue
             continue
         m = _MEM.search(line)
         if m and m.group(1) == "0":

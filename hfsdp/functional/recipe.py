@@ -8,7 +8,8 @@ Keys kept from Megatron (``tests/functional_tests/test_cases/<model>/<case>/mode
   ``pretrain_gpt.py``);
 * ``ENV_VARS_2``: env overrides for the second run (``null`` unsets a variable);
 * ``NPROC``: processes per node (default 2);
-* ``COMPARE_TO``: a sibling case whose ``lm loss`` curve must be identical;
+* ``COMPARE_TO``: a sibling case whose ``lm loss`` curve (and validation loss, where it has
+  one) must be identical;
 * ``CHECKS``: ``log_absent`` / ``log_present`` regex lists, ``min_iterations``,
   ``loss_decreases`` (bool);
 * ``REQUIRE_GOLDEN``: false for cases whose numbers are machine-specific (CPU smoke).

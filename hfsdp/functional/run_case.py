@@ -11,7 +11,8 @@ Per case (``TEST_TYPE``):
   ``ENV_VARS_2``) resumes. Run 2's ``lm loss`` must equal run 1's step for step: resuming (even
   across a flag change) must continue exactly as the straight run. ``RESUME_COMPARE`` relaxes
   this after the first resumed step(s) to an rtol, for a resume into another FSDP unit layout
-  (recipe.py).
+  (recipe.py). Where run 1 evaluated (``--eval-iters`` > 0), run 2's validation losses must
+  equal run 1's at the resumed steps too, and ``COMPARE_TO`` holds validation losses to the twin's.
 
 Outputs under ``<output-dir>`` (default ``$HFSDP_FUNCTIONAL_OUT`` or ``<repo>/out/functional``
 ``/<model>/<case>``): ``run1.log`` [``run2.log``], ``metrics.json`` (golden format), and
@@ -218,8 +219,13 @@ def apply_checks(recipe: Recipe, log: Path, metrics: logparse.Metrics, result: R
 
 def compare_curves(name: str, a: logparse.Metrics, b: logparse.Metrics,
                    steps: set[int] | None, result: Result, loss_rtol: float = 0.0) -> None:
-    """``lm loss`` of two curves on ``steps`` (default: all of ``a``'s): equal, or within rtol."""
-    problems = golden.compare(a, b, ["lm loss"], steps=steps, loss_rtol=loss_rtol)
+    """The losses of two curves on ``steps`` (default: all of ``a``'s): equal, or within rtol.
+
+    ``lm loss`` always; each other of ``golden.LOSS_METRICS`` (the validation loss) where the
+    reference ``a`` has it, so that ``b`` must then have it at the same steps.
+    """
+    names = [n for n in golden.LOSS_METRICS if n == "lm loss" or n in a]
+    problems = golden.compare(a, b, names, steps=steps, loss_rtol=loss_rtol)
     for p in problems:
         result.fail(f"{name}: {p}")
     if not a.get("lm loss"):

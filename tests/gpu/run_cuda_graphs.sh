@@ -2,7 +2,8 @@
 # Full-iteration CUDA graphs with Megatron-FSDP on one GPU, from the repo root:
 #   . tests/gpu/setup_gpu_env.sh && bash tests/gpu/run_cuda_graphs.sh [--record] [preset ...]
 # 1. the 1-GPU functional cases: the eager no-double-buffer twin, then graphed no-db and graphed
-#    max-pool, whose lm loss must equal the twin's at every step; goldens compared (or recorded);
+#    max-pool, whose lm loss must equal the twin's at every step; then the same with evaluation,
+#    a checkpoint and a resume (eval_resume: validation losses equal too); goldens compared (or recorded);
 # 2. only if they pass, the benchmark through `pretrain` for each preset (default: `default`):
 #    eager and graphed, no-db and max-pool, REPEATS interleaved fresh runs (default 3), with the
 #    capture memory report in every graphed run's log (--logging-level 20 for all runs alike).
@@ -21,7 +22,7 @@ summary="$out/cuda_graphs_summary.txt"; : > "$summary"
 t0=$(date +%s)
 left() { echo $(( ${BUDGET_S:-100000} - ($(date +%s) - t0) )); }
 
-read -r -a cases <<< "${CASES:-hybrid/hybrid_mcore_local_fsdp_1gpu_eager_no_db hybrid/hybrid_mcore_local_fsdp_1gpu_graph_no_db hybrid/hybrid_mcore_local_fsdp_1gpu_graph_maxpool}"
+read -r -a cases <<< "${CASES:-hybrid/hybrid_mcore_local_fsdp_1gpu_eager_no_db hybrid/hybrid_mcore_local_fsdp_1gpu_graph_no_db hybrid/hybrid_mcore_local_fsdp_1gpu_graph_maxpool hybrid/hybrid_mcore_local_fsdp_1gpu_eager_no_db_eval_resume hybrid/hybrid_mcore_local_fsdp_1gpu_graph_maxpool_eval_resume}"
 OUT="$out" CASE_TIMEOUT=${CASE_TIMEOUT:-240} bash tests/gpu/run_functional.sh "${record[@]}" "${cases[@]}"
 rc=$?
 cat "$out/functional_summary.txt" >> "$summary"

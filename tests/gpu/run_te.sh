@@ -69,7 +69,8 @@ if [[ " $stages " == *" functional "* ]]; then
     hybrid/hybrid_mcore_te_fsdp_1gpu_eager_no_db hybrid/hybrid_mcore_te_fsdp_1gpu_graph_maxpool \
     hybrid/hybrid_mcore_te_fsdp_1gpu_fused_mamba_eager_no_db hybrid/hybrid_mcore_te_fsdp_1gpu_fused_mamba_maxpool \
     moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_eager_no_db moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_maxpool \
-    hybrid/hybrid_mcore_te_fsdp_1gpu_resume_no_db_to_maxpool
+    hybrid/hybrid_mcore_te_fsdp_1gpu_resume_no_db_to_maxpool \
+    hybrid/hybrid_mcore_te_fsdp_1gpu_eager_no_db_eval_resume hybrid/hybrid_mcore_te_fsdp_1gpu_graph_maxpool_eval_resume
   rc=$?
   cat "$out/functional_summary.txt" >> "$summary"
   if [ "$rc" -ne 0 ]; then

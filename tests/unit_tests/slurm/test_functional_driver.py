@@ -36,6 +36,48 @@ def test_parse_megatron_stdout() -> None:
     assert m["grad-norm"] == {1: 3.21}
 
 
+VALID_LOG = """\
+ [t] iteration        4/       8 | consumed samples:           32 | elapsed time per iteration (ms): 80.0 | lm loss: 8.250000E+00 | num zeros: 0 |
+----------------------------------------------------------------------------------------------------
+ validation loss at iteration 4 on validation set | lm loss value: 8.312500E+00 | lm loss PPL: 4.076221E+03 |
+----------------------------------------------------------------------------------------------------
+ [t] iteration        8/       8 | consumed samples:           64 | elapsed time per iteration (ms): 80.0 | lm loss: 7.250000E+00 | num zeros: 0 |
+ validation loss at iteration 8 on validation set | lm loss value: 7.375000E+00 | lm loss PPL: 1.596200E+03 |
+ validation loss at iteration 8 on validation set | lm loss value: 7.380000E+00 | lm loss PPL: 1.604200E+03 |
+"""
+
+
+def test_parse_validation_losses() -> None:
+    m = logparse.parse_log(VALID_LOG.splitlines())
+    assert m["lm loss"] == {4: 8.25, 8: 7.25}
+    # Megatron evaluates again after the last step: the later line of step 8 wins; PPL is not a metric.
+    assert m["lm loss validation"] == {4: 8.3125, 8: 7.38}
+    assert not any("PPL" in name for name in m)
+
+
+def test_validation_loss_is_compared_exactly() -> None:
+    m = logparse.parse_log(VALID_LOG.splitlines())
+    worse = {k: dict(v) for k, v in m.items()}
+    worse["lm loss validation"][4] = 8.312501  # last printed digit
+    problems = golden.compare(m, worse, ["lm loss", "lm loss validation"])
+    assert [(p.metric, p.step, p.why) for p in problems] == [("lm loss validation", 4, "must be identical")]
+    assert golden.compare(m, worse, ["lm loss validation"], loss_rtol=1e-6) == []
+
+
+def test_compare_curves_holds_validation_only_where_the_reference_has_it() -> None:
+    from hfsdp.functional.run_case import Result, compare_curves
+
+    ref = logparse.parse_log(VALID_LOG.splitlines())
+    no_eval = {"lm loss": dict(ref["lm loss"])}
+    result = Result(case="x")
+    compare_curves("vs twin", ref, no_eval, None, result)  # the twin evaluated, this run did not
+    assert result.status == "FAIL"
+    assert any("lm loss validation @ step 4" in r and "step missing" in r for r in result.reasons), result.reasons
+    result = Result(case="y")
+    compare_curves("vs twin", no_eval, ref, None, result)  # a reference without evaluation: lm loss only
+    assert result.status == "PASS", result.reasons
+
+
 def test_golden_roundtrip_and_thresholds(tmp_path: Path) -> None:
     m = logparse.parse_log(LOG.splitlines())
     path = tmp_path / "golden_values_dev_dgx_h200.json"
@@ -205,6 +247,10 @@ for it in range(start + 1, iters + 1):
     loss = 10.0 - 0.25 * it + (drift * it if it > start + 1 else 0.0)
     print(f" [t] iteration {it:8d}/{iters:8d} | consumed samples: {8 * it} | "
           f"elapsed time per iteration (ms): 50.0 | lm loss: {loss:.6E} | num zeros: 0 |", flush=True)
+    if arg("--eval-interval") and it % int(arg("--eval-interval")) == 0:
+        valid = 10.5 - 0.25 * it + (float(os.environ.get("FAKE_VALID_DRIFT", "0")) if start else 0.0)
+        print(f" validation loss at iteration {it} on validation set | lm loss value: {valid:.6E} | "
+              "lm loss PPL: 1.0E+04 |", flush=True)
     if it % interval == 0:
         os.makedirs(os.path.join(save, f"iter_{it:07d}"), exist_ok=True)
         open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w").write(str(it))
@@ -246,6 +292,23 @@ def test_ckpt_resume_through_the_driver(tmp_path: Path, compare: str, drift: flo
     assert len(result.runs) == 2
     if reason:
         assert any(reason in r for r in result.reasons), result.reasons
+
+
+@pytest.mark.parametrize(("valid_drift", "status"), [(0.0, "PASS"), (1e-6, "FAIL")])
+def test_ckpt_resume_holds_validation_losses_too(tmp_path: Path, valid_drift: float, status: str) -> None:
+    from hfsdp.functional.run_case import run_case
+
+    trainer = tmp_path / "fake_trainer.py"
+    trainer.write_text(FAKE_TRAINER)
+    case = _resume_case(tmp_path / "cases", trainer, "", 0.0)
+    config = case / "model_config.yaml"
+    config.write_text(config.read_text().replace("ENV_VARS_2:\n", f"ENV_VARS_2:\n  FAKE_VALID_DRIFT: '{valid_drift}'\n")
+                      + "  --eval-interval: 2\n")
+    result = run_case(case, launch=Launch(nproc=1, timeout_s=120), output_root=tmp_path / "out")
+    assert result.status == status, result.reasons
+    if status == "FAIL":
+        # Steps 4 and 6 were resumed (run 2 starts after the step-3 checkpoint); step 2 was not.
+        assert sorted(r.split("@ step ")[1].split(":")[0] for r in result.reasons if "validation" in r) == ["4", "6"]
 
 
 @pytest.mark.parametrize(
