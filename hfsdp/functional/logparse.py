@@ -9,16 +9,19 @@ and, with ``--log-memory-interval 1`` (``report_memory`` on data-parallel rank 0
 
     [Rank 0] (after 3 iterations) memory (MB) | allocated: 812.5 | max allocated: 1650.1 | ...
 
-and, after each evaluation (``evaluate_and_print_results``, with ``--eval-iters`` > 0)::
+and, after each evaluation (``evaluate_and_print_results``, with ``--eval-iters`` > 0), every
+``--eval-interval`` steps and once more after the last step::
 
-    validation loss at iteration 8 on validation set | lm loss value: 9.876543E+00 | lm loss PPL: ...
+    validation loss at iteration 9 | lm loss value: 9.876543E+00 | lm loss PPL: ...
+    validation loss at iteration 20 on validation set | lm loss value: 7.587728E+00 | ...
 
 Metric names follow Megatron's TensorBoard keys so the golden JSON looks like upstream's:
 ``lm loss``, ``num-zeros``, ``iteration-time`` (seconds), ``mem-allocated-bytes``,
 ``mem-max-allocated-bytes``, ``mem-reserved-bytes``, ``mem-max-reserved-bytes``, and
-``<key> validation`` for each validation loss (``lm loss validation``). Megatron evaluates again
-after the last step, so the last iteration can show two validation lines; as for every
-metric, the later one wins.
+``<key> validation`` for each validation loss (``lm loss validation``; the test set's line is
+not read). When ``--eval-interval`` divides ``--train-iters``, the last step has two validation
+lines (the loop's and the final one, on new batches); as for every metric, the later one wins,
+so recipes pick an interval that does not divide it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from collections.abc import Iterable
 
 _ITER = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 _FIELD = re.compile(r"\s*([^:|]+?):\s*([-+0-9.eEnaif]+)\s*(?=\|)")
-_VALID = re.compile(r"\bvalidation loss at iteration (\d+) on validation set\s*\|(.*)$")
+# "at iteration N" during training, "at iteration N on validation set" after it; not the test set.
+_VALID = re.compile(r"\bvalidation loss at iteration (\d+)(?: on validation set)?\s*\|(.*)$")
 _VALID_FIELD = re.compile(r"\s*([^:|]+?) value:\s*([-+0-9.eEnaif]+)\s*(?=\|)")
 _MEM = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\)(.*)$")
 _MEM_FIELDS = {

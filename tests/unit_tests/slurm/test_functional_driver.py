@@ -39,18 +39,20 @@ def test_parse_megatron_stdout() -> None:
 VALID_LOG = """\
  [t] iteration        4/       8 | consumed samples:           32 | elapsed time per iteration (ms): 80.0 | lm loss: 8.250000E+00 | num zeros: 0 |
 ----------------------------------------------------------------------------------------------------
- validation loss at iteration 4 on validation set | lm loss value: 8.312500E+00 | lm loss PPL: 4.076221E+03 |
+ validation loss at iteration 4 | lm loss value: 8.312500E+00 | lm loss PPL: 4.076221E+03 |
 ----------------------------------------------------------------------------------------------------
  [t] iteration        8/       8 | consumed samples:           64 | elapsed time per iteration (ms): 80.0 | lm loss: 7.250000E+00 | num zeros: 0 |
- validation loss at iteration 8 on validation set | lm loss value: 7.375000E+00 | lm loss PPL: 1.596200E+03 |
+ validation loss at iteration 8 | lm loss value: 7.375000E+00 | lm loss PPL: 1.596200E+03 |
  validation loss at iteration 8 on validation set | lm loss value: 7.380000E+00 | lm loss PPL: 1.604200E+03 |
+ validation loss at iteration 8 on test set | lm loss value: 7.125000E+00 | lm loss PPL: 1.243000E+03 |
 """
 
 
 def test_parse_validation_losses() -> None:
     m = logparse.parse_log(VALID_LOG.splitlines())
     assert m["lm loss"] == {4: 8.25, 8: 7.25}
-    # Megatron evaluates again after the last step: the later line of step 8 wins; PPL is not a metric.
+    # The loop's lines have no set name; Megatron evaluates again after the last step ("on
+    # validation set"), and that later line of step 8 wins. Neither the test set nor PPL is a metric.
     assert m["lm loss validation"] == {4: 8.3125, 8: 7.38}
     assert not any("PPL" in name for name in m)
 
@@ -249,7 +251,7 @@ for it in range(start + 1, iters + 1):
           f"elapsed time per iteration (ms): 50.0 | lm loss: {loss:.6E} | num zeros: 0 |", flush=True)
     if arg("--eval-interval") and it % int(arg("--eval-interval")) == 0:
         valid = 10.5 - 0.25 * it + (float(os.environ.get("FAKE_VALID_DRIFT", "0")) if start else 0.0)
-        print(f" validation loss at iteration {it} on validation set | lm loss value: {valid:.6E} | "
+        print(f" validation loss at iteration {it} | lm loss value: {valid:.6E} | "
               "lm loss PPL: 1.0E+04 |", flush=True)
     if it % interval == 0:
         os.makedirs(os.path.join(save, f"iter_{it:07d}"), exist_ok=True)
