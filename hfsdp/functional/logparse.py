@@ -20,8 +20,8 @@ Metric names follow Megatron's TensorBoard keys so the golden JSON looks like up
 ``mem-max-allocated-bytes``, ``mem-reserved-bytes``, ``mem-max-reserved-bytes``, and
 ``<key> validation`` for each validation loss (``lm loss validation``; the test set's line is
 not read). When ``--eval-interval`` divides ``--train-iters``, the last step has two validation
-lines (the loop's and the final one, on new batches); as for every metric, the later one wins,
-so recipes pick an interval that does not divide it.
+lines (the loop's and the final one, on new batches); as for every metric, the later one wins.
+Recipes pick such an interval all the same: a golden's steps must be evenly spaced.
 """
 
 from __future__ import annotations

@@ -55,6 +55,10 @@ def test_parse_validation_losses() -> None:
     # validation set"), and that later line of step 8 wins. Neither the test set nor PPL is a metric.
     assert m["lm loss validation"] == {4: 8.3125, 8: 7.38}
     assert not any("PPL" in name for name in m)
+    # Evenly spaced (the final evaluation lands on a loop step): a golden can hold them.
+    assert golden.incomplete_metrics(m, ["lm loss", "lm loss validation"]) == []
+    uneven = {**m, "lm loss validation": {3: 8.5, 6: 8.0, 8: 7.5}}  # an interval that misses the last step
+    assert "lie outside" in golden.incomplete_metrics(uneven, ["lm loss validation"])[0]
 
 
 def test_validation_loss_is_compared_exactly() -> None:
