@@ -324,12 +324,35 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
         resume_compare=_resume_compare(raw.get("RESUME_COMPARE"), test_type, f"{path}: RESUME_COMPARE"),
         determinism=raw.get("DETERMINISM"),
     )
+    if "lm loss validation" in recipe.metrics:
+        _check_eval_schedule(recipe, path)
     if recipe.test_type == "ckpt-resume":
         _ = recipe.train_iters
         for key in ("--save", "--load", "--save-interval"):
             if key not in recipe.model_args:
                 raise RecipeError(f"{path}: ckpt-resume needs {key} in MODEL_ARGS")
     return recipe
+
+
+def _check_eval_schedule(recipe: Recipe, path: Path) -> None:
+    """A validation-loss metric needs evaluations a golden can hold (evenly spaced steps).
+
+    Megatron evaluates every ``--eval-interval`` steps and once more after the last one; the
+    golden format (start, end, interval) holds that only when the interval divides
+    ``--train-iters``. Said here, not after a GPU run that cannot record its golden.
+    """
+    args = recipe.model_args
+    interval, iters = args.get("--eval-interval"), args.get("--eval-iters")
+    if not (isinstance(iters, int) and _is_int(iters) and iters >= 1
+            and isinstance(interval, int) and _is_int(interval) and interval >= 1):
+        raise RecipeError(f"{path}: METRICS has 'lm loss validation' but MODEL_ARGS does not evaluate "
+                          f"(--eval-iters {iters!r}, --eval-interval {interval!r})",
+                          "set --eval-iters and --eval-interval to integers >= 1, or drop the metric")
+    if recipe.train_iters % interval:
+        raise RecipeError(f"{path}: --eval-interval {interval} does not divide --train-iters "
+                          f"{recipe.train_iters}, so the validation steps (every {interval}, then "
+                          f"{recipe.train_iters}) are not evenly spaced and no golden can hold them",
+                          "pick an --eval-interval that divides --train-iters")
 
 
 def substitute(value: str, variables: Mapping[str, str]) -> str:

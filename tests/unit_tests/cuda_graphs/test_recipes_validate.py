@@ -53,3 +53,20 @@ def test_case_arguments_validate(case, monkeypatch, tmp_path):
         assert args.cuda_graph_impl == "full_iteration"
         assert args.global_batch_size // (args.micro_batch_size * rec.nproc) >= 2, \
             "a graphed case must accumulate over micro-batches"
+
+
+@pytest.mark.parametrize("spec", ["local", "te"])
+def test_the_graphed_eval_resume_case_is_its_eager_twin_plus_graphs_and_max_pool(spec):
+    """Evaluation, a checkpoint and a resume: the graphed case may differ from its eager twin only
+    in the graph and max-pool flags, and both must evaluate on a schedule a golden can hold."""
+    graph = recipe.load_recipe(CASES / "hybrid" / f"hybrid_mcore_{spec}_fsdp_1gpu_graph_maxpool_eval_resume")
+    eager = recipe.load_recipe(CASES / "hybrid" / f"hybrid_mcore_{spec}_fsdp_1gpu_eager_no_db_eval_resume")
+    assert (graph.case_dir / graph.compare_to).resolve() == eager.case_dir.resolve()
+    added = {k: v for k, v in graph.model_args.items() if k not in eager.model_args}
+    assert added == {"--cuda-graph-impl": "full_iteration", "--cuda-graph-warmup-steps": 3, "--logging-level": 20,
+                     "--fsdp-double-buffer": True, "--megatron-fsdp-max-pool-double-buffer": True}
+    assert all(graph.model_args[k] == v for k, v in eager.model_args.items())
+    for r in (graph, eager):
+        assert r.test_type == "ckpt-resume" and "lm loss validation" in r.metrics
+        assert r.model_args["--eval-iters"] >= 1 and r.train_iters % r.model_args["--eval-interval"] == 0
+    assert "CUDA graph capture done for validation" in graph.checks.log_present

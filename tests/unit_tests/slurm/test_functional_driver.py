@@ -335,6 +335,28 @@ def test_bad_resume_compare_is_rejected(tmp_path: Path, block: str, match: str) 
         load_recipe(case)
 
 
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ("  --eval-iters: 2\n  --eval-interval: 4\n", None),
+        ("  --eval-iters: 2\n  --eval-interval: 3\n", "--eval-interval 3 does not divide --train-iters 8"),
+        ("  --eval-iters: 0\n  --eval-interval: 4\n", "does not evaluate"),
+        ("  --eval-iters: 2\n", "does not evaluate"),
+    ],
+)
+def test_validation_metric_needs_an_even_eval_schedule(tmp_path: Path, args: str, match: str | None) -> None:
+    case = tmp_path / "hybrid" / "evals"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(
+        "TEST_TYPE: regular\nMETRICS:\n  - lm loss\n  - lm loss validation\n"
+        "MODEL_ARGS:\n  --train-iters: 8\n" + args)
+    if match is None:
+        assert "lm loss validation" in load_recipe(case).metrics
+    else:
+        with pytest.raises(RecipeError, match=match):
+            load_recipe(case)
+
+
 def test_resume_compare_reads_yaml_floats_without_a_dot(tmp_path: Path) -> None:
     case = _resume_case(tmp_path, tmp_path / "t.py", "RESUME_COMPARE: {exact_steps: 1, rtol: 5e-5}\n", 0.0)
     assert load_recipe(case).resume_compare.rtol == 5e-5

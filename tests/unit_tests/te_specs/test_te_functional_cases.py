@@ -25,6 +25,10 @@ TE_CASES = {
     "moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_maxpool": "moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_eager_no_db",
     # checkpoint resume: saved without double buffering, resumed with max-pool (MODEL_ARGS_2)
     "hybrid/hybrid_mcore_te_fsdp_1gpu_resume_no_db_to_maxpool": None,
+    # evaluation every 4 steps, checkpoint at step 10 and resume (ckpt-resume), eager and graphed
+    "hybrid/hybrid_mcore_te_fsdp_1gpu_eager_no_db_eval_resume": None,
+    "hybrid/hybrid_mcore_te_fsdp_1gpu_graph_maxpool_eval_resume":
+        "hybrid/hybrid_mcore_te_fsdp_1gpu_eager_no_db_eval_resume",
 }
 MAXPOOL = {"--fsdp-double-buffer": True, "--megatron-fsdp-max-pool-double-buffer": True}
 GRAPH = {"--cuda-graph-impl": "full_iteration", "--cuda-graph-warmup-steps": 3, "--logging-level": 20}
@@ -52,6 +56,7 @@ def test_the_te_cases_exist_and_take_the_deterministic_settings() -> None:
     ("hybrid/hybrid_mcore_te_fsdp_1gpu_graph_maxpool", {**GRAPH, **MAXPOOL}),
     ("hybrid/hybrid_mcore_te_fsdp_1gpu_fused_mamba_maxpool", MAXPOOL),
     ("moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_maxpool", MAXPOOL),
+    ("hybrid/hybrid_mcore_te_fsdp_1gpu_graph_maxpool_eval_resume", {**GRAPH, **MAXPOOL}),
 ])
 def test_each_case_is_its_twin_plus_the_feature_under_test(case: str, added: dict) -> None:
     r, twin = recipe(case), recipe(TE_CASES[case])
@@ -105,7 +110,10 @@ def fake_log(case: Recipe, steps: int = 20) -> str:
     return "\n".join(lines) + "\n"
 
 
-@pytest.mark.parametrize("case", [c for c, twin in TE_CASES.items() if twin])
+# --evaluate-log judges single-run cases; the ckpt-resume driver path is tested with a fake trainer
+# (tests/unit_tests/slurm/test_functional_driver.py).
+@pytest.mark.parametrize("case", [c for c, twin in TE_CASES.items()
+                                  if twin and load_recipe(CASES / c).test_type == "regular"])
 def test_driver_passes_no_te_case_without_goldens(tmp_path: Path, case: str) -> None:
     """Copies of a case and its twin, judged on a log that meets every other condition: FAIL for
     want of a golden; PASS and a golden only with --record."""
