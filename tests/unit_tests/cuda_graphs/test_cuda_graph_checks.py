@@ -44,6 +44,20 @@ def test_full_iteration_rejects_moe_dispatch_that_syncs_with_the_host(validate, 
     assert DROP_AND_PAD_FLAGS in msg, f"the message must name the flags that fix it: {msg}"
 
 
+def test_full_iteration_rejects_batch_size_rampup(megatron_validator):
+    """A replay runs the captured micro-batch count; ramp-up would silently train smaller batches."""
+    at = BASE.index("--train-iters")  # ramp-up needs sample-based training
+    samples = BASE[:at] + BASE[at + 2:] + ["--train-samples", "64"]
+    ramp = ["--rampup-batch-size", "2", "2", "16", "--global-batch-size", "8"]
+    validate = megatron_validator(samples, world_size=1)
+    assert validate(ramp).rampup_batch_size == [2, 2, 16]  # eager: Megatron accepts it
+    assert validate(FULL + ["--global-batch-size", "8"]).cuda_graph_impl == "full_iteration"
+    with pytest.raises(ValueError) as err:
+        validate(FULL + ramp)
+    msg = str(err.value)
+    assert "--rampup-batch-size" in msg and "constant --global-batch-size" in msg, msg
+
+
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 def test_per_layer_graphs_with_megatron_fsdp_are_rejected(validate, impl):
     with pytest.raises(ValueError) as err:
