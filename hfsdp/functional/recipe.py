@@ -37,7 +37,7 @@ import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import yaml
 
@@ -121,7 +121,7 @@ class Recipe:
         return self.case_dir / f"golden_values_{environment}_{platform}.json"
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -343,8 +343,7 @@ def _check_eval_schedule(recipe: Recipe, path: Path) -> None:
     """
     args = recipe.model_args
     interval, iters = args.get("--eval-interval"), args.get("--eval-iters")
-    if not (isinstance(iters, int) and _is_int(iters) and iters >= 1
-            and isinstance(interval, int) and _is_int(interval) and interval >= 1):
+    if not (_is_int(iters) and iters >= 1 and _is_int(interval) and interval >= 1):
         raise RecipeError(f"{path}: METRICS has 'lm loss validation' but MODEL_ARGS does not evaluate "
                           f"(--eval-iters {iters!r}, --eval-interval {interval!r})",
                           "set --eval-iters and --eval-interval to integers >= 1, or drop the metric")
