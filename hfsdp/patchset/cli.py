@@ -27,6 +27,7 @@ from .materialize import kept_summary, materialize, tree_status
 from .project import Project
 from .queue import continue_queue, make_queue
 from .refresh import refresh
+from .series import patch_name
 
 
 def _cmd_materialize(project: Project, args: argparse.Namespace) -> int:
@@ -121,8 +122,9 @@ def _cmd_queue(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_export(project: Project, args: argparse.Namespace) -> int:
+    drop = tuple(patch_name(name, "--drop") for name in args.drop)  # refused before the lock, too
     with writing(project, f"export --queue {args.queue}", print):
-        export_queue(project, args.queue, args.sdist, drop=tuple(args.drop))
+        export_queue(project, args.queue, args.sdist, drop=drop)
     return 0
 
 

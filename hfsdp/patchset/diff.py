@@ -14,8 +14,9 @@ from pathlib import Path
 
 from . import gitops
 from .errors import PatchsetError
+from .materialize import live_census, require_real_tree
 from .project import Project
-from .scan import census, copy_edits, scan
+from .scan import copy_edits
 from .series import Patch, parse_patch
 from .source import locate_sdist
 from .stamp import read_stamp
@@ -43,12 +44,14 @@ def as_built_patches(project: Project) -> list[Patch]:
 
 
 def local_diff(project: Project, sdist: Path | None = None) -> str:
-    """The edits of megatron/ against its as-built tree, as a git diff (empty if none)."""
+    """The edits of megatron/ against its as-built tree, as a git diff (empty if none). A tree read through a
+    symbolic link is refused ([Note: a tree behind a symbolic link] in materialize.py)."""
+    require_real_tree(project)
     pin = project.pin()
     patches = as_built_patches(project)
     stamp = read_stamp(project.root)
     assert stamp is not None, "as_built_patches returned without a stamp"
-    edits = census(scan(project.megatron_dir), stamp.files, pin.members).edits
+    edits = live_census(project, stamp).edits
     with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:
         queue = build_queue(pin, locate_sdist(pin, sdist), patches, Path(tmp) / "q")
         copy_edits(edits, project.root, queue.repo)

@@ -59,6 +59,10 @@ class SeriesError(PatchsetError):
     """patches/series or a patch file is malformed."""
 
 
+class LinkedTree(PatchsetError):
+    """``megatron/``, or a folder of it, is a symbolic link; through it every file would look deleted."""
+
+
 class ToolMissing(PatchsetError):
     """A required external tool (git) is missing."""
 

@@ -30,7 +30,7 @@ from .errors import PatchsetError, SeriesError
 from .project import Project
 from .queue import BASE_TAG, read_state
 from .scan import scan
-from .series import Patch, parse_header, parse_patch, render_patch
+from .series import NAME_RULE, Patch, is_patch_name, parse_header, parse_patch, patch_name, render_patch
 from .source import locate_sdist
 from .swap import TMP_PREFIX, swap_in
 from .tree import BASE_SUBJECT, build_queue, extract_base
@@ -88,12 +88,12 @@ def _patch_from_commit(repo: Path, commit: str, parent: str, previous: Patch | N
     text = gitops.message(repo, commit)
     subject, _, body = text.partition("\n")
     name = subject.strip()
-    if not name or " " in name or "/" in name:
+    if not is_patch_name(f"{name}.patch"):
         raise SeriesError(
-            f"queue commit {commit[:12]} has subject {subject!r}; the subject must be the patch name. "
-            "Nothing was written",
-            f"reword it to a lowercase-dashed name (`git -C {repo} rebase -i {BASE_TAG}`, then `reword`), "
-            f"then `scripts/patchset export --queue {repo}` again",
+            f"queue commit {commit[:12]} has subject {subject!r}, which is not a patch name; the subject must be "
+            "the patch name. Nothing was written",
+            f"reword it to a lowercase-dashed name ({NAME_RULE}; `git -C {repo} rebase -i {BASE_TAG}`, then "
+            f"`reword`), then `scripts/patchset export --queue {repo}` again",
         )
     header = body.strip("\n")
     if previous is not None and not header:
@@ -114,6 +114,7 @@ def _patch_from_commit(repo: Path, commit: str, parent: str, previous: Patch | N
 def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist: Path | None = None,
                 check_state: bool = True) -> ExportPlan:
     """Steps 1-3 of the note: what ``repo`` exports to; raises before anything is written."""
+    drop = tuple(patch_name(name, "--drop") for name in drop)
     repo = repo.absolute()
     base = _queue_base(repo)
     state = read_state(repo) if check_state else None
@@ -168,9 +169,22 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
             + " ".join(f"`--drop {n}`" for n in missing)
             + "; otherwise the queue is incomplete: make a new one with `scripts/patchset queue --dir DIR`",
         )
+    _refuse_overwriting_unlisted(project, [n for n in texts if n not in old])
     plan = ExportPlan(texts, sorted(drop), gitops.tree_of(repo, "HEAD"))
     validate(project, plan, sdist)
     return plan
+
+
+def _refuse_overwriting_unlisted(project: Project, new_names: list[str]) -> None:
+    """A new patch must not take the place of a file in patches/ that the series does not list (it may be
+    someone's only copy of a change)."""
+    taken = [n for n in new_names if os.path.lexists(project.patches_dir / n)]
+    if taken:
+        raise SeriesError(
+            f"{', '.join(taken)} would be written as a new patch, but patches/ already has a file of that name that "
+            "is not in patches/series; nothing was written",
+            "move that file out of patches/ (it may be your only copy of a change), or give the new patch another name",
+        )
 
 
 def validate(project: Project, plan: ExportPlan, sdist: Path | None = None) -> None:

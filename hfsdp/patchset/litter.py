@@ -64,7 +64,7 @@ def find(root: Path, members: tuple[str, ...]) -> list[Litter]:
         name = _original(path)
         if name is None:
             out.append(Litter(path, "leave alone (not recognised)"))
-        elif not (root / name).exists():
+        elif not os.path.lexists(root / name):  # a symlink there, even a dangling one, is not replaced
             out.append(Litter(path, f"put back as {name}/ (a killed run moved it aside)"))
         elif name == "megatron" and _parked_megatron_is_redundant(path, root / name, members):
             out.append(Litter(path, "delete (holds nothing megatron/ lacks)"))

@@ -5,10 +5,21 @@ Rules: one writer per checkout (lock.py), leftovers of killed writers recovered 
 temporary folder beside the target, carries over every kept entry (scan.py's note), and is
 swapped in only if nothing changed in the old tree meanwhile (swap.py's note); a tree with edits,
 or one this tool did not make, is never replaced except with ``--backup``, which keeps it whole.
+
+[Note: a tree behind a symbolic link] ``megatron/`` and the folders of it that hold the stamp's
+files must be real folders. ``scan`` records a symlink and never follows it, so through a link every
+file would look deleted (``status`` listed them all, ``diff`` printed a patch deleting them, ``refresh``
+folded that into the series), while a writer would follow it into the folder it points to. So every
+verb that reads the tree (status, diff, refresh, materialize) refuses such a link before it reads or
+writes anything, and names two ways out: put the folder itself in the link's place, or
+``materialize --backup``, which renames the link (never the folder it points to) to
+``megatron.bak-*`` and builds a fresh tree. The verbs that never look at the tree (check, lint,
+queue, export, ``diff --series``) work as usual.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -17,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import litter
-from .errors import REBASE_EDITS_FIX, DirtyTree, ForeignTree, PatchsetError
+from .errors import REBASE_EDITS_FIX, DirtyTree, ForeignTree, LinkedTree, PatchsetError
 from .lock import writing
 from .project import Project
-from .scan import STAMP_NAME, Census, Entry, carry, census, conflicts, describe, hash_files, scan
+from .scan import STAMP_NAME, Census, Entry, carry, census, conflicts, describe, hash_files, linked_folders, scan
 from .source import locate_sdist
 from .stamp import CorruptStamp, Stamp, make_stamp, read_stamp, write_stamp_file
 from .swap import TMP_PREFIX, backup_name, swap_in
@@ -44,8 +55,45 @@ class TreeStatus:
     leftovers: list[litter.Litter] = field(default_factory=list)  # of killed writers (litter.py)
 
 
+def _linked(link: Path, tree: Path | None) -> LinkedTree:
+    """The refusal for the symlink ``link``: megatron/ itself (``tree`` None) or a folder in the tree ``tree``."""
+    dest = Path(os.path.realpath(link))
+    here = Path(os.path.realpath(link.parent))
+    inside = "" if tree is None else ", where the tree has files of its own"
+    cause = (f"{link} is a symbolic link to {dest}{'' if dest.exists() else ' (which does not exist)'}{inside}; "
+             "this tool works on megatron/ only as real folders (through the link every file would look deleted), "
+             "so it read and changed nothing")
+    backup = ("`scripts/patchset materialize --backup` (renames the link, not the folder it points to, to "
+              "megatron.bak-* and builds a fresh tree)" if tree is None else
+              "`scripts/patchset materialize --backup` (moves the whole tree, the link in it included, to "
+              "megatron.bak-* and builds a fresh one)")
+    movable = (dest.is_dir() and dest not in (here, *here.parents)
+               and (tree is None or Path(os.path.realpath(tree)) not in (dest, *dest.parents)))
+    if movable:
+        return LinkedTree(cause, f"put the folder itself in the link's place: `unlink {link}`, then "
+                                 f"`mv {dest} {link}`; or set the link aside: {backup}")
+    return LinkedTree(cause, f"set the link aside: {backup}")
+
+
+def require_real_tree(project: Project) -> None:
+    """Refuse a megatron/ that is a symbolic link (see the note)."""
+    if project.megatron_dir.is_symlink():
+        raise _linked(project.megatron_dir, None)
+
+
+def live_census(project: Project, stamp: Stamp, entries: dict[str, Entry] | None = None) -> Census:
+    """megatron/ (``entries``: its scan, if made already) sorted against its stamp; a tree read through a
+    symbolic link is refused (see the note)."""
+    require_real_tree(project)
+    entries = scan(project.megatron_dir) if entries is None else entries
+    if links := linked_folders(entries, stamp.files):
+        raise _linked(project.root / links[0], project.megatron_dir)
+    return census(entries, stamp.files, project.pin().members)
+
+
 def tree_status(project: Project) -> TreeStatus:
     """Read-only: nothing in the checkout is written."""
+    require_real_tree(project)
     pin = project.pin()
     patches = project.series()
     names = [p.name for p in patches]
@@ -57,7 +105,7 @@ def tree_status(project: Project) -> TreeStatus:
         return TreeStatus(True, False, False, series=names, leftovers=leftovers)
     applied = dict(stamp.patches)
     current = dict(Stamp.expected_patches(patches))
-    found = census(scan(project.megatron_dir), stamp.files, pin.members)
+    found = live_census(project, stamp)
     status = TreeStatus(
         exists=True,
         stamped=True,
@@ -80,8 +128,9 @@ def tree_status(project: Project) -> TreeStatus:
 
 def local_edits(project: Project) -> dict[str, str]:
     """Files that differ from the stamp: path -> 'modified' | 'added' | 'deleted' ({} if unstamped)."""
+    require_real_tree(project)
     stamp = read_stamp(project.root)
-    return {} if stamp is None else census(scan(project.megatron_dir), stamp.files, project.pin().members).edits
+    return {} if stamp is None else live_census(project, stamp).edits
 
 
 def _refuse_if_unsafe(project: Project, stamp: Stamp | None, found: Census | None) -> None:
@@ -107,6 +156,8 @@ def _refuse_if_unsafe(project: Project, stamp: Stamp | None, found: Census | Non
 def materialize(project: Project, sdist: Path | None = None, backup: bool = False,
                 log: Callable[[str], None] = print) -> bool:
     """Make megatron/ match the pin and the series. Returns True if the tree was rebuilt."""
+    if not backup:
+        require_real_tree(project)  # --backup renames a link aside (see the note)
     if not backup and _report_up_to_date(project, log):
         return False  # nothing to write: no lock needed (a read-only checkout or a busy one is fine)
     with writing(project, "materialize" + (" --backup" if backup else ""), log):
@@ -118,7 +169,7 @@ def _report_up_to_date(project: Project, log: Callable[[str], None]) -> bool:
     stamp = read_stamp(project.root) if project.megatron_dir.exists() else None
     if stamp is None or not stamp.matches(pin, patches):
         return False
-    edits = census(scan(project.megatron_dir), stamp.files, pin.members).edits
+    edits = live_census(project, stamp).edits
     note = f"; {len(edits)} local edit(s) left as they are" if edits else ""
     log(f"patchset: megatron/ is up to date ({pin.fork_version}, {len(patches)} patches); nothing to do{note}")
     return True
@@ -128,14 +179,18 @@ def _materialize(project: Project, sdist: Path | None, backup: bool, log: Callab
     pin = project.pin()
     patches = project.series()
     target = project.megatron_dir
-    snapshot = scan(target)
+    if not backup:
+        require_real_tree(project)
+    snapshot = scan(target)  # {} for a link: it is renamed aside whole, never read through
     try:
-        stamp = read_stamp(project.root) if target.exists() else None
+        stamp = read_stamp(project.root) if target.exists() and not target.is_symlink() else None
     except CorruptStamp:
         if not backup:
             raise
         stamp = None  # --backup: the whole tree goes to megatron.bak-*; nothing is classified
-    found = census(snapshot, stamp.files, pin.members) if stamp is not None else None
+    found = None
+    if stamp is not None:
+        found = census(snapshot, stamp.files, pin.members) if backup else live_census(project, stamp, snapshot)
     if not backup and _report_up_to_date(project, log):  # again, under the lock
         return False
     if target.exists() and not backup:
@@ -163,7 +218,7 @@ def _materialize(project: Project, sdist: Path | None, backup: bool, log: Callab
                 )
             kept = {p: e for p, e in kept.items() if p not in clashing}  # they stay in the backup
         carry(kept, project.root, queue.repo)
-        keep_as = backup_name(project.root, "megatron") if backup and target.exists() else None
+        keep_as = backup_name(project.root, "megatron") if backup and os.path.lexists(target) else None
         kept_at = swap_in(target, built, snapshot, scan, "scripts/patchset materialize", keep_old_as=keep_as)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

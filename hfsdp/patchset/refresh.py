@@ -19,9 +19,10 @@ from . import gitops
 from .errors import REBASE_EDITS_FIX, PatchsetError, SeriesError
 from .export import plan_export, today, write_plan
 from .lock import writing
+from .materialize import live_census, require_real_tree
 from .project import Project
-from .scan import census, copy_edits, hash_files, scan
-from .series import Patch
+from .scan import copy_edits, hash_files
+from .series import Patch, patch_name
 from .source import locate_sdist
 from .stamp import make_stamp, read_stamp, write_stamp_file
 from .tree import Queue, build_queue
@@ -35,7 +36,13 @@ def refresh(
     sdist: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> str:
-    """Fold local edits into a patch (existing or new); returns its name ('' when there were none)."""
+    """Fold local edits into a patch (existing or new); returns its name ('' when there were none).
+
+    ``patch``/``new`` are ``NAME`` or ``NAME.patch``; a name that breaks the rule ([Note: patch names]
+    in series.py) or a tree read through a symbolic link is refused before anything is touched."""
+    patch = None if patch is None else patch_name(patch, "--patch")
+    new = None if new is None else patch_name(new, "--new")
+    require_real_tree(project)
     with writing(project, "refresh", log):
         return _refresh(project, patch, new, description, sdist, log)
 
@@ -48,7 +55,7 @@ def _refresh(project: Project, patch: str | None, new: str | None, description: 
     if stamp is None:
         raise PatchsetError("megatron/ is not materialized, so there are no edits to refresh",
                             "run `scripts/patchset materialize`, edit megatron/, then refresh")
-    found = census(scan(project.megatron_dir), stamp.files, pin.members)
+    found = live_census(project, stamp)
     if not stamp.matches(pin, patches):
         if found.edits:
             raise PatchsetError(
@@ -66,8 +73,9 @@ def _refresh(project: Project, patch: str | None, new: str | None, description: 
         queue = build_queue(pin, locate_sdist(pin, sdist), patches, Path(tmp) / "queue")
         copy_edits(found.edits, project.root, queue.repo)
         if new is not None:
-            header = _new_header(description or f"{new}: describe why this change exists")
-            gitops.commit_all(queue.repo, f"{new}\n\n{header}\n")
+            stem = new.removesuffix(".patch")
+            header = _new_header(description or f"{stem}: describe why this change exists")
+            gitops.commit_all(queue.repo, f"{stem}\n\n{header}\n")
         elif target == queue.commits[-1][0]:
             gitops.git(["add", "-A", "."], cwd=queue.repo)
             gitops.git(["commit", "-q", "--amend", "--no-edit", "--no-verify"], cwd=queue.repo)
@@ -83,20 +91,17 @@ def _refresh(project: Project, patch: str | None, new: str | None, description: 
 
 def _choose_target(patches: list[Patch], edits: dict[str, str], patch: str | None, new: str | None) -> str:
     if new is not None:
-        if not new or "/" in new or " " in new or new.endswith(".patch"):
-            raise SeriesError(f"--new {new!r} is not a patch name", "pass a lowercase-dashed name without .patch")
-        if any(p.stem == new for p in patches):
-            raise SeriesError(f"a patch named {new}.patch already exists", "pick another name or use --patch")
-        return f"{new}.patch"
+        if any(p.name == new for p in patches):
+            raise SeriesError(f"a patch named {new} already exists", "pick another name or use --patch")
+        return new
     if not patches:
         raise SeriesError("the series is empty, so there is no patch to refresh into",
                           "`scripts/patchset refresh --new NAME` adds one")
     if patch is not None:
-        name = patch if patch.endswith(".patch") else f"{patch}.patch"
-        if name not in [p.name for p in patches]:
-            raise SeriesError(f"{name} is not in patches/series",
+        if patch not in [p.name for p in patches]:
+            raise SeriesError(f"{patch} is not in patches/series",
                               "pick a listed patch, or `scripts/patchset refresh --new NAME`")
-        return name
+        return patch
     owners: dict[str, str] = {}
     for path in edits:
         for p in reversed(patches):

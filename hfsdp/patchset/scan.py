@@ -107,6 +107,13 @@ def census(entries: dict[str, Entry], stamp_files: dict[str, str], members: tupl
     return Census(dict(sorted(edits.items())), dict(sorted(kept.items())))
 
 
+def linked_folders(entries: dict[str, Entry], stamp_files: dict[str, str]) -> list[str]:
+    """Symlinks standing where the stamp has files below them: a folder of the tree replaced by a link
+    (``scan`` never follows one, so every file below it would look deleted)."""
+    folders = {str(parent) for path in stamp_files for parent in PurePosixPath(path).parents}
+    return [path for path, entry in entries.items() if entry.kind == "link" and path in folders]
+
+
 def hash_files(tree_root: Path, members: tuple[str, ...]) -> dict[str, str]:
     """sha256 of every source file (regular, non-cache, non-kept) under the members: the stamp's list."""
     return {p: e.digest for p, e in scan(tree_root / "megatron").items()

@@ -13,6 +13,34 @@ _FIELD = re.compile(r"^(?P<key>[A-Za-z][A-Za-z0-9-]*):(?P<value>.*)$")
 _DIFF_PATH = re.compile(r"^diff --git a/(?P<a>\S+) b/(?P<b>\S+)$")
 HEADER_END = "---"
 
+# [Note: patch names] One rule for every patch name, wherever one is taken or read: a series line,
+# `refresh --new`/`--patch`, `export --drop`, a queue commit's subject. Lowercase letters, digits,
+# '-' and '.', starting with a letter or digit, no '..', at most 100 characters before ``.patch``.
+# Such a name cannot start a comment in ``series`` ('#'), leave ``patches/`` ('/', '..'), or need
+# quoting in a shell, so what ``refresh``/``export`` write is always read back as the same patch.
+_PATCH_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{0,99}\.patch")
+NAME_RULE = "lowercase letters, digits, '-' and '.' (no '..'), starting with a letter or digit"
+
+
+def is_patch_name(name: str) -> bool:
+    """Whether ``name`` (a file name, ``.patch`` included) follows the note's rule."""
+    return _PATCH_NAME.fullmatch(name) is not None and ".." not in name
+
+
+def _suggest(text: str) -> str:
+    """A name that follows the rule, made from ``text`` (for error messages)."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower().removesuffix(".patch")).strip("-")[:100] or "my-change"
+
+
+def patch_name(text: str, option: str) -> str:
+    """A patch named on the command line (``NAME`` or ``NAME.patch``) as its file name; refuses any
+    other name (see the note) before anything is written."""
+    name = text if text.endswith(".patch") else f"{text}.patch"
+    if not is_patch_name(name):
+        raise SeriesError(f"{option} {text!r} is not a patch name; nothing was written",
+                          f"name patches with {NAME_RULE}, e.g. {option} {_suggest(text)}")
+    return name
+
 
 @dataclass(frozen=True)
 class Patch:
@@ -111,10 +139,12 @@ def read_series_names(series_path: Path) -> list[str]:
         entry = line.split("#", 1)[0].strip()
         if not entry:
             continue
-        if "/" in entry or not entry.endswith(".patch"):
+        if not is_patch_name(entry):
+            comment = f" ('#' starts a comment, which leaves {entry!r})" if "#" in line else ""
             raise SeriesError(
-                f"{series_path}:{number}: {entry!r} is not a patch file name",
-                "list bare file names ending in .patch, one per line",
+                f"{series_path}:{number}: {line.strip()!r} is not a patch name{comment}",
+                f"a patch name is {NAME_RULE}, then .patch: rename the patch file and its line to such a name "
+                f"(e.g. {_suggest(line.strip())}.patch), or remove the line",
             )
         if entry in names:
             raise SeriesError(f"{series_path}:{number}: {entry} is listed twice", "remove the duplicate line")

@@ -49,7 +49,7 @@ def swap_in(target: Path, built: Path, snapshot: dict, rescan: Callable[[Path], 
     ``snapshot`` is ``rescan(target)`` from before the build; ``rerun`` is the command to repeat.
     """
     root = target.parent
-    if not target.exists():
+    if not os.path.lexists(target):  # a symlink there (even a dangling one) is parked, never followed
         if snapshot:
             raise ChangedDuringBuild(f"{target} disappeared while the replacement was being built; nothing was "
                                      "replaced", f"restore it, then run `{rerun}` again")

@@ -193,3 +193,68 @@ def test_a_folder_that_is_not_a_checkout(tmp_path, capsys) -> None:
     capsys.readouterr()
     assert main(["--root", str(tmp_path), "status"]) == 2
     assert "is not a checkout of this project" in capsys.readouterr().err
+
+
+def test_symlinked_tree_both_ways_out(fake: Env, capsys) -> None:
+    """`mv megatron X; ln -s X megatron`: put the folder back in its place, or set the link aside."""
+    root = fake.project.root
+    main(["--root", str(root), "materialize"])
+    tree = fake.project.megatron_dir
+    (tree / "core" / "__init__.py").write_text("VALUE = 3  # mine\n")
+    os.rename(tree, root / "X")
+    os.symlink("X", tree)
+    err = error_of(fake, capsys, "status")
+    unlink, move, backup = commands(err.split("-> ", 1)[1])
+    assert unlink == f"unlink {tree}" and move == f"mv {root / 'X'} {tree}"
+    assert backup == "scripts/patchset materialize --backup"
+    assert run_advice(fake, unlink, capsys) == 0 and run_advice(fake, move, capsys) == 0
+    assert not tree.is_symlink() and (tree / "core" / "__init__.py").read_text() == "VALUE = 3  # mine\n"
+    capsys.readouterr()
+    assert main(["--root", str(root), "diff"]) == 0
+    diff = capsys.readouterr().out
+    assert "+VALUE = 3  # mine" in diff and "deleted file mode" not in diff  # exactly the edit
+    # The other way out: the link (not its folder) goes to megatron.bak-*, a fresh tree is built.
+    os.rename(tree, root / "X")
+    os.symlink("X", tree)
+    assert run_advice(fake, backup, capsys) == 0
+    (kept,) = root.glob("megatron.bak-*")
+    assert os.readlink(kept) == "X" and (kept / "core" / "__init__.py").read_text() == "VALUE = 3  # mine\n"
+    assert not tree.is_symlink() and main(["--root", str(root), "status"]) == 0
+
+
+def test_dangling_symlinked_tree_way_out(fake: Env, capsys) -> None:
+    root = fake.project.root
+    tree = fake.project.megatron_dir
+    os.symlink("gone", tree)
+    (root / ".patchset-old-megatron-1-2").mkdir()  # and a tree parked by a killed run: not renamed onto the link
+    (root / ".patchset-old-megatron-1-2" / "NOTES.md").write_text("mine\n")
+    err = error_of(fake, capsys, "materialize")
+    assert "(which does not exist)" in err
+    assert commands(err.split("-> ", 1)[1]) == ["scripts/patchset materialize --backup"]  # nothing to move back
+    assert run_advice(fake, "scripts/patchset materialize --backup", capsys) == 0
+    kept = sorted(root.glob("megatron.bak-*"))
+    assert [os.readlink(p) for p in kept if p.is_symlink()] == ["gone"]
+    assert [(p / "NOTES.md").read_text() for p in kept if not p.is_symlink()] == ["mine\n"]
+    assert main(["--root", str(root), "status"]) == 0
+
+
+def test_symlinked_folder_inside_the_tree_both_ways_out(fake: Env, capsys) -> None:
+    root = fake.project.root
+    main(["--root", str(root), "materialize"])
+    core = fake.project.megatron_dir / "core"
+    (core / "__init__.py").write_text("VALUE = 8  # mine\n")
+    os.rename(core, root / "core-elsewhere")
+    os.symlink(root / "core-elsewhere", core)
+    err = error_of(fake, capsys, "diff")
+    unlink, move, backup = commands(err.split("-> ", 1)[1])
+    assert run_advice(fake, unlink, capsys) == 0 and run_advice(fake, move, capsys) == 0
+    capsys.readouterr()
+    assert main(["--root", str(root), "diff"]) == 0
+    assert "+VALUE = 8  # mine" in capsys.readouterr().out
+    os.rename(core, root / "core-elsewhere")
+    os.symlink(root / "core-elsewhere", core)
+    assert run_advice(fake, backup, capsys) == 0
+    (kept,) = root.glob("megatron.bak-*")
+    assert os.readlink(kept / "core") == str(root / "core-elsewhere")
+    assert (root / "core-elsewhere" / "__init__.py").read_text() == "VALUE = 8  # mine\n"
+    assert main(["--root", str(root), "status"]) == 0

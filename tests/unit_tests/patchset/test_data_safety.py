@@ -6,6 +6,7 @@ Driven through the command line (``hfsdp.patchset.cli.main``), as a user would m
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,169 @@ def test_one_writer_at_a_time(fake: Env, capsys) -> None:
             err = capsys.readouterr().err
             assert "pid 4242" in err and "wait for it to finish" in err, err
     assert cli(fake, "materialize") == 0  # the lock ends with its holder
+
+
+# --- Patch names: one rule ([Note: patch names] in series.py), refused before anything is written.
+
+BAD_NAMES = ["#x", "a#b", "Upper", "tab\tname", "st*r?", "a..b", "../x", "x/y", "", "a b", ".hidden"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_refresh_new_refuses_a_name_that_is_not_a_patch_name(fake: Env, name: str, capsys) -> None:
+    """`refresh --new '#x'` once wrote the series line '#x.patch', a comment: the edit vanished from the series."""
+    cli(fake, "materialize")
+    init = fake.project.megatron_dir / "core" / "__init__.py"
+    init.write_text("VALUE = 6  # mine\n")
+    before = patches_digest(fake)
+    capsys.readouterr()
+    assert cli(fake, "refresh", "--new", name, "--description", "d") == 2
+    err = capsys.readouterr().err
+    assert f"--new {name!r} is not a patch name" in err and "Traceback" not in err, err
+    assert patches_digest(fake) == before  # no patch file, no series change
+    assert init.read_text() == "VALUE = 6  # mine\n"
+    assert cli(fake, "refresh", "--new", "value-six", "--description", "d") == 0  # a good name still works
+    assert "+VALUE = 6  # mine" in (fake.project.patches_dir / "value-six.patch").read_text()
+    assert cli(fake, "status") == 0
+
+
+def test_refresh_patch_and_export_drop_refuse_names_that_are_not_patch_names(fake: Env, tmp_path: Path,
+                                                                             capsys) -> None:
+    cli(fake, "materialize")
+    (fake.project.megatron_dir / "core" / "alloc.py").write_text("changed = True\n")
+    queue = tmp_path / "q"
+    assert cli(fake, "queue", "--dir", str(queue)) == 0
+    before = patches_digest(fake)
+    for args in (["refresh", "--patch", "#x"], ["refresh", "--patch", "Alloc"],
+                 ["export", "--queue", str(queue), "--drop", "a#b.patch"],
+                 ["export", "--queue", str(queue), "--drop", "../series"]):
+        capsys.readouterr()
+        assert cli(fake, *args) == 2, args
+        err = capsys.readouterr().err
+        assert f"{args[-2]} {args[-1]!r} is not a patch name" in err and "Traceback" not in err, (args, err)
+        assert patches_digest(fake) == before
+    assert (fake.project.megatron_dir / "core" / "alloc.py").read_text() == "changed = True\n"
+
+
+def test_patch_names_on_the_command_line_take_either_form(fake: Env, tmp_path: Path) -> None:
+    """NAME or NAME.patch, the same for --new, --patch and --drop (--new x.patch once made x.patch.patch or failed)."""
+    cli(fake, "materialize")
+    init = fake.project.megatron_dir / "core" / "__init__.py"
+    init.write_text("VALUE = 2\n")
+    assert cli(fake, "refresh", "--new", "value.patch", "--description", "d") == 0
+    init.write_text("VALUE = 3\n")
+    assert cli(fake, "refresh", "--patch", "value") == 0
+    assert "+VALUE = 3" in (fake.project.patches_dir / "value.patch").read_text()
+    assert not list(fake.project.patches_dir.glob("*.patch.patch"))
+    queue = tmp_path / "q"
+    assert cli(fake, "queue", "--dir", str(queue)) == 0
+    subprocess.run(["git", "-C", str(queue), "reset", "-q", "--hard", "HEAD~1"], check=True)
+    assert cli(fake, "export", "--queue", str(queue), "--drop", "value") == 0
+    assert not (fake.project.patches_dir / "value.patch").exists()
+
+
+@pytest.mark.parametrize("subject", ["Fork-training", "train#2", "train..x", "train\ttab"])
+def test_export_refuses_a_queue_commit_subject_that_is_not_a_patch_name(fake: Env, tmp_path: Path, subject: str,
+                                                                        capsys) -> None:
+    queue = tmp_path / "q"
+    assert cli(fake, "queue", "--dir", str(queue)) == 0
+    git = ["git", "-C", str(queue), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "commit", "-q", "--amend", "-m", f"{subject}\n\nDescription: renamed\n"], check=True)
+    before = patches_digest(fake)
+    capsys.readouterr()
+    assert cli(fake, "export", "--queue", str(queue), "--drop", "train.patch") == 2
+    err = capsys.readouterr().err
+    assert "is not a patch name" in err and "Traceback" not in err, err
+    assert patches_digest(fake) == before
+
+
+@pytest.mark.parametrize(("line", "shown"), [("Train.patch", "'Train.patch'"), ("a#b.patch", "'#' starts a comment"),
+                                             ("tr ain.patch", "'tr ain.patch'"), ("x..y.patch", "'x..y.patch'")])
+def test_a_series_line_that_is_not_a_patch_name_is_named(fake: Env, line: str, shown: str, capsys) -> None:
+    (fake.project.patches_dir / line.split("#")[0]).write_text(patch_text("Fork training", "diff --git a/x b/x\n"))
+    (fake.project.patches_dir / "series").write_text(f"# test series\nalloc.patch\n{line}\n")
+    for verb in (["status"], ["lint"], ["materialize"], ["check"]):
+        capsys.readouterr()
+        assert cli(fake, *verb) == 2, verb
+        err = capsys.readouterr().err
+        assert "series:3:" in err and "is not a patch name" in err and shown in err, (verb, err)
+        assert "Traceback" not in err
+    assert not fake.project.megatron_dir.exists()
+
+
+def test_a_new_patch_never_overwrites_an_unlisted_patch_file(fake: Env, capsys) -> None:
+    cli(fake, "materialize")
+    mine = fake.project.patches_dir / "wip.patch"
+    mine.write_text("my only copy of a change\n")  # in patches/, not (yet) in the series
+    (fake.project.megatron_dir / "core" / "__init__.py").write_text("VALUE = 7\n")
+    before = patches_digest(fake)
+    capsys.readouterr()
+    assert cli(fake, "refresh", "--new", "wip", "--description", "d") == 2
+    err = capsys.readouterr().err
+    assert "wip.patch" in err and "not in patches/series" in err, err
+    assert patches_digest(fake) == before
+
+
+# --- A symlinked megatron/ (`mv megatron X; ln -s X megatron`): refused, never read or written through.
+
+def link_tree(env: Env) -> Path:
+    """mv megatron X; ln -s X megatron. Returns the real folder."""
+    root = env.project.root
+    os.rename(root / "megatron", root / "X")
+    os.symlink("X", root / "megatron")
+    return root / "X"
+
+
+def checkout_names(env: Env) -> list[str]:
+    return sorted(p.name for p in env.project.root.iterdir() if p.name != ".patchset.lock")
+
+
+LINK_CASES = [(["status"], False), (["diff"], False), (["refresh"], False),
+              (["refresh", "--new", "mine", "--description", "d"], False), (["materialize"], False),
+              (["materialize"], True), (["diff"], True)]
+
+
+@pytest.mark.parametrize(("verb", "stale"), LINK_CASES)
+def test_a_symlinked_tree_is_refused_and_left_alone(fake: Env, verb: list[str], stale: bool, capsys) -> None:
+    """Through the link every file looked deleted: status listed them all, diff deleted them all."""
+    cli(fake, "materialize")
+    (fake.project.megatron_dir / "core" / "__init__.py").write_text("VALUE = 4  # mine\n")
+    real = link_tree(fake)
+    if stale:
+        make_stale(fake)
+    before, patches, names = tree_digest(real), patches_digest(fake), checkout_names(fake)
+    capsys.readouterr()
+    assert cli(fake, *verb) == 2
+    out, err = capsys.readouterr()
+    assert f"{fake.project.megatron_dir} is a symbolic link to {real}" in err and "Traceback" not in err, err
+    assert "deleted  megatron/" not in out + err and "deleted file mode" not in out  # no bogus listing or diff
+    assert tree_digest(real) == before and (real / "core" / "__init__.py").read_text() == "VALUE = 4  # mine\n"
+    assert os.readlink(fake.project.megatron_dir) == "X"
+    assert patches_digest(fake) == patches and checkout_names(fake) == names
+
+
+@pytest.mark.parametrize("verb", [["status"], ["diff"], ["refresh"], ["materialize"]])
+def test_a_symlinked_folder_inside_the_tree_is_refused(fake: Env, verb: list[str], capsys) -> None:
+    cli(fake, "materialize")
+    core = fake.project.megatron_dir / "core"
+    real = fake.project.root / "core-elsewhere"
+    os.rename(core, real)
+    os.symlink(real, core)
+    make_stale(fake)  # so that materialize would rebuild
+    before, patches = tree_digest(real), patches_digest(fake)
+    capsys.readouterr()
+    assert cli(fake, *verb) == 2
+    out, err = capsys.readouterr()
+    assert f"{core} is a symbolic link to {real}" in err and "Traceback" not in err, err
+    assert "deleted  megatron/" not in out + err and "deleted file mode" not in out
+    assert tree_digest(real) == before and os.readlink(core) == str(real) and patches_digest(fake) == patches
+
+
+def test_verbs_that_do_not_read_the_tree_work_beside_a_symlinked_one(fake: Env, tmp_path: Path) -> None:
+    cli(fake, "materialize")
+    real = link_tree(fake)
+    before = tree_digest(real)
+    queue = tmp_path / "q"
+    for verb in (["check"], ["lint"], ["diff", "--series"], ["queue", "--dir", str(queue)],
+                 ["export", "--queue", str(queue)]):
+        assert cli(fake, *verb) == 0, verb
+    assert tree_digest(real) == before and os.readlink(fake.project.megatron_dir) == "X"
