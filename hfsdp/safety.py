@@ -4,7 +4,7 @@ The machines our GPU tests run on must keep NVLS / multicast off. The scripts un
 ``tests/gpu`` export these values and check them with ``python -m hfsdp.safety`` before any
 GPU work; the Python test harnesses call :func:`assert_guard`. The product's launchers do not
 import this module: they pass the user's environment through ([Note: launch environment] in
-hfsdp/launch_env.py), so on a shared machine set the guard yourself (README, "Shared machines").
+hfsdp/launch/env.py), so on a shared machine set the guard yourself (README, "Shared machines").
 
 Standard library only.
 """

@@ -10,12 +10,12 @@ from the run report the entry point writes (``HFSDP_RUN_REPORT``, hfsdp/training
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from hfsdp.bench.results import RunResult
 from hfsdp.functional import logparse
+from hfsdp.launch import torchrun
 from hfsdp.training import run_report
 
 TRAINING_SCRIPT = Path(__file__).resolve().parents[2] / "pretrain_gpt.py"
@@ -54,10 +54,10 @@ def training_flags(flags: Sequence[str], nproc: int, steps: int) -> list[str]:
     return out
 
 
-def command(flags: Sequence[str], nproc: int, steps: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", str(TRAINING_SCRIPT),
-            *training_flags(flags, nproc, steps)]
+def command(flags: Sequence[str], nproc: int, steps: int, ranks_per_gpu: int = 1) -> list[str]:
+    """torchrun of ``pretrain_gpt.py`` with ``nproc`` ranks on this host (hfsdp/launch/torchrun.py)."""
+    placement = torchrun.Placement(nproc=nproc, ranks_per_gpu=ranks_per_gpu)
+    return torchrun.command(placement, [str(TRAINING_SCRIPT), *training_flags(flags, nproc, steps)])
 
 
 def report_env(report_path: str) -> dict[str, str]:

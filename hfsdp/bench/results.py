@@ -172,9 +172,13 @@ def format_loss_agreement(agreement: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_pool_check(summaries: Sequence[ConfigSummary], runs: Sequence[RunResult]) -> list[str]:
-    """Per configuration with a planned pool: does the pool held equal the plan, and how many
-    home misses did its runs count (the max over runs of the summed allocator stats)."""
+def format_pool_check(summaries: Sequence[ConfigSummary], runs: Sequence[RunResult],
+                      baseline: str = BASELINE) -> list[str]:
+    """Per configuration with a planned pool: does the pool held equal the plan, how many home
+    misses did its runs count (the max over runs of the summed allocator stats), and does its
+    peak allocated memory exceed the baseline's by at most the planned pool (the pool is the
+    only memory double buffering adds; the rest of a step's memory is the same)."""
+    base = next((s for s in summaries if s.config == baseline), None)
     lines = []
     for s in summaries:
         if s.pool_bytes_planned is None:
@@ -185,8 +189,14 @@ def format_pool_check(summaries: Sequence[ConfigSummary], runs: Sequence[RunResu
         verdict = ("not measured" if held is None
                    else "= plan" if held == s.pool_bytes_planned
                    else f"!= plan ({_fmt_mib(held)} vs {_fmt_mib(s.pool_bytes_planned)} MiB)")
+        memory = ""
+        if base is not None:
+            extra = s.peak_allocated_bytes - base.peak_allocated_bytes
+            bound = "within" if extra <= s.pool_bytes_planned else "MORE than"
+            memory = (f"; peak allocated {extra / MIB:+,.1f} MiB over {baseline} "
+                      f"({s.peak_allocated_bytes / base.peak_allocated_bytes:.3f}x), {bound} the planned pool")
         lines.append(f"  {s.config:<20} pool {verdict}; home misses "
-                     f"{max(misses) if misses else 'not reported'}")
+                     f"{max(misses) if misses else 'not reported'}{memory}")
     return ["pool check:", *lines] if lines else []
 
 
@@ -198,17 +208,43 @@ def _fmt_mib(x: int | None) -> str:
     return "-" if x is None else f"{x / MIB:,.1f}"
 
 
-def format_table(summaries: Sequence[ConfigSummary]) -> list[str]:
+# Timing fields of a summary and of a run: what a several-ranks-per-GPU invocation leaves out.
+SPEED_FIELDS = ("median_step_s", "min_run_median_s", "max_run_median_s", "tokens_per_s",
+                "step_time_ratio", "tokens_per_s_ratio")
+RUN_SPEED_FIELDS = ("step_times_s", "median_step_s")
+
+
+def no_speed_note(ranks_per_gpu: int) -> str:
+    """Why an invocation with ``ranks_per_gpu`` > 1 reports no step time."""
+    return (f"no step times reported: {ranks_per_gpu} ranks share each GPU, time-slicing it and talking "
+            "over loopback sockets, so their steps say nothing about speed; memory, pools and losses are "
+            "each rank's own and stand (docs/several-ranks-per-gpu.md)")
+
+
+def without_speed(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` (:func:`to_json`) with every step time and throughput set to None."""
+    out = dict(doc)
+    for key in ("summary", "summary_te"):
+        if key in out:
+            out[key] = [{**s, **dict.fromkeys(SPEED_FIELDS)} for s in out[key]]
+    out["runs"] = [{**r, **dict.fromkeys(RUN_SPEED_FIELDS)} for r in out["runs"]]
+    return out
+
+
+def format_table(summaries: Sequence[ConfigSummary], speed: bool = True) -> list[str]:
+    """The summary table; ``speed`` False prints '-' for step times and throughput."""
     width = max([12, *(len(s.config) for s in summaries)])  # maxpool_lanes3_graph is 20
     head = (f"{'config':<{width}} {'runs':>4} {'step ms':>9} {'(min..max)':>17} {'tok/s':>10} "
             f"{'x base':>7} {'peak alloc MiB':>15} {'x base':>7} {'peak resv MiB':>14} "
             f"{'x base':>7} {'pool MiB':>9} {'plan MiB':>9} {'min MiB':>8}")
     lines = [head, "-" * len(head)]
     for s in summaries:
+        step = f"{s.median_step_s * 1e3:.1f}" if speed else "-"
+        spread = f"({s.min_run_median_s * 1e3:.1f}..{s.max_run_median_s * 1e3:.1f})" if speed else "-"
+        tokens = f"{s.tokens_per_s:,.0f}" if speed else "-"
         lines.append(
-            f"{s.config:<{width}} {s.runs:>4} {s.median_step_s * 1e3:>9.1f} "
-            f"{f'({s.min_run_median_s * 1e3:.1f}..{s.max_run_median_s * 1e3:.1f})':>17} "
-            f"{s.tokens_per_s:>10,.0f} {_fmt_ratio(s.tokens_per_s_ratio):>7} "
+            f"{s.config:<{width}} {s.runs:>4} {step:>9} {spread:>17} "
+            f"{tokens:>10} {_fmt_ratio(s.tokens_per_s_ratio if speed else None):>7} "
             f"{_fmt_mib(s.peak_allocated_bytes):>15} {_fmt_ratio(s.peak_allocated_ratio):>7} "
             f"{_fmt_mib(s.peak_reserved_bytes):>14} {_fmt_ratio(s.peak_reserved_ratio):>7} "
             f"{_fmt_mib(s.pool_bytes_measured):>9} {_fmt_mib(s.pool_bytes_planned):>9} "

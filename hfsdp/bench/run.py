@@ -5,7 +5,7 @@ in an interleaved, rotated order; the planner runs once (CPU-only subprocess) fo
 sizes. Results: a table on stdout, JSON and a PNG chart (see docs/benchmark.md).
 
 Each run is a process group with a timeout (:func:`hfsdp.proc.run_group`) that gets the caller's
-environment unchanged plus ``--env KEY=VALUE`` ([Note: launch environment] in hfsdp/launch_env.py).
+environment unchanged plus ``--env KEY=VALUE`` ([Note: launch environment] in hfsdp/launch/env.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from hfsdp import extras, te_determinism
 from hfsdp.bench import configs as cfgs
 from hfsdp.bench import kept, pretrain_launch
 from hfsdp.bench import results as res
-from hfsdp.launch_env import add_env_option, job_env, parse_assignments
+from hfsdp.launch import fit, torchrun
+from hfsdp.launch.env import add_env_option, job_env, parse_assignments
 from hfsdp.proc import run_group
 from hfsdp.training import requirements
 from hfsdp.usererror import UserError, run_cli
@@ -36,7 +37,9 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
                                 epilog="Megatron flags after `--` override the preset's model flags.")
-    p.add_argument("--nproc", type=int, default=2, help="GPUs (= data-parallel size).")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="Ranks (= data-parallel size); GPUs used = ranks / --ranks-per-gpu.")
+    torchrun.add_ranks_per_gpu_option(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup-steps", type=int, default=6,
                    help="Untimed steps per run (graphed configurations: Megatron's eager "
@@ -144,15 +147,15 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
         return launch_pretrain(config, repeat, flags, opts, workdir, timeout_s)
     result = os.path.join(workdir, f"{config.name}-{repeat}.json")
     log = os.path.join(workdir, f"{config.name}-{repeat}.log")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={opts.nproc}", "-m", "hfsdp.bench.worker",
-           "--result", result, "--config", config.name, "--repeat", str(repeat),
-           "--warmup-steps", str(opts.warmup_steps), "--timed-steps", str(opts.timed_steps),
-           *(["--profile-dir", opts.profile_dir] if opts.profile_dir else []),
-           *(["--profile-stack"] if opts.profile_dir and opts.profile_stack else []),
-           *(["--pyprofile-dir", opts.pyprofile_dir] if opts.pyprofile_dir else []),
-           *(["--memory-trace-dir", opts.memory_trace_dir] if opts.memory_trace_dir else []),
-           "--", *flags, *config.flags]
+    placement = torchrun.Placement(nproc=opts.nproc, ranks_per_gpu=opts.ranks_per_gpu)
+    cmd = torchrun.command(placement, [
+        "-m", "hfsdp.bench.worker", "--result", result, "--config", config.name, "--repeat", str(repeat),
+        "--warmup-steps", str(opts.warmup_steps), "--timed-steps", str(opts.timed_steps),
+        *(["--profile-dir", opts.profile_dir] if opts.profile_dir else []),
+        *(["--profile-stack"] if opts.profile_dir and opts.profile_stack else []),
+        *(["--pyprofile-dir", opts.pyprofile_dir] if opts.pyprofile_dir else []),
+        *(["--memory-trace-dir", opts.memory_trace_dir] if opts.memory_trace_dir else []),
+        "--", *flags, *config.flags])
     with open(log, "w") as f:
         ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout, env=job_env(os.environ, opts.env), stdout=f)
     rc = "timeout" if ended.timed_out else ended.returncode
@@ -170,7 +173,7 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     """One timing run through Megatron's own training loop (hfsdp/bench/pretrain_launch.py)."""
     stem = os.path.join(workdir, f"{config.name}-{repeat}")
     steps = opts.warmup_steps + opts.timed_steps
-    cmd = pretrain_launch.command([*flags, *config.flags], opts.nproc, steps)
+    cmd = pretrain_launch.command([*flags, *config.flags], opts.nproc, steps, opts.ranks_per_gpu)
     env = job_env(os.environ, opts.env, pretrain_launch.report_env(f"{stem}.report.json"))
     with open(f"{stem}.log", "w") as f:
         ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout, env=env, stdout=f)
@@ -205,7 +208,13 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
             # cache warming that follows land in whichever configuration runs first.
             name = order[0][1]
             t0 = time.time()
-            run, _ = launch(cfgs.CONFIGS[name], -1, flags, opts, workdir,
+            prime_opts = opts
+            if opts.ranks_per_gpu > 1:
+                # One rank warms the caches the others then read: N ranks sharing a GPU and
+                # compiling the same kernels at once took more than 100 s a step (each rank's
+                # micro-batch, hence each kernel, is the same at any data-parallel size).
+                prime_opts = argparse.Namespace(**{**vars(opts), "nproc": 1, "ranks_per_gpu": 1})
+            run, _ = launch(cfgs.CONFIGS[name], -1, flags, prime_opts, workdir,
                             timeout_s=max(2 * opts.run_timeout, 300))
             primed = {"config": name, "wall_s": round(time.time() - t0, 1), "ok": run is not None}
             print(f"[prime] {name} (discarded) {'ok' if run else 'FAILED'} in "
@@ -220,8 +229,8 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
                       flush=True)
                 continue
             runs.append(run)
-            print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} median step "
-                  f"{run.median_step_s * 1e3:8.1f} ms  peak alloc "
+            step = f"median step {run.median_step_s * 1e3:8.1f} ms  " if opts.ranks_per_gpu == 1 else ""
+            print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} {step}peak alloc "
                   f"{run.peak_allocated_bytes / res.MIB:9.1f} MiB  peak reserved "
                   f"{run.peak_reserved_bytes / res.MIB:9.1f} MiB  (run {wall:.0f}s, "
                   f"total {time.time() - start:.0f}s)", flush=True)
@@ -266,6 +275,15 @@ def _main(argv: Sequence[str]) -> int:
               f"capture step of {', '.join(graphed)}; use at least {cfgs.GRAPH_WARMUP_STEPS + 2}.",
               file=sys.stderr)
         return 2
+    shared = opts.ranks_per_gpu > 1
+    if shared and (opts.profile_dir or opts.pyprofile_dir):
+        raise UserError(f"--profile-dir and --pyprofile-dir time the steps, and at --ranks-per-gpu "
+                        f"{opts.ranks_per_gpu} the ranks share a GPU, so their timings say nothing",
+                        "profile with one rank per GPU (--memory-trace-dir works in either mode)")
+    if shared and not opts.from_logs:
+        placement = torchrun.Placement(nproc=opts.nproc, ranks_per_gpu=opts.ranks_per_gpu)
+        steps = opts.warmup_steps + opts.timed_steps
+        print(fit.preflight(placement, pretrain_launch.training_flags(flags, opts.nproc, steps)), flush=True)
     if opts.deterministic:
         print(te_determinism.describe(), flush=True)  # what every run of this invocation gets, and why
     if "no_db" not in wanted:
@@ -287,13 +305,15 @@ def _main(argv: Sequence[str]) -> int:
     else:
         runs, failures, primed = run_all(order, flags, opts, start)
     summaries = res.summarize(runs, planned=planned)
-    print("\n".join(res.format_table(summaries)))
+    print("\n".join(res.format_table(summaries, speed=not shared)))
+    if shared:
+        print(res.no_speed_note(opts.ranks_per_gpu))
     # TE configurations also against their own eager baseline (the TE targets are ratios to it).
     te_runs = [r for r in runs if cfgs.CONFIGS[r.config].spec == "te"]
     te_summaries = res.summarize(te_runs, planned=planned, baseline=cfgs.BASELINES["te"])
     if te_runs:
         print(f"Transformer Engine configurations, x base against {cfgs.BASELINES['te']}:")
-        print("\n".join(res.format_table(te_summaries)))
+        print("\n".join(res.format_table(te_summaries, speed=not shared)))
     agreements = {base: res.loss_agreement([r for r in runs if r.config in names], base)
                   for base, names in cfgs.loss_groups([r.config for r in runs]).items()}
     for agreement in agreements.values():
@@ -301,6 +321,7 @@ def _main(argv: Sequence[str]) -> int:
     print("\n".join(res.format_pool_check(summaries, runs)))
     meta = {
         "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc,
+        "ranks_per_gpu": opts.ranks_per_gpu, "speed": res.no_speed_note(opts.ranks_per_gpu) if shared else "measured",
         "repeats": opts.repeats, "warmup_steps": opts.warmup_steps,
         "timed_steps": opts.timed_steps, "order": order, "skipped": skipped,
         "failures": failures, "primed": primed, "env": opts.env, "from_logs": opts.from_logs,
@@ -316,9 +337,13 @@ def _main(argv: Sequence[str]) -> int:
     doc = res.to_json(summaries, runs, meta, agreements)
     if te_runs:
         doc["summary_te"] = [dataclasses.asdict(s) for s in te_summaries]
+    if shared:
+        doc = res.without_speed(doc)
     res.write_json(opts.out_json, doc)
     print(f"wrote {opts.out_json}")
-    if not opts.no_chart and summaries:
+    if shared and not opts.no_chart:
+        print("chart skipped: it plots step times, which this mode does not measure")
+    elif not opts.no_chart and summaries:
         from hfsdp.bench.chart import ChartUnavailable, write_chart
 
         try:

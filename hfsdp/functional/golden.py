@@ -238,6 +238,35 @@ def iteration_time_drift(expected: Metrics, actual: Metrics) -> str | None:
             f"(fails only above {iter_time_max_ratio()}x): another machine, or a golden to re-record")
 
 
+# [Note: goldens of the several-ranks-per-GPU mode]
+# Ranks that share a GPU compute the same bits as ranks on their own GPUs (every rank is its own
+# process), so losses and num-zeros compare exactly across the two. Step times do not: the ranks
+# time-slice one GPU and talk over loopback sockets. Per-rank memory is each process's own and is
+# held within the mode; a real-GPU golden's memory was measured on other hardware and transports,
+# so it is not held against the mode. Goldens recorded in the mode carry a platform name ending in ``SHARED_SUFFIX``
+# (``dgx_h100_shared``): :func:`compared_metrics` says what each pairing compares.
+SHARED_SUFFIX = "_shared"
+NUMERICS = (*LOSS_METRICS, "num-zeros")
+
+
+def is_shared_platform(platform: str) -> bool:
+    return platform.endswith(SHARED_SUFFIX)
+
+
+def compared_metrics(names: tuple[str, ...] | list[str], run_shared: bool,
+                     golden_platform: str) -> tuple[list[str], list[str]]:
+    """(compared, not compared) of a recipe's ``names`` for a run against a golden (see the note).
+
+    Both on their own GPUs: everything. Both in the shared mode: everything but step times. One
+    of each: losses and num-zeros only.
+    """
+    golden_shared = is_shared_platform(golden_platform)
+    if not run_shared and not golden_shared:
+        return list(names), []
+    keep = [n for n in names if n in NUMERICS or (run_shared and golden_shared and n.startswith("mem-"))]
+    return keep, [n for n in names if n not in keep]
+
+
 def compare(expected: Metrics, actual: Metrics, names: tuple[str, ...] | list[str],
             steps: set[int] | None = None, loss_rtol: float = 0.0) -> list[Mismatch]:
     """Mismatches of ``actual`` against ``expected`` for ``names``; ``steps`` limits the steps.

@@ -46,6 +46,11 @@ _MB = 1024.0 * 1024.0
 Metrics = dict[str, dict[int, float]]
 
 
+def is_step_line(line: str) -> bool:
+    """Whether ``line`` is Megatron's log line of a training step."""
+    return _ITER.search(line) is not None
+
+
 def parse_log(lines: Iterable[str]) -> Metrics:
     """Per-iteration metrics found in ``lines`` (later duplicates of a step win)."""
     metrics: Metrics = {}

@@ -22,7 +22,7 @@ the exit status is 0 only on PASS (2 for input it refuses, with a sentence; hfsd
 comparing against it, only from a passing run whose metrics are complete and finite.
 
 The runs get the caller's environment unchanged, plus the case's ``ENV_VARS`` and ``--env``
-([Note: launch environment] in hfsdp/launch_env.py). The output folder is cleared before a run
+([Note: launch environment] in hfsdp/launch/env.py). The output folder is cleared before a run
 only if the driver made it ([Note: output folders] in outdir.py); a golden must be complete and
 finite and cover every step the run logged, or the case fails naming what is missing.
 """
@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,7 +44,8 @@ from pathlib import Path
 from hfsdp import proc
 from hfsdp.functional import golden, logparse, outdir
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
-from hfsdp.launch_env import add_env_option, job_env, parse_assignments
+from hfsdp.launch import fit, torchrun
+from hfsdp.launch.env import add_env_option, job_env, parse_assignments
 from hfsdp.usererror import UserError, positive, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -58,9 +60,25 @@ class Launch:
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_port: int | None = None  # None: a free port of this host (one node only)
     timeout_s: float | None = None
     exit_duration_in_mins: float | None = None
+    ranks_per_gpu: int = 1
+
+    @property
+    def placement(self) -> torchrun.Placement:
+        return torchrun.Placement(nproc=self.nproc, ranks_per_gpu=self.ranks_per_gpu, nnodes=self.nnodes,
+                                  node_rank=self.node_rank, master_addr=self.master_addr,
+                                  master_port=self.master_port)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+# A run whose last rank is still alive this long after its last step hangs at exit (e.g. in
+# destroy_process_group); final evaluation and checkpoint saving fit well inside it.
+EXIT_AFTER_LAST_STEP_S = 30.0
 
 
 @dataclass
@@ -68,6 +86,7 @@ class RunRecord:
     log: str
     returncode: int
     timed_out: bool
+    exit_after_last_step_s: float | None = None  # from the last step's log line to the last rank's exit
 
 
 @dataclass
@@ -77,6 +96,7 @@ class Result:
     reasons: list[str] = field(default_factory=list)
     runs: list[RunRecord] = field(default_factory=list)
     metrics_path: str | None = None
+    world_size: int | None = None  # ranks of the runs: a twin's metrics compare only at the same size
 
     def fail(self, why: str) -> None:
         self.status = "FAIL"
@@ -99,6 +119,15 @@ def _unclean_runs(result_path: Path) -> str:
                                                   else f"exit {r.get('returncode')}")
            for r in runs if r.get("timed_out") or r.get("returncode") != 0]
     return "ended badly (" + ", ".join(bad) + ")" if bad else ""
+
+
+def _recorded_world_size(result_path: Path) -> int | None:
+    """The world size a case's ``result.json`` records (None: unknown or unreadable)."""
+    try:
+        size = json.loads(result_path.read_text()).get("world_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def output_dir_for(recipe: Recipe, root: Path | None) -> Path:
@@ -129,24 +158,15 @@ def script_target(recipe: Recipe) -> list[str]:
 
 def build_command(recipe: Recipe, argv: Sequence[str], launch: Launch,
                   python: str = sys.executable) -> list[str]:
-    """torchrun command line for one run of ``recipe``."""
-    target = script_target(recipe)
-    cmd = [
-        python, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(launch.nproc),
-        "--nnodes", str(launch.nnodes),
-        "--node-rank", str(launch.node_rank),
-        "--master-addr", launch.master_addr,
-        "--master-port", str(launch.master_port),
-        *target, *argv,
-    ]
+    """torchrun command line for one run of ``recipe`` (hfsdp/launch/torchrun.py)."""
+    argv = list(argv)
     if launch.exit_duration_in_mins is not None and "--exit-duration-in-mins" not in argv:
-        cmd += ["--exit-duration-in-mins", f"{launch.exit_duration_in_mins:g}"]
-    return cmd
+        argv += ["--exit-duration-in-mins", f"{launch.exit_duration_in_mins:g}"]
+    return torchrun.command(launch.placement, [*script_target(recipe), *argv], python=python)
 
 
 def run_env(env_vars: Mapping[str, str | None], extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The caller's environment, then the case's ENV_VARS, then ``--env`` (see launch_env.py)."""
+    """The caller's environment, then the case's ENV_VARS, then ``--env`` (see hfsdp/launch/env.py)."""
     env = job_env(os.environ, env_vars, extra or {})
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
@@ -160,12 +180,21 @@ STACK_DUMP_GRACE_S = proc.STACK_GRACE_S  # time the ranks get to write their sta
 def run_problem(rec: RunRecord, n: int) -> str | None:
     """Why run ``n`` failed, or None. A run the timer fired on fails even if it then exited 0:
     its exit was not timely (it ended during the kill's grace period, or in the moment between
-    its exit and the timer's cancel, or a lingering child held its output open)."""
+    its exit and the timer's cancel, or a lingering child held its output open). So does a run
+    whose ranks outlived its last step by more than ``EXIT_AFTER_LAST_STEP_S``."""
+    late = rec.exit_after_last_step_s
+    hang = late is not None and late > EXIT_AFTER_LAST_STEP_S
+    why = (f"its ranks were still alive {late:.0f} s after its last step, more than "
+           f"{EXIT_AFTER_LAST_STEP_S:.0f} s: a hang at exit") if hang else ""
     if rec.returncode != 0:
-        return f"run {n} exited with {rec.returncode}" + (" (timeout)" if rec.timed_out else "")
-    if rec.timed_out:
-        return f"run {n} exceeded its timeout (then exited 0)"
-    return None
+        ended = f"run {n} exited with {rec.returncode}" + (" (timeout)" if rec.timed_out else "")
+    elif rec.timed_out:
+        ended = f"run {n} exceeded its timeout (then exited 0)"
+    elif hang:
+        return f"run {n}: {why}"
+    else:
+        return None
+    return f"{ended}; {why}" if why else ended
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float | None) -> RunRecord:
@@ -175,16 +204,24 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float 
         sink.write("$ " + " ".join(cmd) + "\n")
         sink.flush()
 
+        last_step: list[float] = []
+
         def tee(line: str) -> None:
             sink.write(line)
             sys.stdout.write(line)
+            if logparse.is_step_line(line):
+                last_step[:] = [time.monotonic()]
 
         res = proc.run_group(cmd, timeout_s=timeout_s, env=env, cwd=REPO_ROOT, on_line=tee,
                              stack_grace_s=STACK_DUMP_GRACE_S)
+        ended = time.monotonic()
+        exit_s = round(ended - last_step[0], 1) if last_step else None
         if res.timed_out or res.stragglers:
             sink.write(f"[hfsdp] run ended: rc={res.returncode} timed_out={res.timed_out} "
                        f"signals={','.join(res.signals) or '-'} stragglers={res.stragglers}\n")
-    return RunRecord(str(log), res.returncode, res.timed_out)
+        if exit_s is not None:
+            sink.write(f"[hfsdp] last rank exited {exit_s} s after the last step\n")
+    return RunRecord(str(log), res.returncode, res.timed_out, exit_s)
 
 
 def prepare_resume(ckpt_dir: Path, half: int, final: int) -> None:
@@ -244,6 +281,17 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     """
     recipe = load_recipe(case_dir)
     launch = launch or Launch(nproc=recipe.nproc)
+    torchrun.check(launch.placement)
+    shared = launch.placement.shared
+    at_recipe_size = launch.world_size == recipe.nproc  # goldens hold runs of NPROC ranks on one node
+    if record and not at_recipe_size:
+        raise UserError(f"{recipe.model}/{recipe.name} records goldens of NPROC={recipe.nproc} ranks, and this "
+                        f"launch has {launch.world_size}", f"record it with --nproc {recipe.nproc} on one node")
+    if record and shared and not golden.is_shared_platform(platform):
+        raise UserError(f"--platform {platform} names GPUs of their own, and this run shares each GPU between "
+                        f"{launch.ranks_per_gpu} ranks, whose step times say nothing about that platform",
+                        f"record it under a platform name ending in {golden.SHARED_SUFFIX!r}, e.g. "
+                        f"--platform {platform}{golden.SHARED_SUFFIX} (docs/functional-tests.md)")
     if launch.nnodes > 1 and recipe.test_type == "ckpt-resume":
         raise UserError(f"{recipe.model}/{recipe.name} is a ckpt-resume case, which runs on one node "
                         "(the resume step edits the checkpoint)", "run it with --nnodes 1")
@@ -252,7 +300,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     out = output_dir_for(recipe, output_root)
     if launch.nnodes > 1:
         out = out / f"node{launch.node_rank}"  # per-node logs; no cross-node file races
-    result = Result(case=f"{recipe.model}/{recipe.name}")
+    result = Result(case=f"{recipe.model}/{recipe.name}", world_size=launch.world_size)
     if evaluate_log is not None:
         if recipe.test_type == "ckpt-resume":
             raise UserError(f"{recipe.model}/{recipe.name} is a ckpt-resume case; --evaluate-log judges "
@@ -265,6 +313,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     else:
         outdir.prepare(out, clear=True)  # a stale checkpoint would turn run 1 into a resume
         argv1 = args_to_argv(recipe.model_args, path_variables(out))
+        if shared:
+            print(f"run_case: {fit.preflight(launch.placement, argv1)}", flush=True)
         rec1 = run_logged(build_command(recipe, argv1, launch), run_env(recipe.env_vars, env),
                           out / "run1.log", launch.timeout_s)
     variables = path_variables(out)
@@ -314,7 +364,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     if other is not None:
         other_recipe = load_recipe(other)
         other_metrics_path = output_dir_for(other_recipe, output_root) / "metrics.json"
-        if not other_metrics_path.is_file():
+        twin_size = _recorded_world_size(other_metrics_path.parent / "result.json")
+        if not other_metrics_path.is_file() or twin_size != launch.world_size:
             sub = run_case(Path(other), launch=launch, output_root=output_root,
                            environment=environment, platform=platform,
                            record=False, env=env)
@@ -341,24 +392,40 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
             print(f"recorded {golden_path}")
         else:
             result.fail("not recording goldens from a failing run")
+    elif golden_path.is_file() and not at_recipe_size:
+        print(f"note: golden {golden_path.name} holds a run of NPROC={recipe.nproc} ranks and this one has "
+              f"{launch.world_size}: not compared (the twin, if any, ran at {launch.world_size} too)")
     elif golden_path.is_file():
+        names, skipped = golden.compared_metrics(recipe.metrics, shared, platform)
+        if skipped:
+            print(f"note: golden {golden_path.name}: {', '.join(skipped)} not compared (several ranks per "
+                  "GPU on one side: [Note: goldens of the several-ranks-per-GPU mode] in golden.py)")
         try:
             expected = golden.read_golden(golden_path, recipe.metrics)
         except golden.GoldenError as exc:
             result.fail(f"{exc.cause} -> {exc.fix}")
         else:
-            for mismatch in golden.compare(expected, metrics, list(recipe.metrics)):
+            for mismatch in golden.compare(expected, metrics, names):
                 result.fail(f"golden {golden_path.name}: {mismatch}")
-            drift = golden.iteration_time_drift(expected, metrics)  # None when the recipe times nothing
-            if drift:
+            if "iteration-time" in names and (drift := golden.iteration_time_drift(expected, metrics)):
                 print(f"note: golden {golden_path.name}: {drift}")
-            for uncovered in golden.uncovered_steps(expected, metrics, recipe.metrics):
+            for uncovered in golden.uncovered_steps(expected, metrics, names):
                 result.fail(f"golden {golden_path.name}: {uncovered}; re-record it with --record")
-    elif recipe.require_golden:
+    elif recipe.require_golden and at_recipe_size:
         result.fail(f"no golden {golden_path.name}; record one with --record on {platform}")
 
     (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result
+
+
+def env_port(environ: Mapping[str, str]) -> int | None:
+    """``MASTER_PORT`` from the environment (None when unset); a value that is no port is refused."""
+    raw = environ.get("MASTER_PORT")
+    if raw is None:
+        return None
+    if not (raw.isdigit() and 0 < int(raw) < 65536):
+        raise UserError(f"MASTER_PORT={raw!r} is not a TCP port", "unset it, or set a port from 1 to 65535")
+    return int(raw)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -368,8 +435,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nproc", type=positive(int), default=None, help="processes per node (default: NPROC)")
     parser.add_argument("--nnodes", type=positive(int), default=1)
     parser.add_argument("--node-rank", type=int, default=0)
-    parser.add_argument("--master-addr", default="127.0.0.1")
-    parser.add_argument("--master-port", type=positive(int), default=int(os.environ.get("MASTER_PORT", 29500)))
+    parser.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                        help="default: $MASTER_ADDR, else 127.0.0.1")
+    parser.add_argument("--master-port", type=positive(int), default=None,
+                        help="default: $MASTER_PORT, else a free port (one node only)")
+    torchrun.add_ranks_per_gpu_option(parser)
     parser.add_argument("--compare-to", type=Path, default=None,
                         help="another case whose lm loss curve must be identical")
     parser.add_argument("--output-dir", type=Path, default=None,
@@ -387,15 +457,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
 
     def run() -> int:
-        if not 0 <= ns.node_rank < ns.nnodes:
-            raise UserError(f"--node-rank {ns.node_rank} is not in [0, --nnodes {ns.nnodes})",
-                            "pass the node's index, 0 for the first node")
         extra_env = parse_assignments(ns.env)
         recipe = load_recipe(ns.case_dir)
+        port = ns.master_port if ns.master_port is not None else env_port(os.environ)
+        if port is None and ns.nnodes > 1:
+            port = 29500  # every node must name the same port: torchrun's default
         launch = Launch(
             nproc=ns.nproc or recipe.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
-            master_addr=ns.master_addr, master_port=ns.master_port, timeout_s=ns.timeout_s,
-            exit_duration_in_mins=ns.exit_duration_in_mins,
+            master_addr=ns.master_addr, master_port=port, timeout_s=ns.timeout_s,
+            exit_duration_in_mins=ns.exit_duration_in_mins, ranks_per_gpu=ns.ranks_per_gpu,
         )
         result = run_case(ns.case_dir, launch=launch, record=ns.record, compare_to=ns.compare_to,
                           output_root=ns.output_dir, environment=ns.environment, platform=ns.platform,

@@ -19,7 +19,7 @@ make any failing rank fail the job with a non-zero exit code.
 Environment: sbatch hands the submitting shell's environment to the job (its default,
 ``--export=ALL``); the script exports only what ``JobSpec.env`` (``submit --env KEY=VALUE``)
 names, and ``PYTHONPATH``. Nothing else is forced ([Note: launch environment] in
-hfsdp/launch_env.py).
+hfsdp/launch/env.py).
 """
 
 from __future__ import annotations

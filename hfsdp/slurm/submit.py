@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hfsdp.atomic import write_text_atomic
 from hfsdp.functional.recipe import load_recipe
-from hfsdp.launch_env import add_env_option, parse_assignments
+from hfsdp.launch.env import add_env_option, parse_assignments
 from hfsdp.slurm.sbatch import JobSpec, write_sbatch
 from hfsdp.usererror import UserError, positive, run_cli
 

@@ -74,6 +74,7 @@ def collect() -> dict[str, Any]:
     import torch
 
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.training import teardown
 
     model = _model_ref() if _model_ref is not None else None
     return {
@@ -82,7 +83,10 @@ def collect() -> dict[str, Any]:
         "peaks_from": "first training forward step" if model is not None else "process start",
         "pool_bytes_measured": pool_bytes_held(),
         "maxpool_stats": maxpool_stats(model),
-        "cuda_graph_captured": FullCudaGraphWrapper.cuda_graph.get("training") is not None,
+        # pretrain()'s teardown destroys the graphs before this runs ([Note: graphs before
+        # communicators] in megatron/training/teardown.py) and says which it destroyed.
+        "cuda_graph_captured": (FullCudaGraphWrapper.cuda_graph.get("training") is not None
+                                or "training" in teardown.destroyed_graph_stages),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
     }

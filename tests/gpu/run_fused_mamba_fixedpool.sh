@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Upstream's illegal-memory-access scenario on Mamba's fused path, 0.18.2's allocator vs the fork's,
-# from the repo root on a 2-GPU machine (with one GPU Megatron-FSDP never gathers, so the scenario
-# cannot occur), with causal-conv1d (.gpu-wheels/conv1d/) and, for the TE-spec and unpatched-0.18.2
+# from the repo root, with 2 ranks (at data-parallel size 1 Megatron-FSDP never gathers, so the scenario
+# cannot occur) on 2 GPUs or sharing 1, with causal-conv1d (.gpu-wheels/conv1d/) and, for the TE-spec and unpatched-0.18.2
 # variants, Transformer Engine (.gpu-wheels/te/):
 #   bash tests/gpu/run_fused_mamba_fixedpool.sh   (sources tests/gpu/setup_gpu_env.sh unless done)
 # The unpatched 0.18.2 tree is extracted from the pinned sdist (patches/base.toml), found as
@@ -16,18 +16,13 @@ python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the
 [ -n "${HFSDP_GPU_ENV_READY:-}" ] || . tests/gpu/setup_gpu_env.sh \
   || { echo "run_fused_mamba_fixedpool: tests/gpu/setup_gpu_env.sh failed" >&2; exit 2; }
 export MEGATRON_PATCHSET_FIND_LINKS=${MEGATRON_PATCHSET_FIND_LINKS:-$PWD/.gpu-wheels}
-gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
-if [ "${gpus:-0}" -lt 2 ]; then
-  echo "run_fused_mamba_fixedpool: needs 2 GPUs, this machine has ${gpus:-0}: at data-parallel size 1 Megatron-FSDP" \
-       "never gathers, so the double buffer's allocators are never used; run it on a 2-GPU kind" >&2
-  exit 2
-fi
 OUT=${OUT:-/tmp/hfsdp_fused_mamba_fixedpool}
 mkdir -p "$OUT"
 export OUT MAXPOOL_GPU_RESULTS="$OUT/fused_mamba_fixedpool.json"
 rm -f "$MAXPOOL_GPU_RESULTS" "$OUT"/fused_mamba_*.json
 start=$(date +%s)
-python -m torch.distributed.run --nproc-per-node 2 -m pytest -q -s -rA \
+# 2 ranks (data-parallel size 2: with 1 Megatron-FSDP never gathers): on 2 GPUs, or sharing 1.
+python -m hfsdp.launch --nproc 2 --ranks-per-gpu "${RANKS_PER_GPU:-auto}" -- -m pytest -q -s -rA \
   tests/unit_tests/distributed/megatron_fsdp/test_fused_mamba_fixedpool_gpu.py "$@" 2>&1 | tee "$OUT/fused_mamba_fixedpool.log"
 rc=${PIPESTATUS[0]}
 python - "$OUT" "$rc" "$(( $(date +%s) - start ))" <<'PY'

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU suite: max-pool double buffering on a TE-free hybrid (Mamba/attention/MoE) model.
-# Run from the repo root on a 2-GPU machine with the patched tree materialized:
+# Run from the repo root with the patched tree materialized, on 2 GPUs or on 1 (2 ranks share it):
 #     . tests/gpu/setup_gpu_env.sh && bash tests/gpu/run_maxpool_gpu.sh
 # Writes $OUT/maxpool_gpu.log (full torchrun output) and $OUT/maxpool_gpu.json (losses, pool
 # bytes, home misses, peak memory vs bound, gating spy, FixedPool outcome), plus
@@ -22,7 +22,9 @@ python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the
 NPROC=${NPROC:-2}
 TEST=tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py
 start=$(date +%s)
-torchrun --nproc-per-node "$NPROC" -m pytest -q -s -rA "$TEST" "$@" 2>&1 | tee "$OUT/maxpool_gpu.log"
+# NPROC ranks on this machine's GPUs: one each, or sharing them (RANKS_PER_GPU, default auto).
+python -m hfsdp.launch --nproc "$NPROC" --ranks-per-gpu "${RANKS_PER_GPU:-auto}" -- \
+  -m pytest -q -s -rA "$TEST" "$@" 2>&1 | tee "$OUT/maxpool_gpu.log"
 rc=${PIPESTATUS[0]}
 end=$(date +%s)
 

@@ -14,18 +14,26 @@ Records whether torch has set_override_stale_capture_stream, the wrapper's warni
 cudaErrorStreamCaptureIsolation) and the losses of eager vs replayed steps. torch 2.11 on the
 H200 machines lacks the API, so the expected record there is "warning logged"; capture may then
 fail, which is the failure mode the patch addresses on newer torch. No nccl_ub.
+
+Exit: the job runs twice. ``released`` ends as pretrain()'s teardown does (the graphs destroyed
+first, megatron/training/teardown.py [Note: graphs before communicators]) and must exit within
+EXIT_BOUND_S; ``graphs_kept`` calls destroy_process_group() with the graph still alive, which NCCL
+waits on: its hang, ended by the timeout, shows the cause (recorded, not asserted).
 """
 
 import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _launch  # noqa: E402
 
 CHILD_TIMEOUT_S = 80
+KEPT_TIMEOUT_S = 60  # the variant that is expected to hang at exit
+EXIT_BOUND_S = 30  # from the last replay to the job's end
 HIDDEN = 1024
 NUM_BLOCKS = 4
 
@@ -64,7 +72,7 @@ def transformer_config():
                              cuda_graph_impl="full_iteration", gradient_accumulation_fusion=False)
 
 
-def child(result_path: str) -> None:
+def child(result_path: str, keep_graphs: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -130,6 +138,11 @@ def child(result_path: str) -> None:
         res["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
     res["losses"] = losses
     res["warnings"] = [m for m in handler.messages if "180090" in m]
+    if res["capture_ok"] and not keep_graphs:
+        from megatron.training.teardown import release_cuda_graphs
+
+        res["graphs_destroyed"] = release_cuda_graphs()
+    res["done_at"] = time.time()  # the job's end is measured against the last rank's
     Path(f"{result_path}.rank{dist.get_rank()}").write_text(json.dumps(res))
     if res["capture_ok"]:
         dist.destroy_process_group()
@@ -137,14 +150,28 @@ def child(result_path: str) -> None:
         os._exit(3)  # a broken capture can leave NCCL/streams unusable; do not hang on exit
 
 
+def run_variant(out: Path, name: str, timeout_s: float) -> tuple[dict, list]:
+    path = out / f"full_iter_cuda_graph_mfsdp_{name}"
+    for r in range(2):
+        Path(f"{path}.rank{r}").unlink(missing_ok=True)
+    job = _launch.torchrun(__file__, [str(path), *(["--keep-graphs"] if name == "graphs_kept" else [])],
+                           timeout_s)
+    ended = time.time()
+    ranks = [json.loads(Path(f"{path}.rank{r}").read_text()) if Path(f"{path}.rank{r}").exists()
+             else None for r in range(2)]
+    done = [r["done_at"] for r in ranks if r and "done_at" in r]
+    job["exit_after_last_step_s"] = round(ended - max(done), 1) if done else None
+    return job, ranks
+
+
 def main() -> None:
     _launch.assert_safety_env()
     out = _launch.out_dir()
-    path = out / "full_iter_cuda_graph_mfsdp"
-    job = _launch.torchrun(__file__, [str(path)], CHILD_TIMEOUT_S)
-    ranks = [json.loads(Path(f"{path}.rank{r}").read_text()) if Path(f"{path}.rank{r}").exists()
-             else None for r in range(2)]
-    results_path = _launch.write_results("full_iter_cuda_graph_mfsdp", {"job": job, "ranks": ranks})
+    job, ranks = run_variant(out, "released", CHILD_TIMEOUT_S)
+    kept, kept_ranks = run_variant(out, "graphs_kept", KEPT_TIMEOUT_S)
+    results_path = _launch.write_results("full_iter_cuda_graph_mfsdp", {
+        "job": job, "ranks": ranks, "exit_bound_s": EXIT_BOUND_S,
+        "graphs_kept": {"job": kept, "ranks": kept_ranks}})
     r0 = ranks[0] or {}
     print(f"== full-iteration CUDA graph, Megatron-FSDP ({results_path}) ==")
     print(f"rc={job['rc']} timed_out={job['timed_out']} torch={r0.get('torch')} "
@@ -153,10 +180,16 @@ def main() -> None:
           f"failed_phase={r0.get('failed_phase')} "
           f"losses={r0.get('losses')} error={r0.get('error', '')[:200]}")
     print(f"stale-stream warning: {(r0.get('warnings') or ['<none logged>'])[0]}")
+    print(f"exit: graphs destroyed first: rc={job['rc']} {job['exit_after_last_step_s']} s after the last step "
+          f"(bound {EXIT_BOUND_S} s); graphs kept: rc={kept['rc']} timed_out={kept['timed_out']} "
+          f"{kept['exit_after_last_step_s']} s")
+    late = job["exit_after_last_step_s"]
+    if job["rc"] != 0 or late is None or late > EXIT_BOUND_S:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2])
+        child(sys.argv[2], keep_graphs="--keep-graphs" in sys.argv[3:])
     else:
         main()

@@ -10,8 +10,8 @@ python -m hfsdp.safety || exit 2  # NVLink multicast must be off before any GPU 
 dir=$(dirname "$0")
 rc=0
 summary=()
-# Outer limits cover each script's child timeouts (4 x 45 s, 2 x 60 s, 80 s) plus parent overhead.
-declare -A limit=([warmup_memory]=200 [teardown_exit_time]=140 [full_iter_cuda_graph_mfsdp]=100)
+# Outer limits cover each script's child timeouts (4 x 45 s, 2 x 60 s, 80 s + 60 s) plus parent overhead.
+declare -A limit=([warmup_memory]=200 [teardown_exit_time]=140 [full_iter_cuda_graph_mfsdp]=170)
 for s in warmup_memory teardown_exit_time full_iter_cuda_graph_mfsdp; do
   t0=$SECONDS
   timeout "${limit[$s]}" python "$dir/$s.py"; src=$?

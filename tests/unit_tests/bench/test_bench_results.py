@@ -181,15 +181,37 @@ def test_pool_check_compares_pool_with_plan_and_counts_home_misses():
         return dataclasses.replace(run(config, repeat, [0.1], pool=pool * mib),
                                    maxpool_stats={"home_misses": misses})
 
-    runs = [run("no_db", 0, [0.2]), pooled("maxpool", 0, 300, 0),
+    runs = [run("maxpool", 0, [0.1]), pooled("maxpool", 0, 300, 0),
             pooled("maxpool_lanes3", 0, 200, 2), pooled("maxpool_lanes3", 1, 200, 0)]
     planned = {"maxpool": {"pool_bytes": 300 * mib}, "maxpool_lanes3": {"pool_bytes": 100 * mib}}
-    lines = R.format_pool_check(R.summarize(runs, planned=planned), runs)
+    lines = R.format_pool_check(R.summarize(runs, planned=planned), runs)  # no baseline: no memory clause
     assert lines[0] == "pool check:" and len(lines) == 3
     assert lines[1].split() == ["maxpool", "pool", "=", "plan;", "home", "misses", "0"]
     assert lines[2].split() == ["maxpool_lanes3", "pool", "!=", "plan", "(200.0", "vs", "100.0",
                                 "MiB);", "home", "misses", "2"]
     assert R.format_pool_check(R.summarize(runs[:1]), runs[:1]) == []
+
+
+def test_pool_check_holds_the_extra_peak_to_the_planned_pool():
+    """What max-pool adds to the baseline's peak allocated memory is at most its planned pool."""
+    mib = R.MIB
+    runs = [run("no_db", 0, [0.2], alloc=4323 * mib), run("maxpool", 0, [0.2], alloc=4518 * mib, pool=384 * mib),
+            run("maxpool_lanes3", 0, [0.2], alloc=4600 * mib, pool=264 * mib)]
+    planned = {"maxpool": {"pool_bytes": 384 * mib}, "maxpool_lanes3": {"pool_bytes": 264 * mib}}
+    lines = R.format_pool_check(R.summarize(runs, planned=planned), runs)
+    assert lines[1].endswith("peak allocated +195.0 MiB over no_db (1.045x), within the planned pool")
+    assert lines[2].endswith("peak allocated +277.0 MiB over no_db (1.064x), MORE than the planned pool")
+
+
+def test_without_speed_keeps_memory_and_drops_every_step_time():
+    runs = [run("no_db", 0, [0.2, 0.3]), run("maxpool", 0, [0.1, 0.1], pool=5)]
+    doc = R.without_speed(R.to_json(R.summarize(runs), runs, {}))
+    for s in doc["summary"]:
+        assert all(s[k] is None for k in R.SPEED_FIELDS) and s["peak_allocated_bytes"] == 1000
+    assert all(r["step_times_s"] is None and r["median_step_s"] is None for r in doc["runs"])
+    table = R.format_table(R.summarize(runs), speed=False)
+    assert "250.0" not in "\n".join(table) and table[2].split()[2:6] == ["-", "-", "-", "-"]
+    assert "ranks share each GPU" in R.no_speed_note(2)
 
 
 def test_machine_names_what_the_runs_report():

@@ -51,8 +51,17 @@ def test_training_flags_add_two_micro_batches_per_rank():
 
 def test_command_runs_megatrons_training_loop():
     cmd = P.command(MODEL, nproc=1, steps=8)
-    assert cmd[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    assert cmd[5].endswith("pretrain_gpt.py") and P.TRAINING_SCRIPT.is_file()
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    script = next(a for a in cmd if a.endswith("pretrain_gpt.py"))
+    assert script == str(P.TRAINING_SCRIPT) and P.TRAINING_SCRIPT.is_file()
+    assert cmd[cmd.index(script) + 1:] == P.training_flags(MODEL, 1, 8)
+
+
+def test_command_with_several_ranks_per_gpu():
+    cmd = P.command(MODEL, nproc=4, steps=8, ranks_per_gpu=4)
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
+    assert cmd.index("hfsdp.launch.shared_gpu") < cmd.index(str(P.TRAINING_SCRIPT))
+    assert P.flag_value(cmd, "--global-batch-size") == "16"  # 2 (mbs) x 4 ranks x 2, as on 4 GPUs
 
 
 def test_result_times_only_the_timed_steps(tmp_path):
@@ -101,7 +110,7 @@ def test_timing_runs_go_through_pretrain_with_a_run_report(monkeypatch, tmp_path
     run, info = B.launch(B.cfgs.CONFIGS["maxpool_graph"], 0, MODEL, opts, str(work))
     assert run is not None, info
     cmd, env = seen[0]
-    assert cmd[5].endswith("pretrain_gpt.py") and "--cuda-graph-impl" in cmd
+    assert str(P.TRAINING_SCRIPT) in cmd and "--cuda-graph-impl" in cmd
     assert env[run_report.ENV].endswith("maxpool_graph-0.report.json")
     assert len(run.step_times_s) == 3
     assert not (tmp_path / "kept").exists()

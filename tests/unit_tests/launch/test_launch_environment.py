@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hfsdp.functional import run_case
-from hfsdp.launch_env import job_env, parse_assignments
+from hfsdp.launch.env import job_env, parse_assignments
 from hfsdp.safety import NVLS_SAFE_ENV, guard_violations
 from hfsdp.slurm import sbatch
 from hfsdp.usererror import UserError

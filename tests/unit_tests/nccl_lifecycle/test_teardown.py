@@ -68,9 +68,10 @@ def init_single_rank():
         dist.destroy_process_group()
 
 
-def test_success_order_barrier_deregister_mp_then_pg(monkeypatch, init_single_rank):
+def test_success_order_graphs_barrier_deregister_mp_then_pg(monkeypatch, init_single_rank):
     calls: list[str] = []
     real_destroy = dist.destroy_process_group
+    monkeypatch.setattr(teardown, "release_cuda_graphs", lambda synchronize=True: calls.append("graphs") or 0)
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
     monkeypatch.setattr(teardown, "deregister_fsdp_nccl_pool", lambda: calls.append("deregister"))
     monkeypatch.setattr(teardown, "_destroy_model_parallel", lambda: calls.append("mp"))
@@ -87,7 +88,7 @@ def test_success_order_barrier_deregister_mp_then_pg(monkeypatch, init_single_ra
         return 7
 
     assert pretrain_like() == 7
-    assert calls == ["barrier", "deregister", "mp", "pg"]
+    assert calls == ["graphs", "barrier", "deregister", "mp", "pg"]
     assert not dist.is_initialized()
 
 
@@ -104,6 +105,7 @@ def test_failure_keeps_original_error_when_every_teardown_step_breaks(
         return step
 
     monkeypatch.setattr(dist, "barrier", broken("barrier"))
+    monkeypatch.setattr(teardown, "release_cuda_graphs", broken("graphs"))
     monkeypatch.setattr(teardown, "_destroy_model_parallel", broken("mp"))
     monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", broken("abort"))
     monkeypatch.setattr(dist, "destroy_process_group", broken("destroy"))
@@ -116,7 +118,7 @@ def test_failure_keeps_original_error_when_every_teardown_step_breaks(
     with pytest.raises(ValueError, match="original-error-sentinel"):
         pretrain_like()
     assert "barrier" not in calls, "the failure path must not barrier"
-    assert calls == ["mp", "abort", "destroy"]
+    assert calls == ["mp", "graphs", "abort", "destroy"]
     assert "pretrain failed with ValueError: original-error-sentinel" in capsys.readouterr().err
     monkeypatch.undo()  # real destroy for the fixture's cleanup
 
@@ -197,3 +199,52 @@ def test_raising_rank_ends_the_whole_job_with_its_error(tmp_path):
     raised_at = float((tmp_path / "raise_time").read_text())
     assert ended - raised_at < EXIT_AFTER_RAISE_BOUND_S, f"{ended - raised_at:.1f} s to exit"
     print(f"job exited {ended - raised_at:.1f} s after rank 1 raised (rc={proc.returncode})")
+
+
+class _Graph:
+    """Stands in for torch.cuda.CUDAGraph: records reset()."""
+
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+def test_graphs_are_destroyed_and_remembered(monkeypatch):
+    """[Note: graphs before communicators]: every stored graph is reset and dropped, its output
+    too, and the stage is remembered for the run report written after teardown."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    training, validation = _Graph(), _Graph()
+    monkeypatch.setattr(FullCudaGraphWrapper, "cuda_graph", {"training": training, "validation": validation})
+    monkeypatch.setattr(FullCudaGraphWrapper, "result", {"training": object(), "validation": object()})
+    monkeypatch.setattr(teardown, "destroyed_graph_stages", set())
+    assert teardown.release_cuda_graphs(synchronize=False) == 2
+    assert (training.resets, validation.resets) == (1, 1)
+    assert FullCudaGraphWrapper.cuda_graph == {"training": None, "validation": None}
+    assert FullCudaGraphWrapper.result == {"training": None, "validation": None}
+    assert teardown.destroyed_graph_stages == {"training", "validation"}
+    assert teardown.release_cuda_graphs(synchronize=False) == 0  # idempotent
+
+
+def test_run_report_knows_a_graph_that_teardown_destroyed(monkeypatch):
+    """The run report is written after pretrain()'s teardown destroyed the graph: it must still
+    say that a graph was captured (the benchmark refuses a graphed run that captured none)."""
+    import torch
+
+    from hfsdp.training import run_report
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    monkeypatch.setattr(FullCudaGraphWrapper, "cuda_graph", {"training": _Graph(), "validation": None})
+    monkeypatch.setattr(teardown, "destroyed_graph_stages", set())
+    for name, value in (("max_memory_allocated", 1), ("max_memory_reserved", 2), ("get_device_name", "cpu")):
+        monkeypatch.setattr(torch.cuda, name, lambda value=value: value)
+    monkeypatch.setattr(run_report, "pool_bytes_held", lambda: 0)
+    monkeypatch.setattr(run_report, "maxpool_stats", lambda model: None)
+    assert run_report.collect()["cuda_graph_captured"] is True
+    teardown.release_cuda_graphs(synchronize=False)
+    assert FullCudaGraphWrapper.cuda_graph["training"] is None
+    assert run_report.collect()["cuda_graph_captured"] is True
+    monkeypatch.setattr(teardown, "destroyed_graph_stages", set())
+    assert run_report.collect()["cuda_graph_captured"] is False

@@ -19,7 +19,7 @@ def _line(step: int, ms: float) -> str:
 def fake_train(monkeypatch):
     runs = []
 
-    def train(flags, nproc, steps, log_path):
+    def train(flags, nproc, steps, log_path, ranks_per_gpu=1, extra_env=None):
         graphed = "--cuda-graph-impl" in flags
         runs.append({"graphed": graphed, "steps": steps, "nproc": nproc, "flags": list(flags)})
         with open(log_path, "w") as f:
@@ -30,6 +30,7 @@ def fake_train(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for key in ("NPROC", "TRAIN_ITERS", "EAGER_ITERS"):
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("REHEARSAL_ITERS", "0")  # its own tests below
     return runs
 
 
@@ -70,7 +71,7 @@ def test_train_tees_output_and_returns_the_exit_code(monkeypatch, tmp_path, caps
     import sys
 
     script = "import sys; print('iteration 1'); print('iteration 2'); sys.exit(3)"
-    monkeypatch.setattr(M.pretrain_launch, "command", lambda flags, nproc, steps: [sys.executable, "-c", script])
+    monkeypatch.setattr(M.pretrain_launch, "command", lambda flags, nproc, steps, rpg=1: [sys.executable, "-c", script])
     log = tmp_path / "main.log"
     assert M.train([], 1, 2, str(log)) == 3
     assert log.read_text() == "iteration 1\niteration 2\n"
@@ -86,7 +87,7 @@ def test_runs_share_triton_autotuning_unless_the_caller_chose(monkeypatch, tmp_p
 
     names = ("TRITON_CACHE_AUTOTUNING", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_NVLS_ENABLE")
     script = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
-    monkeypatch.setattr(M.pretrain_launch, "command", lambda flags, nproc, steps: [sys.executable, "-c", script])
+    monkeypatch.setattr(M.pretrain_launch, "command", lambda flags, nproc, steps, rpg=1: [sys.executable, "-c", script])
     log = tmp_path / "main.log"
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
@@ -135,3 +136,71 @@ def test_capture_check_leaves_the_environment_as_it_found_it(monkeypatch):
     before = dict(os.environ)
     M.capture_problems([*M.DEFAULT_MODEL_FLAGS, *M.MAXPOOL_FLAGS], 2)
     assert dict(os.environ) == before
+
+
+def test_one_gpu_says_the_double_buffer_was_idle_and_rehearses_at_dp2(fake_train, monkeypatch, capsys):
+    """DP=1 never gathers: the output says so; the rehearsal's verdict decides the exit status."""
+    seen = []
+
+    def rehearse(base, steps, graphed, workdir):
+        seen.append((steps, graphed))
+        return M.Rehearsal(steps=steps, identical_steps=steps, pool_bytes=384 * M.MIB,
+                           planned_pool_bytes=384 * M.MIB, home_misses=0,
+                           peak_allocated=(4323 * M.MIB, 4518 * M.MIB))
+
+    monkeypatch.setattr(M, "rehearse", rehearse)
+    monkeypatch.setenv("REHEARSAL_ITERS", "8")
+    assert M.main([]) == 0
+    out = capsys.readouterr().out
+    assert seen == [(8, True)]
+    assert "nothing passed through the double buffer in the runs above; the DP=2 rehearsal exercised it" in out
+    assert ("DP=2 rehearsal (2 ranks on one GPU, 8 steps): max-pool vs no double buffer: lm loss bit-identical "
+            "at every step; pool 384.00 MiB = plan; home misses 0") in out
+    assert "4,518 MiB with max-pool, 4,323 MiB without (1.045x)" in out
+    monkeypatch.setattr(M, "rehearse", lambda *a: M.Rehearsal(steps=8, identical_steps=5, home_misses=0))
+    assert M.main([]) == 1
+    assert "DIFFERS: identical at 5 of 8 steps" in capsys.readouterr().out
+
+
+def test_several_gpus_need_no_rehearsal(fake_train, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(M, "rehearse", lambda *a: pytest.fail("DP=2 already gathers"))
+    monkeypatch.setenv("REHEARSAL_ITERS", "8")
+    assert M.main([]) == 0
+    assert "never all-gathers" not in capsys.readouterr().out
+
+
+def test_rehearse_compares_twin_and_maxpool(monkeypatch, tmp_path):
+    """Two runs of 2 ranks on one GPU, deterministic, each with a run report; pool vs plan."""
+    import json
+
+    from hfsdp.training import run_report
+
+    calls = []
+
+    def train(flags, nproc, steps, log_path, ranks_per_gpu=1, extra_env=None):
+        calls.append((list(flags), nproc, ranks_per_gpu, dict(extra_env or {})))
+        maxpool = M.MAXPOOL_FLAG in flags
+        with open(log_path, "w") as f:
+            f.writelines(_line(s, 80.0) for s in range(1, steps + 1))
+        for rank in range(nproc):
+            with open(run_report.rank_path(extra_env[run_report.ENV], rank), "w") as f:
+                json.dump({"peak_allocated_bytes": (110 if maxpool else 100) + rank, "peak_reserved_bytes": 1,
+                           "pool_bytes_measured": 64 if maxpool else 0,
+                           "maxpool_stats": {"home_misses": 0} if maxpool else None}, f)
+        return 0
+
+    monkeypatch.setattr(M, "train", train)
+    monkeypatch.setattr(M.fit, "preflight", lambda placement, flags: "fits")
+    import hfsdp.bench.run as bench_run
+
+    monkeypatch.setattr(bench_run, "planned_pools", lambda flags, nproc, names=None: {"maxpool": {"pool_bytes": 64}})
+    base = [*M.DEFAULT_MODEL_FLAGS, *M.MAXPOOL_FLAGS]
+    result = M.rehearse(base, 8, True, str(tmp_path))
+    (twin, _, twin_rpg, twin_env), (pooled, _, rpg, env) = calls
+    assert M.MAXPOOL_FLAG not in twin and "--fsdp-double-buffer" not in twin and "--cuda-graph-impl" not in twin
+    assert M.MAXPOOL_FLAG in pooled and "--cuda-graph-impl" in pooled
+    assert "--deterministic-mode" in twin and "--deterministic-mode" in pooled and twin_rpg == rpg == 2
+    assert env["NCCL_ALGO"] == "Ring" and env["TRITON_CACHE_AUTOTUNING"] == "1"
+    assert (result.identical_steps, result.pool_bytes, result.planned_pool_bytes, result.home_misses) == (8, 64, 64, 0)
+    assert result.peak_allocated == (101, 111)

@@ -1,8 +1,8 @@
 """GPU integration tests: max-pool double buffering on a hybrid Megatron-FSDP model.
 
-Run (2 GPUs, repo root, patched tree materialized):
+Run (2 ranks: on 2 GPUs, or sharing 1; repo root, patched tree materialized):
     . tests/gpu/setup_gpu_env.sh && MAMBA_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 \
-    torchrun --nproc-per-node 2 -m pytest -q -s -x \
+    python -m hfsdp.launch --nproc 2 --ranks-per-gpu auto -- -m pytest -q -s -x \
         tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py
 or tests/gpu/run_maxpool_gpu.sh (same, plus log + JSON summary under $OUT).
 
@@ -33,7 +33,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import sys
 import time
 import traceback
@@ -45,6 +44,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hfsdp.launch import torchrun as launch
 from hfsdp.proc import run_group
 from hfsdp.safety import NVLS_SAFE_ENV, assert_guard
 from megatron.core.distributed.distributed_data_parallel_config import (
@@ -643,12 +643,6 @@ def test_upstream_attention_mamba_repro_with_maxpool(dist_env) -> None:
 # --------------------------------------------------------------------------------------------
 # (g) the same scenario with the old FixedPool, isolated in a child torchrun
 # --------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 FIXEDPOOL_JSON = os.path.join(os.environ.get("OUT") or "/tmp", "maxpool_fixedpool_outcome.json")
 FIXEDPOOL_TIMEOUT_S = 240
 
@@ -689,11 +683,10 @@ def run_repro_child(name: str, child_args: list[str], out_json: str,
             env.pop(k, None)
         env.update(NVLS_GUARDS)
         env.update(env_extra or {})
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-port", str(_free_port()), os.path.abspath(__file__),
-            "--fixedpool-child", child_dir, *child_args,
-        ]
+        # Two ranks on whatever GPUs there are: one each, or both on one ([Note: several ranks
+        # on one GPU] in hfsdp/launch/torchrun.py).
+        placement = launch.Placement(nproc=2, ranks_per_gpu=launch.ranks_per_gpu_for(2, torch.cuda.device_count()))
+        cmd = launch.command(placement, [os.path.abspath(__file__), "--fixedpool-child", child_dir, *child_args])
         t0 = time.time()
         lines: list[str] = []
         # A process group with a timeout (hfsdp.proc): on a hang the ranks print their stacks, then
@@ -863,7 +856,7 @@ def test_cpu_dry_run_unit_census(case: HybridCase, expected: list[str]) -> None:
 
     created = False
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0, world_size=1)
         created = True
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel()

@@ -1,0 +1,158 @@
+"""Run many functional cases, each through :mod:`hfsdp.functional.run_case`, and summarize them.
+
+    python -m hfsdp.functional.batch CASE_DIR ... [--record-missing] [--platform dgx_h100]
+        [--record] [--ranks-per-gpu N] [--nproc N] [--jobs N] [--timeout-s T] [--output-dir DIR]
+        [--summary FILE] [--env KEY=VALUE]
+
+Each case is one ``run_case`` process with its log beside the case's outputs. A case's
+``COMPARE_TO`` twin runs before it (added to the batch when it is not named), so no two cases
+ever run one twin at once. ``--jobs N`` runs N cases at a time (after a first case alone, which
+fills the kernel caches), only with several ranks per GPU,
+where no step time is judged ([Note: goldens of the several-ranks-per-GPU mode] in golden.py);
+with one rank per GPU cases run one after another, as their step times are compared.
+
+Goldens (:func:`golden_for`): on its own GPUs a case is held to ``--platform``'s golden. With
+several ranks per GPU, to the mode's golden of that GPU kind (``<platform>_shared``), else to
+the golden of a real run on this kind, else on any kind (losses and num-zeros compare
+exactly across kinds of one architecture). ``--record-missing`` records a case that has none
+of these, under ``<platform>_shared`` in the shared mode. Exit status 0 only when every case
+passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from hfsdp.functional import golden, outdir
+from hfsdp.functional.recipe import Recipe, load_recipe
+from hfsdp.functional.run_case import RESULT_MARK, output_dir_for
+from hfsdp.launch import torchrun
+from hfsdp.launch.env import add_env_option, parse_assignments
+from hfsdp.usererror import UserError, positive, run_cli
+
+ENVIRONMENT = "dev"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    case: str
+    returncode: int
+    seconds: float
+    result: str  # the driver's result line, or why there is none
+    platform: str
+    recorded: bool
+
+    def line(self) -> str:
+        mode = " (recorded)" if self.recorded else ""
+        return f"rc={self.returncode} {self.seconds:.0f}s {self.result} [{self.case}] golden {self.platform}{mode}"
+
+
+def golden_for(recipe: Recipe, platform: str, shared: bool, record: str | None) -> tuple[str, bool]:
+    """(the platform whose golden the case is held to, whether to record it instead); see the
+    module note. ``record``: None, ``"missing"`` or ``"all"``."""
+    wanted = [f"{platform}{golden.SHARED_SUFFIX}", platform] if shared else [platform]
+    if record == "all":
+        return wanted[0], True
+    for name in wanted:
+        if recipe.golden_path(ENVIRONMENT, name).is_file():
+            return name, False
+    if shared:
+        prefix = f"golden_values_{ENVIRONMENT}_"
+        real = sorted(p.name[len(prefix):-len(".json")] for p in recipe.case_dir.glob(f"{prefix}*.json"))
+        real = [p for p in real if not golden.is_shared_platform(p)]
+        if real:
+            return real[0], False
+    return wanted[0], record == "missing"
+
+
+def ordered(cases: Sequence[Path]) -> list[list[Recipe]]:
+    """Two waves: first the cases without ``COMPARE_TO`` (every twin among them, added when not
+    named), then the cases that compare against a twin (a twin compares against nothing)."""
+    recipes = {r.case_dir.resolve(): r for r in (load_recipe(c) for c in cases)}
+    for recipe in list(recipes.values()):
+        if recipe.compare_to:
+            twin = (recipe.case_dir / recipe.compare_to).resolve()
+            recipes.setdefault(twin, load_recipe(twin))
+    first = [r for r in recipes.values() if not r.compare_to]
+    second = [r for r in recipes.values() if r.compare_to]
+    return [w for w in (first, second) if w]
+
+
+def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool) -> Outcome:
+    platform, record = golden_for(recipe, ns.platform, shared, ns.record)
+    out = output_dir_for(recipe, ns.output_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{recipe.name}.driver.log"
+    cmd = [sys.executable, "-m", "hfsdp.functional.run_case", str(recipe.case_dir), "--platform", platform,
+           "--ranks-per-gpu", str(ns.ranks_per_gpu), *(["--record"] if record else []),
+           *(["--nproc", str(ns.nproc)] if ns.nproc else []),
+           *(["--timeout-s", f"{ns.timeout_s:g}"] if ns.timeout_s else []),
+           *(["--output-dir", str(ns.output_dir)] if ns.output_dir else []),
+           *[f"--env={item}" for item in ns.env]]
+    start = time.monotonic()
+    with open(log, "w") as sink:
+        rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT).returncode
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith(RESULT_MARK)]
+    result = lines[-1] if lines else f"no result line (see {log})"
+    return Outcome(f"{recipe.model}/{recipe.name}", rc, time.monotonic() - start, result, platform, record)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hfsdp.functional.batch", description=__doc__.split("\n")[0])
+    parser.add_argument("cases", nargs="+", type=Path)
+    record = parser.add_mutually_exclusive_group()
+    record.add_argument("--record", dest="record", action="store_const", const="all",
+                        help="record every case's golden (for this platform, and mode)")
+    record.add_argument("--record-missing", dest="record", action="store_const", const="missing",
+                        help="record the goldens of cases that have none to be held to (see the module note)")
+    parser.add_argument("--platform", default="dgx_h200", help="this GPU kind's golden name, e.g. dgx_h100")
+    parser.add_argument("--nproc", type=positive(int), default=None,
+                        help="ranks per case (default: each case's NPROC; another count compares no golden)")
+    torchrun.add_ranks_per_gpu_option(parser)
+    parser.add_argument("--jobs", type=positive(int), default=1,
+                        help="cases at a time (more than 1 only with --ranks-per-gpu above 1)")
+    parser.add_argument("--timeout-s", type=positive(float), default=None, help="per run (run_case --timeout-s)")
+    parser.add_argument("--output-dir", type=Path, default=None, help="as run_case --output-dir")
+    parser.add_argument("--summary", type=Path, default=None, help="also write the summary lines here")
+    add_env_option(parser)
+    ns = parser.parse_args(argv)
+
+    def run() -> int:
+        parse_assignments(ns.env)  # refuse a malformed --env before anything runs
+        shared = ns.ranks_per_gpu > 1
+        if ns.jobs > 1 and not shared:
+            raise UserError(f"--jobs {ns.jobs} would run cases side by side on their own GPUs, where their step "
+                            "times are judged", "give --jobs 1, or --ranks-per-gpu 2 or more (no step times judged)")
+        if ns.output_dir is not None:
+            outdir.check_root(ns.output_dir)
+        outcomes: list[Outcome] = []
+        waves = ordered(ns.cases)
+        if ns.jobs > 1 and len(waves[0]) > 1:
+            # The first case runs alone: it fills the Triton and compile caches that the cases
+            # after it read, instead of every rank of every case compiling the same kernels at once.
+            waves = [waves[0][:1], waves[0][1:], *waves[1:]]
+        for wave in waves:
+            with ThreadPoolExecutor(max_workers=ns.jobs) as pool:
+                for outcome in pool.map(lambda r: run_one(r, ns, shared), wave):
+                    print(outcome.line(), flush=True)
+                    outcomes.append(outcome)
+        failed = [o for o in outcomes if o.returncode != 0]
+        summary = [o.line() for o in outcomes] + [f"{len(outcomes) - len(failed)} of {len(outcomes)} cases passed"]
+        print(summary[-1])
+        if ns.summary is not None:
+            ns.summary.parent.mkdir(parents=True, exist_ok=True)
+            ns.summary.write_text("\n".join(summary) + "\n")
+        return 1 if failed else 0
+
+    return run_cli("functional.batch", run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

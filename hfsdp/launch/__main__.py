@@ -1,0 +1,67 @@
+"""``python -m hfsdp.launch --nproc N [--ranks-per-gpu M|auto] -- TARGET [ARGS ...]``: start N ranks.
+
+TARGET is a script or ``-m MODULE``. The same torchrun line our launchers build
+(hfsdp/launch/torchrun.py), for launches of your own and for our GPU test scripts. With several
+ranks per GPU it checks first that the GPUs are there and, when TARGET is a ``pretrain_*.py``
+script, that the ranks' planned memory fits each GPU. ``auto`` takes the fewest ranks per GPU
+that place N ranks on this machine's GPUs (1 where each rank gets its own). The caller's
+environment is passed through; the command replaces this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hfsdp.launch import fit, torchrun
+from hfsdp.usererror import UserError, positive, run_cli
+
+
+def ranks_per_gpu_arg(text: str) -> int | str:
+    """argparse ``type=``: a whole number >= 1, or ``auto``."""
+    return text if text == "auto" else positive(int)(text)  # type: ignore[return-value]
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(prog="python -m hfsdp.launch", description=__doc__.split("\n")[0])
+    parser.add_argument("--nproc", type=positive(int), required=True, help="ranks on this host")
+    parser.add_argument("--ranks-per-gpu", type=ranks_per_gpu_arg, default=1, metavar="N|auto",
+                        help="ranks on each GPU (default 1); auto: as many as N ranks need on this machine")
+    ns = parser.parse_args(argv[:split])
+    target = argv[split + 1:]
+    if not target:
+        parser.error("give -- and then the script (or -m MODULE) to run, with its arguments")
+    return ns, target
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns, target = parse(sys.argv[1:] if argv is None else argv)
+
+    def run() -> int:
+        gpus = fit.gpu_memory() if ns.ranks_per_gpu != 1 else []
+        if ns.ranks_per_gpu == "auto":
+            if not gpus:
+                raise UserError("--ranks-per-gpu auto places ranks on CUDA GPUs, and this machine has none",
+                                "run it on a machine with an NVIDIA GPU, or give --ranks-per-gpu 1")
+            ranks_per_gpu = torchrun.ranks_per_gpu_for(ns.nproc, len(gpus))
+        else:
+            ranks_per_gpu = int(ns.ranks_per_gpu)
+        placement = torchrun.Placement(nproc=ns.nproc, ranks_per_gpu=ranks_per_gpu)
+        pretrain = Path(target[0]).name.startswith("pretrain_") and target[0].endswith(".py")
+        line = fit.preflight(placement, target[1:] if pretrain else None, gpus)
+        if line:
+            print(f"hfsdp.launch: {line}", file=sys.stderr, flush=True)
+        cmd = torchrun.command(placement, target)
+        os.execv(cmd[0], cmd)
+        return 0  # not reached
+
+    return run_cli("hfsdp.launch", run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Whether the ranks a launch puts on one GPU fit in its memory, from the planner (no GPU work).
+
+Used before a several-ranks-per-GPU launch of ``pretrain`` ([Note: several ranks on one GPU] in
+hfsdp/launch/torchrun.py): N ranks on one GPU need N times one rank's memory. The planner gives
+what a rank holds for the whole run (:class:`RankMemory`): its shard of the parameters, of the
+optimizer's main parameters, gradients and moments, and the double-buffer pools. Activations and
+temporary buffers come on top and are not planned, so this is a lower bound: a launch it refuses
+cannot fit, and one it passes may still run out of memory at a large micro-batch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hfsdp.launch.torchrun import Placement, check_gpus
+from hfsdp.usererror import UserError
+
+GIB = 2**30
+# Per process, beside what the planner sees: the CUDA context, cuBLAS/cuDNN workspaces and NCCL's
+# buffers (each rank of the shared mode has its own of all three).
+CONTEXT_BYTES = 1 * GIB
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "float8": 1}
+_MOMENTS = {"adam": 2, "sgd": 1}  # fp32 states per main parameter
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds for the whole run, as planned."""
+
+    weights: int
+    main_params: int
+    main_grads: int
+    optimizer: int
+    pools: int
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{f.name.replace('_', ' ')} {getattr(self, f.name) / GIB:.2f}" for f in fields(self))
+        return f"{self.total / GIB:.2f} GiB ({parts})"
+
+
+def _itemsize(dtype: Any, fallback: int) -> int:
+    """Bytes per element of a torch dtype or a Megatron dtype name; ``fallback`` for 'auto'/None."""
+    if dtype is None or dtype == "auto":
+        return fallback
+    size = getattr(dtype, "itemsize", None)
+    if isinstance(size, int):
+        return size
+    return _ITEMSIZE.get(str(dtype).removeprefix("torch.").replace("float32", "fp32")
+                         .replace("bfloat16", "bf16").replace("float16", "fp16"), fallback)
+
+
+def _flag(flags: Sequence[str], name: str, default: str) -> str:
+    value = default
+    for i, tok in enumerate(flags):
+        if tok == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif tok.startswith(name + "="):
+            value = tok.split("=", 1)[1]
+    return value
+
+
+def data_parallel_size(flags: Sequence[str], world_size: int) -> int:
+    """The data-parallel size of ``world_size`` ranks under the flags' model parallelism."""
+    model = 1
+    for name in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
+        value = _flag(flags, name, "1")
+        model *= int(value) if value.isdigit() and int(value) > 0 else 1
+    if world_size % model:
+        raise UserError(f"{world_size} ranks do not divide into model-parallel groups of {model}",
+                        "give a rank count that is a multiple of tensor x pipeline x context parallel sizes")
+    return world_size // model
+
+
+def rank_memory(flags: Sequence[str], world_size: int) -> RankMemory:
+    """One rank's planned memory for pretrain ``flags`` at ``world_size`` ranks (CPU only).
+
+    The model is planned with local layer specs: Transformer Engine's give each unit the same
+    parameters. Pools: the lane plan with ``--megatron-fsdp-max-pool-lanes`` 3 or more, else the
+    max-pool plan (also what two live unsharded units take without double buffering).
+    """
+    from hfsdp.planner import cli, setup
+
+    lanes = _flag(flags, "--megatron-fsdp-max-pool-lanes", "2")
+    lane_count = int(lanes) if lanes.isdigit() and int(lanes) >= 3 else None
+    args = setup.parse([*flags, "--transformer-impl", "local",
+                        "--plan-dp-size", str(data_parallel_size(flags, world_size)),
+                        *(["--plan-lanes", str(lane_count)] if lane_count else [])])
+    layout, results = cli.plan_from_args(args)
+    strategy = layout.strategy
+    shard_weights = strategy == "optim_grads_params"
+    shard_grads = strategy in ("optim_grads", "optim_grads_params")
+    main_grads_dtype = cli.grad_dtypes(args)[0]
+    memory = dict.fromkeys(("weights", "main_params", "main_grads", "optimizer"), 0)
+    moments = _MOMENTS.get(str(getattr(args, "optimizer", "adam")), 2)
+    for b in layout.buckets:
+        shard = b.numel // b.dp_size if b.dp_size > 1 else b.numel
+        param_size = _itemsize(b.dtype, 2)
+        main_size = _itemsize(getattr(args, "megatron_fsdp_main_params_dtype", None), param_size)
+        memory["weights"] += (shard if shard_weights else b.numel) * param_size
+        if not b.requires_grad:
+            continue
+        memory["main_params"] += shard * main_size
+        memory["main_grads"] += (shard if shard_grads else b.numel) * _itemsize(main_grads_dtype, param_size)
+        memory["optimizer"] += shard * 4 * moments
+    pools = 0
+    for result in results:
+        plan = result["lanes"].get(lane_count) if lane_count else None
+        pools += (plan or result["maxpool"]).pool_bytes()
+    return RankMemory(pools=pools, **memory)
+
+
+def check_fits(memory: RankMemory, ranks_per_gpu: int, gpu_bytes: int) -> str:
+    """One line saying that ``ranks_per_gpu`` such ranks fit ``gpu_bytes``; a UserError if not."""
+    per_rank = memory.total + CONTEXT_BYTES
+    need = ranks_per_gpu * per_rank
+    line = (f"{ranks_per_gpu} ranks per GPU: {ranks_per_gpu} x ({memory.describe()} planned + "
+            f"{CONTEXT_BYTES / GIB:.0f} GiB context) = {need / GIB:.2f} GiB of the GPU's {gpu_bytes / GIB:.2f} GiB, "
+            "before activations")
+    if need > gpu_bytes:
+        raise UserError(f"{ranks_per_gpu} ranks on one GPU need at least {need / GIB:.2f} GiB, more than its "
+                        f"{gpu_bytes / GIB:.2f} GiB: each rank plans {memory.describe()} plus "
+                        f"{CONTEXT_BYTES / GIB:.0f} GiB of CUDA context and NCCL buffers",
+                        "give fewer --ranks-per-gpu, use more GPUs, or a smaller model")
+    return line
+
+
+def gpu_memory(python: str = sys.executable) -> list[int]:
+    """Total bytes of each visible CUDA GPU ([] without one), asked of a short-lived process so
+    that this one never holds a CUDA context beside the ranks it launches."""
+    code = ("import torch\n"
+            "print(*(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))")
+    try:
+        done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if done.returncode != 0:
+        return []
+    return [int(tok) for tok in done.stdout.split() if tok.isdigit()]
+
+
+def preflight(placement: Placement, flags: Sequence[str] | None, gpus: Sequence[int] | None = None) -> str | None:
+    """The checks before a several-ranks-per-GPU launch (None for one rank per GPU): a GPU is
+    there, enough of them, and, for a ``pretrain`` launch (``flags``), the planned memory fits.
+    Returns the line to print; refusals are UserErrors. ``gpus``: bytes per GPU (default: asked)."""
+    if not placement.shared:
+        return None
+    gpus = gpu_memory() if gpus is None else list(gpus)
+    check_gpus(placement, len(gpus))
+    if flags is None:
+        return f"{placement.ranks_per_gpu} ranks per GPU on {placement.gpus} GPU(s); no model to plan memory for"
+    memory = rank_memory(flags, placement.nproc * placement.nnodes)
+    return check_fits(memory, placement.ranks_per_gpu, min(gpus[: placement.gpus]))
