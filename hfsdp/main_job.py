@@ -190,12 +190,14 @@ def rehearse(base: Sequence[str], steps: int, graphed: bool, workdir: str) -> Re
             "maxpool": [*base, *REHEARSAL_FLAGS, *(GRAPH_FLAGS if graphed else ())]}
     out = Rehearsal(steps=steps)
     placement = torchrun.Placement(nproc=REHEARSAL_NPROC, ranks_per_gpu=REHEARSAL_NPROC)
-    print(fit.preflight(placement, pretrain_launch.training_flags(runs["maxpool"], REHEARSAL_NPROC, steps)))
+    deterministic = te_determinism.env("cache")
+    print(fit.preflight(placement, pretrain_launch.training_flags(runs["maxpool"], REHEARSAL_NPROC, steps),
+                        environ={**deterministic, **os.environ}))
     reports: dict[str, dict] = {}
     losses: dict[str, dict[int, float]] = {}
     for name, flags in runs.items():
         log, report = os.path.join(workdir, f"dp2-{name}.log"), os.path.join(workdir, f"dp2-{name}.json")
-        env = {**te_determinism.env("cache"), run_report.ENV: report}
+        env = {**deterministic, run_report.ENV: report}
         if train(flags, REHEARSAL_NPROC, steps, log, REHEARSAL_NPROC, env) != 0:
             out.failed = f"the {name} run failed; see its output above"
             return out

@@ -283,7 +283,8 @@ def _main(argv: Sequence[str]) -> int:
     if shared and not opts.from_logs:
         placement = torchrun.Placement(nproc=opts.nproc, ranks_per_gpu=opts.ranks_per_gpu)
         steps = opts.warmup_steps + opts.timed_steps
-        print(fit.preflight(placement, pretrain_launch.training_flags(flags, opts.nproc, steps)), flush=True)
+        print(fit.preflight(placement, pretrain_launch.training_flags(flags, opts.nproc, steps),
+                            environ=job_env(os.environ, opts.env)), flush=True)
     if opts.deterministic:
         print(te_determinism.describe(), flush=True)  # what every run of this invocation gets, and why
     if "no_db" not in wanted:

@@ -313,9 +313,10 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     else:
         outdir.prepare(out, clear=True)  # a stale checkpoint would turn run 1 into a resume
         argv1 = args_to_argv(recipe.model_args, path_variables(out))
+        env1 = run_env(recipe.env_vars, env)
         if shared:
-            print(f"run_case: {fit.preflight(launch.placement, argv1)}", flush=True)
-        rec1 = run_logged(build_command(recipe, argv1, launch), run_env(recipe.env_vars, env),
+            print(f"run_case: {fit.preflight(launch.placement, argv1, environ=env1)}", flush=True)
+        rec1 = run_logged(build_command(recipe, argv1, launch), env1,
                           out / "run1.log", launch.timeout_s)
     variables = path_variables(out)
     result.runs.append(rec1)

@@ -10,11 +10,13 @@ cannot fit, and one it passes may still run out of memory at a large micro-batch
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
+from unittest import mock
 
 from hfsdp.launch.torchrun import Placement, check_gpus
 from hfsdp.usererror import UserError
@@ -79,8 +81,11 @@ def data_parallel_size(flags: Sequence[str], world_size: int) -> int:
     return world_size // model
 
 
-def rank_memory(flags: Sequence[str], world_size: int) -> RankMemory:
+def rank_memory(flags: Sequence[str], world_size: int, environ: Mapping[str, str] | None = None) -> RankMemory:
     """One rank's planned memory for pretrain ``flags`` at ``world_size`` ranks (CPU only).
+
+    ``environ``: the launched job's environment, which Megatron's argument checks read (e.g.
+    ``--deterministic-mode`` asks for ``NCCL_ALGO``); it applies during the parse only.
 
     The model is planned with local layer specs: Transformer Engine's give each unit the same
     parameters. Pools: the lane plan with ``--megatron-fsdp-max-pool-lanes`` 3 or more, else the
@@ -90,9 +95,10 @@ def rank_memory(flags: Sequence[str], world_size: int) -> RankMemory:
 
     lanes = _flag(flags, "--megatron-fsdp-max-pool-lanes", "2")
     lane_count = int(lanes) if lanes.isdigit() and int(lanes) >= 3 else None
-    args = setup.parse([*flags, "--transformer-impl", "local",
-                        "--plan-dp-size", str(data_parallel_size(flags, world_size)),
-                        *(["--plan-lanes", str(lane_count)] if lane_count else [])])
+    with mock.patch.dict(os.environ, dict(environ or {})):
+        args = setup.parse([*flags, "--transformer-impl", "local",
+                            "--plan-dp-size", str(data_parallel_size(flags, world_size)),
+                            *(["--plan-lanes", str(lane_count)] if lane_count else [])])
     layout, results = cli.plan_from_args(args)
     strategy = layout.strategy
     shard_weights = strategy == "optim_grads_params"
@@ -146,15 +152,17 @@ def gpu_memory(python: str = sys.executable) -> list[int]:
     return [int(tok) for tok in done.stdout.split() if tok.isdigit()]
 
 
-def preflight(placement: Placement, flags: Sequence[str] | None, gpus: Sequence[int] | None = None) -> str | None:
+def preflight(placement: Placement, flags: Sequence[str] | None, gpus: Sequence[int] | None = None,
+              environ: Mapping[str, str] | None = None) -> str | None:
     """The checks before a several-ranks-per-GPU launch (None for one rank per GPU): a GPU is
     there, enough of them, and, for a ``pretrain`` launch (``flags``), the planned memory fits.
-    Returns the line to print; refusals are UserErrors. ``gpus``: bytes per GPU (default: asked)."""
+    Returns the line to print; refusals are UserErrors. ``gpus``: bytes per GPU (default: asked);
+    ``environ``: the job's environment (:func:`rank_memory`)."""
     if not placement.shared:
         return None
     gpus = gpu_memory() if gpus is None else list(gpus)
     check_gpus(placement, len(gpus))
     if flags is None:
         return f"{placement.ranks_per_gpu} ranks per GPU on {placement.gpus} GPU(s); no model to plan memory for"
-    memory = rank_memory(flags, placement.nproc * placement.nnodes)
+    memory = rank_memory(flags, placement.nproc * placement.nnodes, environ)
     return check_fits(memory, placement.ranks_per_gpu, min(gpus[: placement.gpus]))

@@ -70,7 +70,7 @@ def test_compared_metrics(run_shared, platform, compared):
 
 def test_a_shared_run_is_held_to_a_real_golden_on_losses_only(tmp_path, monkeypatch, capsys):
     """Step times 100x off and memory 10x off the real golden: not compared; losses are."""
-    monkeypatch.setattr(run_case.fit, "preflight", lambda placement, flags: "2 ranks per GPU (test)")
+    monkeypatch.setattr(run_case.fit, "preflight", lambda placement, flags, environ=None: "2 ranks per GPU (test)")
     case = _case(tmp_path / "cases", "c")
     _golden(case, "dgx_h200", mem=1000.0, secs=0.0005)
     result = run_case.run_case(case, launch=Launch(nproc=1, ranks_per_gpu=1), output_root=tmp_path / "o",

@@ -171,3 +171,14 @@ def test_the_launch_cli_refuses_shared_mode_without_a_gpu(tmp_path):
                           capture_output=True, text=True, cwd=REPO_ROOT,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert done.returncode == 0 and "ran" in done.stdout
+
+
+def test_the_plan_reads_the_jobs_environment(monkeypatch):
+    """--deterministic-mode asks for NCCL_ALGO, which the job's environment has and the caller's
+    may not (a recipe's ENV_VARS): the plan is parsed with the job's environment."""
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    flags = [*DEFAULT_MODEL_FLAGS, "--deterministic-mode"]
+    with pytest.raises(UserError, match="NCCL_ALGO"):
+        fit.rank_memory(flags, 2)
+    assert fit.rank_memory(flags, 2, {"NCCL_ALGO": "Ring"}).total > 0
+    assert "NCCL_ALGO" not in os.environ

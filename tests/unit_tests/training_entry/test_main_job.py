@@ -191,7 +191,7 @@ def test_rehearse_compares_twin_and_maxpool(monkeypatch, tmp_path):
         return 0
 
     monkeypatch.setattr(M, "train", train)
-    monkeypatch.setattr(M.fit, "preflight", lambda placement, flags: "fits")
+    monkeypatch.setattr(M.fit, "preflight", lambda placement, flags, environ=None: "fits")
     import hfsdp.bench.run as bench_run
 
     monkeypatch.setattr(bench_run, "planned_pools", lambda flags, nproc, names=None: {"maxpool": {"pool_bytes": 64}})
