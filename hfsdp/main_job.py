@@ -144,7 +144,7 @@ def train(flags: Sequence[str], nproc: int, steps: int, log_path: str, ranks_per
 
 REHEARSAL_NPROC = 2
 # Both rehearsal runs: deterministic kernels and reductions (hfsdp/te_determinism.py; Triton's
-# choice shared through its cache), so the max-pool run must reproduce its twin bit for bit.
+# choice pinned), so the max-pool run must reproduce its twin bit for bit.
 REHEARSAL_FLAGS = ("--deterministic-mode",)
 
 
@@ -190,7 +190,9 @@ def rehearse(base: Sequence[str], steps: int, graphed: bool, workdir: str) -> Re
             "maxpool": [*base, *REHEARSAL_FLAGS, *(GRAPH_FLAGS if graphed else ())]}
     out = Rehearsal(steps=steps)
     placement = torchrun.Placement(nproc=REHEARSAL_NPROC, ranks_per_gpu=REHEARSAL_NPROC)
-    deterministic = te_determinism.env("cache")
+    # Pinned Triton choices: the DP=1 runs cached timed choices for some kernels only, and two
+    # ranks timing one kernel at once may choose differently; pinned, both runs take the same.
+    deterministic = te_determinism.env("pin")
     print(fit.preflight(placement, pretrain_launch.training_flags(runs["maxpool"], REHEARSAL_NPROC, steps),
                         environ={**deterministic, **os.environ}))
     reports: dict[str, dict] = {}

@@ -83,7 +83,11 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     opts = p.parse_args(argv[:split])
     opts.env = parse_assignments(opts.env)
     if opts.deterministic:
-        opts.env = {**te_determinism.env("cache"), **opts.env}
+        # With several ranks per GPU nothing is timed, so every process takes the pinned Triton
+        # choice: a shared timed choice is only shared once one process has cached it, and two
+        # ranks timing the same kernel at once may choose differently (seen at DP=2 on one GPU).
+        choice: te_determinism.TritonChoice = "pin" if opts.ranks_per_gpu > 1 else "cache"
+        opts.env = {**te_determinism.env(choice), **opts.env}
     if opts.repeats < 3:
         print(f"note: --repeats {opts.repeats} < 3; medians over so few runs are noisy")
     return opts, argv[split + 1:]
@@ -208,13 +212,7 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
             # cache warming that follows land in whichever configuration runs first.
             name = order[0][1]
             t0 = time.time()
-            prime_opts = opts
-            if opts.ranks_per_gpu > 1:
-                # One rank warms the caches the others then read: N ranks sharing a GPU and
-                # compiling the same kernels at once took more than 100 s a step (each rank's
-                # micro-batch, hence each kernel, is the same at any data-parallel size).
-                prime_opts = argparse.Namespace(**{**vars(opts), "nproc": 1, "ranks_per_gpu": 1})
-            run, _ = launch(cfgs.CONFIGS[name], -1, flags, prime_opts, workdir,
+            run, _ = launch(cfgs.CONFIGS[name], -1, flags, opts, workdir,
                             timeout_s=max(2 * opts.run_timeout, 300))
             primed = {"config": name, "wall_s": round(time.time() - t0, 1), "ok": run is not None}
             print(f"[prime] {name} (discarded) {'ok' if run else 'FAILED'} in "

@@ -32,8 +32,9 @@ mapfile -t two_rank < <(cd tests/functional_tests/test_cases && grep -L '^NPROC:
   | xargs -n1 dirname | grep -v '^smoke/')
 bench_configs=no_db,maxpool,maxpool_lanes3,no_db_graph,maxpool_graph
 bench() {  # bench DP CONFIGS: the benchmark in this mode (no step times: it reports memory and losses)
+  # 6 steps: 3 eager warm-up steps, the capture, 2 replays (graphed configurations); nothing is timed.
   python scripts/benchmark_double_buffer.py --nproc "$1" --ranks-per-gpu "$1" --preset default --configs "$2" \
-    --repeats 1 --warmup-steps 5 --timed-steps 3 --deterministic --run-timeout "${RUN_TIMEOUT:-400}" \
+    --repeats 1 --warmup-steps 5 --timed-steps 1 --no-prime --deterministic --run-timeout "${RUN_TIMEOUT:-400}" \
     --no-chart --keep-logs "$work/$3/logs" --out-json "$work/$3/bench.json" -- --logging-level 20
 }
 with_extra() {  # run a command with the TE / causal-conv1d site on PYTHONPATH
@@ -54,7 +55,8 @@ stage() {  # stage NAME: run it with its output in $work/NAME.log
     bench4) timeout -k 10 "${STAGE_TIMEOUT:-560}" bash -c 'bench 4 "$bench_configs" bench4' ;;
     te) timeout -k 10 "${STAGE_TIMEOUT:-560}" bash -c 'with_extra bench 2 te_no_db,te_maxpool_graph te' ;;
     f2) OUT="$work/f2" timeout -k 10 "${STAGE_TIMEOUT:-560}" bash -c 'with_extra bash tests/gpu/run_fused_mamba_fixedpool.sh' ;;
-    main) timeout -k 10 "${STAGE_TIMEOUT:-560}" python -m hfsdp.main_job ;;
+    main) TRAIN_ITERS=${TRAIN_ITERS:-12} EAGER_ITERS=${EAGER_ITERS:-6} \
+      timeout -k 10 "${STAGE_TIMEOUT:-560}" python -m hfsdp.main_job ;;
     *) echo "run_shared_dp: unknown stage $name" >&2; return 2 ;;
   esac > "$work/$name.log" 2>&1
   rc=$?

@@ -201,6 +201,6 @@ def test_rehearse_compares_twin_and_maxpool(monkeypatch, tmp_path):
     assert M.MAXPOOL_FLAG not in twin and "--fsdp-double-buffer" not in twin and "--cuda-graph-impl" not in twin
     assert M.MAXPOOL_FLAG in pooled and "--cuda-graph-impl" in pooled
     assert "--deterministic-mode" in twin and "--deterministic-mode" in pooled and twin_rpg == rpg == 2
-    assert env["NCCL_ALGO"] == "Ring" and env["TRITON_CACHE_AUTOTUNING"] == "1"
+    assert env["NCCL_ALGO"] == "Ring" and env["HFSDP_TRITON_PIN_AUTOTUNE"] == "1"
     assert (result.identical_steps, result.pool_bytes, result.planned_pool_bytes, result.home_misses) == (8, 64, 64, 0)
     assert result.peak_allocated == (101, 111)
