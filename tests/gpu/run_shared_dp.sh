@@ -65,7 +65,7 @@ stage() {  # stage NAME: run it with its output in $work/NAME.log
 }
 export -f bench with_extra  # the stages run them through `timeout bash -c`
 export work bench_configs
-echo "run_shared_dp: $(date -u +%FT%TZ) platform=$platform stages='${STAGES:-}' $(git rev-parse --short HEAD 2>/dev/null)" >> "$summary"
+echo "run_shared_dp: $(date -u +%FT%TZ) platform=$platform stages='${STAGES:-}'" >> "$summary"
 rc=0
 for group in ${STAGES:?give STAGES, e.g. STAGES=\"exit+functional bench2\"}; do
   pids=()

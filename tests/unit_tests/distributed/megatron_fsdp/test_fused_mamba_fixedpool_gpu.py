@@ -1,4 +1,4 @@
-"""GPU scenario: upstream's asymmetric attention + Mamba pair on Mamba's fused path (2 GPUs).
+"""GPU scenario: upstream's asymmetric attention + Mamba pair on Mamba's fused path (2 ranks).
 
 Upstream saw its CUDA illegal memory access in this configuration: the double buffer's
 FixedPool sends the Mamba unit (an outlier) to its backup allocator, whose ``free()`` in 0.18.2
@@ -12,13 +12,19 @@ test_maxpool_hybrid_gpu.py did not reproduce it. Each variant runs UPSTREAM_CASE
 * ``maxpool``: the fork's max-pool; must train all steps with finite losses;
 * ``fixedpool-fork``: FixedPool with the fork's backup (keeps the bucket); must do the same;
 * ``fixedpool-0.18.2-backup``: FixedPool with 0.18.2's backup swapped back in, the rest of the
-  fork unchanged; the outcome is recorded, whatever it is;
+  fork unchanged; it must hit upstream's illegal memory access (``REPRODUCES``);
 * ``unpatched-0.18.2`` (TE spec only): FixedPool in an unpatched 0.18.2 tree extracted from the
-  pinned sdist (PYTHONPATH puts it first); recorded, whatever it is.
+  pinned sdist (PYTHONPATH puts it first); it must hit the same.
+
+Both 0.18.2 variants crashed with "an illegal memory access was encountered" on both specs, and
+the fork's two allocators trained every step (2 ranks on one H100; docs/results.md), so this is a
+regression test both ways: the fork must train, and 0.18.2 must still crash, or the scenario no
+longer shows what it is meant to show.
 
 Specs: the fork's local spec and upstream's TE spec (skipped without Transformer Engine). With
-DP=1 Megatron-FSDP never gathers, so nothing here can happen on one GPU: the tests skip.
-Run: ``. tests/gpu/setup_gpu_env.sh && bash tests/gpu/run_fused_mamba_fixedpool.sh`` (2 GPUs).
+DP=1 Megatron-FSDP never gathers, so nothing here can happen with one rank: the tests skip.
+Run: ``. tests/gpu/setup_gpu_env.sh && bash tests/gpu/run_fused_mamba_fixedpool.sh`` (2 ranks, on 2
+GPUs or sharing 1).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ needs_conv1d = pytest.mark.skipif(not importable("causal_conv1d"),
 needs_te = pytest.mark.skipif(not importable("transformer_engine"), reason="Transformer Engine not importable")
 VARIANTS = {"maxpool": ["--maxpool"], "fixedpool-fork": [], "fixedpool-0.18.2-backup": ["--emulate-0182"]}
 MUST_TRAIN = ("maxpool", "fixedpool-fork")  # the fork's own allocators
+REPRODUCES = "an illegal memory access was encountered"  # what 0.18.2's backup allocator ends in
 
 
 def check_trained(rec: dict[str, Any]) -> None:
@@ -52,6 +59,13 @@ def check_trained(rec: dict[str, Any]) -> None:
     for name, r in rec["ranks"].items():
         assert r.get("steps_done") == base.UPSTREAM_CASE.steps and r["finite"], (name, r.get("error"))
         assert len(r["losses"]) == steps and r["mem_eff_path"], (name, r)
+
+
+def check_crashed(rec: dict[str, Any]) -> None:
+    """0.18.2's allocator: every rank stopped on upstream's illegal memory access."""
+    errors = {name: str(r.get("error")) for name, r in rec["ranks"].items()}
+    assert rec["verdict"] == "failed" and all(REPRODUCES in e for e in errors.values()), (
+        f"{rec['variant']}: expected {REPRODUCES!r} on every rank, got verdict {rec['verdict']}, errors {errors}")
 
 
 def check_recorded(rec: dict[str, Any]) -> None:
@@ -74,6 +88,8 @@ def test_fused_mamba(spec: str, variant: str) -> None:
     check_recorded(rec)
     if variant in MUST_TRAIN:
         check_trained(rec)
+    else:
+        check_crashed(rec)
 
 
 def pristine_tree(dest: Path) -> Path:
@@ -105,4 +121,5 @@ def test_fused_mamba_on_unpatched_0182() -> None:
     for rank, r in rec["ranks"].items():
         assert r.get("maxpool") is False and r.get("allocators", {}).get("weight_alloc") == "FixedPoolAllocator", (
             rank, r)
+    check_crashed(rec)
 

@@ -666,7 +666,7 @@ def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env, variant: str) 
 
 def run_repro_child(name: str, child_args: list[str], out_json: str,
                     env_extra: dict[str, str] | None = None) -> dict[str, Any]:
-    """Rank 0 runs ``_repro_child`` on 2 GPUs in its own torchrun (an illegal memory access cannot
+    """Rank 0 runs ``_repro_child`` with 2 ranks in its own torchrun (an illegal memory access cannot
     take this session down), writes the outcome to ``out_json`` and every rank returns it.
 
     ``child_args``: ``--emulate-0182``, ``--fused``, ``--te``, ``--maxpool`` (see ``_repro_child``);
