@@ -43,13 +43,15 @@ def grad_dtypes(args: Any) -> tuple[Any, Any]:
             getattr(args, "megatron_fsdp_grad_comm_dtype", None))
 
 
-def bucket_size_for(args: Any) -> int | None:
-    """Megatron-FSDP ``suggested_bucket_size`` as ``get_model`` computes it (non-units only)."""
-    if not getattr(args, "overlap_grad_reduce", False):
-        return None
-    if args.ddp_bucket_size is not None:
-        return args.ddp_bucket_size
-    return max(40_000_000, 1_000_000 * args.data_parallel_size)
+def bucket_size_for(args: Any, num_parameters: int) -> int | None:
+    """Megatron-FSDP ``suggested_bucket_size`` as ``get_model`` computes it (non-units only):
+    the same function (megatron/training/ddp_bucket_size.py)."""
+    from megatron.training.ddp_bucket_size import default_bucket_size
+
+    return default_bucket_size(
+        bucket_size=args.ddp_bucket_size, num_buckets=args.ddp_num_buckets, num_parameters=num_parameters,
+        dp_size=args.data_parallel_size, overlap_grad_reduce=args.overlap_grad_reduce,
+    )
 
 
 def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
@@ -73,7 +75,7 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
             strategy=args.data_parallel_sharding_strategy,
             dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
             expert_dp_size=ps.get_expert_data_parallel_world_size(),
-            bucket_size=bucket_size_for(args),
+            bucket_size=bucket_size_for(args, sum(p.numel() for p in model.parameters())),
         )
     finally:
         setup.teardown_fake_parallel_state()

@@ -145,7 +145,7 @@ def bucket_specs(layout: Layout, allocator: str, *, main_grads_dtype: torch.dtyp
     import importlib
 
     plan_mod = importlib.import_module(f"{MFSDP}.maxpool_plan")
-    alloc_mod = importlib.import_module(f"{MFSDP}.maxpool_allocator")
+    dtypes_mod = importlib.import_module(f"{MFSDP}.buffer_dtypes")
     if allocator not in ("weight", "grad"):
         raise ValueError(f"allocator must be 'weight' or 'grad', got {allocator!r}")
     specs = []
@@ -157,7 +157,7 @@ def bucket_specs(layout: Layout, allocator: str, *, main_grads_dtype: torch.dtyp
                 plan_mod.grad_dtype_name(row.dtype, main_grads_dtype), grad_comm_dtype)
         specs.append(plan_mod.BucketSpec(
             bucket_id=row.bucket_id, unit_id=row.unit_id, dtype=dtype, numel=row.numel,
-            itemsize=alloc_mod.planned_itemsize(dtype), unpadded_numel=row.unpadded_numel,
+            itemsize=dtypes_mod.planned_itemsize(dtype), unpadded_numel=row.unpadded_numel,
         ))
     return specs
 

@@ -94,7 +94,7 @@ def child(mode: str, result_path: str) -> None:
         return
     _launch.assert_safety_env()
     pgb = model.param_and_grad_buffer
-    staging = getattr(pgb, maxpool_symmetric.STAGING_ATTR, None)
+    staging = pgb.maxpool_staging
     res["allocators"] = {a: type(getattr(pgb, a, None)).__name__
                          for a in ("weight_alloc", "main_grad_alloc")}
     res["staging"] = None if staging is None else {

@@ -71,9 +71,9 @@ def test_the_hook_reports_what_it_did_without_a_distributed_world():
 
     said: list[str] = []
     args = Args()
-    assert rerun_mode_for_graphs(args, argv=[], warn=said.append) == said[0]
+    assert rerun_mode_for_graphs(args, said.append, argv=[]) == said[0]
     assert args.rerun_mode == "disabled"
-    assert rerun_mode_for_graphs(args, argv=[], warn=said.append) is None and len(said) == 1
+    assert rerun_mode_for_graphs(args, said.append, argv=[]) is None and len(said) == 1
 
 
 def _step_collectives(mode, monkeypatch):

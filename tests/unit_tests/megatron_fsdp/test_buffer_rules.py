@@ -7,8 +7,10 @@ the single source for what each allocator is asked for.
 import pytest
 import torch
 
+import megatron.core.distributed.fsdp.src.megatron_fsdp.buffer_dtypes as bd
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan as mp
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
+from megatron.training.ddp_bucket_size import default_bucket_size
 
 
 @pytest.mark.parametrize(
@@ -27,21 +29,21 @@ def test_dtype_rules_and_the_runtime_agree(group_dtype, main, comm, weight, grad
     assert mp.planned_dtype_name(group_dtype) == weight
     assert mp.grad_dtype_name(group_dtype, main) == grad
     assert mp.grad_alloc_dtype_name(grad, comm) == alloc
-    # ParamAndGradBuffer's torch-level helpers are these rules, names turned into dtypes.
+    # The torch-level helpers ParamAndGradBuffer calls are these rules, names turned into dtypes.
     param_dtype = torch.uint8 if group_dtype == "float8" else group_dtype
     group = pgb.ParameterGroup(params=[torch.nn.Parameter(torch.zeros(4, dtype=param_dtype),
                                                           requires_grad=False)],
                                dtype=group_dtype)
-    assert str(pgb.planned_param_dtype(group)) == weight
-    group.grad_dtype = pgb.resolve_grad_dtype(group, main)
+    assert str(bd.planned_param_dtype(group)) == weight
+    group.grad_dtype = bd.resolve_grad_dtype(group, main)
     assert str(group.grad_dtype) == grad
-    assert str(pgb.grad_alloc_dtype(group, comm)) == alloc
+    assert str(bd.grad_alloc_dtype(group, comm)) == alloc
 
 
 def test_dtype_from_name_rejects_unknown_names():
-    assert pgb.dtype_from_name("torch.float16") is torch.float16
+    assert bd.dtype_from_name("torch.float16") is torch.float16
     with pytest.raises(AssertionError, match="unknown dtype name 'torch.float77'"):
-        pgb.dtype_from_name("torch.float77")
+        bd.dtype_from_name("torch.float77")
 
 
 @pytest.mark.parametrize(
@@ -54,9 +56,9 @@ def test_dtype_from_name_rejects_unknown_names():
     ],
 )
 def test_default_bucket_size(kwargs, expected):
-    size = mp.default_bucket_size(num_parameters=1000, overlap_grad_reduce=True, **kwargs)
+    size = default_bucket_size(num_parameters=1000, overlap_grad_reduce=True, **kwargs)
     assert size == expected
-    assert mp.default_bucket_size(num_parameters=1000, overlap_grad_reduce=False, **kwargs) is None
+    assert default_bucket_size(num_parameters=1000, overlap_grad_reduce=False, **kwargs) is None
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import megatron.core.distributed.fsdp.src.megatron_fsdp.buffer_dtypes as bd
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan as mp
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
-from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator import MaxPoolAllocator
+from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import MaxPoolAllocator
 
 UNITS = 5
 
@@ -116,7 +117,7 @@ def test_allocator_holds_one_live_unit_per_group(three_groups, real_buffer):
         for b in units[unit]:
             group = buffer.parameter_groups[b]
             alloc.allocate(b, group.model_weight_buffer.bucket_index.size,
-                           pgb.planned_param_dtype(group), torch.device("cpu"))
+                           bd.planned_param_dtype(group), torch.device("cpu"))
 
     for unit in range(3):
         take(unit)

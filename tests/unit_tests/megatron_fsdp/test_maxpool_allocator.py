@@ -8,9 +8,9 @@ import torch
 
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
-from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator import MaxPoolAllocator
 from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
     FixedPoolAllocator,
+    MaxPoolAllocator,
     ParameterGroup,
     StorageResizeBasedBucketAllocator,
 )
@@ -271,8 +271,9 @@ def test_fixed_pool_homes_and_storage_resize_backup(gmb):
     assert fp.backup_allocator.buckets[2] is out
 
 
-def test_install_hook_plans_padded_sizes_per_pool(gmb):
-    """The PGB hook builds 4 MaxPools; each plans the padded size of the buffer it serves."""
+def test_each_pool_plans_the_padded_size_of_its_buffer(gmb):
+    """ParamAndGradBuffer builds its pools by name alone (as FixedPoolAllocator); each max-pool
+    plans the padded size of the DP buffer it serves (maxpool_allocator.PADDED_NUMEL)."""
     from types import SimpleNamespace as NS
 
     groups = hybrid_groups()
@@ -280,21 +281,22 @@ def test_install_hook_plans_padded_sizes_per_pool(gmb):
         g.grad_dtype = torch.float32
         g.model_weight_buffer = NS(bucket_index=NS(size=padded(g)))
         g.main_grad_buffer = NS(bucket_index=NS(size=padded(g) + 128))  # other DP group padding
+        g.hfsdp_helper_gbuf = None
         g.transpose_weight_buffer = None
         g.hsdp_comm_gbuf = NS(bucket_index=NS(size=padded(g))) if i == 3 else None
-    buffer = NS(
-        ddp_config=NS(fsdp_db_use_persist_buf_on_alloc_fail=False),
-        parameter_groups=groups,
-        dist_index=NS(use_hybrid_fsdp=True),
-    )
-    mpa.install_max_pool_allocators(buffer, grad_dtype_fn=lambda g: g.grad_dtype)
-    assert buffer.double_buf_units == [0, 1, 2]
-    assert buffer.weight_alloc.plan.offsets[5] == ("torch.bfloat16", 384)
-    assert buffer.weight_alloc.plan.buckets[5].numel == 1152
-    assert buffer.main_grad_alloc.plan.buckets[5].numel == 1280
-    assert set(buffer.main_grad_alloc.plan.arena_numel) == {"torch.float32"}
-    assert buffer.transpose_weight_alloc.plan is None
-    assert set(buffer.hsdp_grad_comm_alloc.plan.offsets) == {3}
+    weights = MaxPoolAllocator("fsdp_params", groups)
+    grads = MaxPoolAllocator("fsdp_grads", groups, dtype_fn=lambda g: g.grad_dtype)
+    transpose = MaxPoolAllocator("fsdp_fp8_transpose_params", groups)
+    hsdp = MaxPoolAllocator("hsdp_grad_comm", groups, dtype_fn=lambda g: g.grad_dtype)
+    assert weights.fsdp_double_buffer_units == [0, 1, 2]
+    assert weights.plan.offsets[5] == ("torch.bfloat16", 384)
+    assert weights.plan.buckets[5].numel == 1152
+    assert grads.plan.buckets[5].numel == 1280
+    assert set(grads.plan.arena_numel) == {"torch.float32"}
+    assert transpose.plan is None
+    assert set(hsdp.plan.offsets) == {3}
+    groups[5].hfsdp_helper_gbuf = NS(bucket_index=NS(size=2048))  # grads go to the HFSDP helper
+    assert MaxPoolAllocator("fsdp_grads", groups, dtype_fn=lambda g: g.grad_dtype).plan.buckets[5].numel == 2048
 
 
 def test_reads_of_a_live_bucket_reuse_one_view(gmb, monkeypatch):

@@ -72,12 +72,37 @@ def test_invalid_combinations_rejected(validated, extra, match):
         validated(extra)
 
 
+# What each DDP config needs to use Megatron-FSDP's units (Megatron-FSDP's own always does).
+UNITS = {MCoreDDPConfig: {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params"},
+         FsdpDDPConfig: {"data_parallel_sharding_strategy": "optim_grads_params"}}
+
+
 @pytest.mark.parametrize("cfg_cls", [MCoreDDPConfig, FsdpDDPConfig])
 def test_ddp_configs_post_init_imply_double_buffer(cfg_cls):
     assert cfg_cls().megatron_fsdp_max_pool_double_buffer is False
     assert cfg_cls().fsdp_double_buffer is False
-    cfg = cfg_cls(megatron_fsdp_max_pool_double_buffer=True)
+    cfg = cfg_cls(megatron_fsdp_max_pool_double_buffer=True, **UNITS[cfg_cls])
     assert cfg.fsdp_double_buffer is True
+
+
+@pytest.mark.parametrize("cfg_cls", [MCoreDDPConfig, FsdpDDPConfig])
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"megatron_fsdp_max_pool_double_buffer": True, "data_parallel_sharding_strategy": "optim_grads"},
+     "megatron_fsdp_max_pool_double_buffer.* requires data_parallel_sharding_strategy.* optim_grads_params"),
+    ({"fsdp_db_use_persist_buf_on_alloc_fail": True},
+     "fsdp_db_use_persist_buf_on_alloc_fail.* requires fsdp_double_buffer"),
+])
+def test_ddp_configs_check_the_same_rules_as_the_command_line(cfg_cls, fields, match):
+    """Public API users are held to the rules validate_args holds flags to, in field names."""
+    with pytest.raises(ValueError, match=match):
+        cfg_cls(**{**UNITS[cfg_cls], **fields})
+
+
+def test_megatron_core_config_needs_megatron_fsdp_for_max_pool():
+    with pytest.raises(ValueError, match="requires use_megatron_fsdp"):
+        MCoreDDPConfig(megatron_fsdp_max_pool_double_buffer=True, data_parallel_sharding_strategy="optim_grads_params")
+    assert MCoreDDPConfig(megatron_fsdp_max_pool_double_buffer=True, use_custom_fsdp=True,
+                          data_parallel_sharding_strategy="optim_grads_params").fsdp_double_buffer
 
 
 def kwargs_fully_shard_passes_on(monkeypatch, **kwargs):
@@ -119,18 +144,19 @@ def test_nccl_ub_with_ep_overlap_names_both_flags(validated):
         validated(FSDP + ["--use-nccl-ub", "--overlap-moe-expert-parallel-comm"])
 
 
-def test_max_pool_allocator_importable_where_0_19_has_it():
-    from megatron.core.distributed.fsdp.src.megatron_fsdp import maxpool_allocator
+def test_max_pool_allocator_lives_where_0_19_has_it():
+    """ParamAndGradBuffer's MaxPoolAllocator is the overlay's MaxPool with its bucket types, and
+    takes 0.19's keyword arguments, the same as FixedPoolAllocator's (one call site for both)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import maxpool_allocator, maxpool_lanes
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
-        MaxPoolAllocator,
-    )
 
-    assert MaxPoolAllocator is maxpool_allocator.MaxPoolAllocator
-    assert issubclass(MaxPoolAllocator, pgb.TemporaryBucketAllocator)
-    # 0.19's keyword arguments are accepted (size, dtype_fn, fallback_to_persistent_buffer).
-    params = inspect.signature(MaxPoolAllocator).parameters
-    assert {"name", "fsdp_param_groups", "size", "dtype_fn",
-            "fallback_to_persistent_buffer"} <= set(params)
-    with pytest.raises(AttributeError, match="has no attribute 'NoSuchAllocator'"):
-        pgb.NoSuchAllocator  # noqa: B018
+    assert issubclass(pgb.MaxPoolAllocator, maxpool_allocator.MaxPool)
+    assert issubclass(pgb.LaneMaxPoolAllocator, maxpool_lanes.LaneMaxPool)
+    for cls in (pgb.MaxPoolAllocator, pgb.LaneMaxPoolAllocator):
+        assert issubclass(cls, pgb.TemporaryBucketAllocator)
+        assert (cls.bucket_type, cls.backup_type) == (pgb.Bucket, pgb.StorageResizeBasedBucketAllocator)
+    fixed = set(inspect.signature(pgb.FixedPoolAllocator).parameters)
+    assert {"name", "fsdp_param_groups", "size", "dtype_fn", "fallback_to_persistent_buffer"} <= fixed
+    assert fixed <= set(inspect.signature(pgb.MaxPoolAllocator).parameters)
+    with pytest.raises(AssertionError, match="has no bucket types"):
+        maxpool_allocator.MaxPool("fsdp_params", [])

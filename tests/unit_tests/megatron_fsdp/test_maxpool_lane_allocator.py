@@ -29,7 +29,8 @@ from test_maxpool_allocator import (
 
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan as mp
-from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import LaneMaxPoolAllocator, MaxPoolLanesError
+from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
+from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import LaneMaxPoolAllocator, MaxPoolAllocator
 
 
 @pytest.fixture
@@ -183,7 +184,7 @@ def test_symmetric_registration_fingerprint_covers_the_lanes(gmb):
 
     groups = hybrid_groups()
     prints = {plan_fingerprint([make(groups, lanes=n)]) for n in (3, 4, 6)}
-    prints.add(plan_fingerprint([mpa.MaxPoolAllocator("fsdp_params", groups, numel_fn=padded)]))
+    prints.add(plan_fingerprint([MaxPoolAllocator("fsdp_params", groups, numel_fn=padded)]))
     assert len(prints) == 4
     assert plan_fingerprint([make(groups)]) == plan_fingerprint([make(hybrid_groups())])
 
@@ -215,7 +216,7 @@ def test_two_lanes_is_todays_shared_pool_byte_for_byte(stack_buffer):
     default, explicit = stack_buffer(), stack_buffer(megatron_fsdp_max_pool_lanes=2)
     for buf in (default, explicit):
         for attr in ("weight_alloc", "main_grad_alloc"):
-            assert type(getattr(buf, attr)) is mpa.MaxPoolAllocator, attr
+            assert type(getattr(buf, attr)) is MaxPoolAllocator, attr
         assert buf.live_unit_limit == buf.weight_alloc.size == 2
     for attr in ("weight_alloc", "main_grad_alloc"):
         a, b = getattr(default, attr), getattr(explicit, attr)

@@ -54,18 +54,22 @@ def test_lane_counts_that_cannot_work_are_rejected(validated, extra, match):
         validated(FSDP + extra)
 
 
-@pytest.mark.parametrize("cfg_cls", [MCoreDDPConfig, FsdpDDPConfig])
-def test_both_ddp_configs_carry_and_check_the_field(cfg_cls):
+@pytest.mark.parametrize(("cfg_cls", "units", "lanes_name"), [
+    (MCoreDDPConfig, {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params"},
+     r"megatron_fsdp_max_pool_lanes"),
+    (FsdpDDPConfig, {"data_parallel_sharding_strategy": "optim_grads_params"},
+     r"megatron_fsdp_max_pool_lanes \(fully_shard: maxpool_lanes\)"),
+])
+def test_both_ddp_configs_carry_and_check_the_field(cfg_cls, units, lanes_name):
     fields = {f.name: f.default for f in dataclasses.fields(cfg_cls)}
     assert fields["megatron_fsdp_max_pool_lanes"] == 2
-    assert cfg_cls(megatron_fsdp_max_pool_double_buffer=True,
-                   megatron_fsdp_max_pool_lanes=3).megatron_fsdp_max_pool_lanes == 3
-    with pytest.raises(ValueError, match=r"megatron_fsdp_max_pool_lanes \(fully_shard: maxpool_lanes\) "
-                                         r"3 needs megatron_fsdp_max_pool_double_buffer"):
-        cfg_cls(megatron_fsdp_max_pool_lanes=3)
+    assert cfg_cls(megatron_fsdp_max_pool_double_buffer=True, megatron_fsdp_max_pool_lanes=3,
+                   **units).megatron_fsdp_max_pool_lanes == 3
+    with pytest.raises(ValueError, match=lanes_name + " 3 needs megatron_fsdp_max_pool_double_buffer"):
+        cfg_cls(megatron_fsdp_max_pool_lanes=3, **units)
     for bad in (1, 2.5, True):
         with pytest.raises(ValueError, match=f"must be an integer >= 2, got {bad!r}"):
-            cfg_cls(megatron_fsdp_max_pool_double_buffer=True, megatron_fsdp_max_pool_lanes=bad)
+            cfg_cls(megatron_fsdp_max_pool_double_buffer=True, megatron_fsdp_max_pool_lanes=bad, **units)
 
 
 def test_fully_shard_plumbs_maxpool_lanes(monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron.core import full_cuda_graph as fcg
+from megatron.core import full_cuda_graph_warmup as fcg_warmup
 
 FEATURE = "set_override_stale_capture_stream"
 
@@ -76,7 +77,7 @@ def capture_env(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", StreamContext)
     monkeypatch.setattr(fcg, "get_shared_capture_stream", lambda: streams["capture"])
     monkeypatch.setattr(fcg, "get_graph_pool", lambda single: None)
-    monkeypatch.setattr(fcg, "_warned_missing_stale_stream_override", False)
+    monkeypatch.setattr(fcg_warmup, "_warned_missing_stale_stream_override", False)
     for name in ("curr_iteration", "cuda_graph", "result"):
         monkeypatch.setattr(
             fcg.FullCudaGraphWrapper,
@@ -133,7 +134,7 @@ def test_missing_api_is_said_once_at_info_and_capture_proceeds(capture_env, monk
     one line says so at INFO: no warning that capture may fail or that torch must change."""
     monkeypatch.delattr(torch.autograd.graph, FEATURE)
     wrapper = _wrapper(capture_env)
-    with caplog.at_level(logging.INFO, logger=fcg.logger.name):
+    with caplog.at_level(logging.INFO, logger=fcg_warmup.logger.name):
         _capture(wrapper, forward_only=False)  # training capture
         _capture(wrapper, forward_only=True)  # validation capture
         assert fcg.enable_stale_capture_stream_override() is False

@@ -21,8 +21,7 @@ from nccl_harness import run_ranks
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_symmetric as sym
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
-from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator import MaxPoolAllocator
-from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import ParameterGroup
+from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import MaxPoolAllocator, ParameterGroup
 
 CPU = torch.device("cpu")
 JOB_TIMEOUT_S = 180
@@ -223,7 +222,7 @@ def test_plan_check_and_rendezvous_precede_registration_and_first_use(events):
 
 def test_manual_registration_rendezvous_follows_registration(events, monkeypatch):
     buf = make_buffer(events.log, manual=True)
-    sym.stage_symmetric_max_pool(buf)
+    buf.maxpool_staging = sym.stage_symmetric_max_pool(buf)  # as ParamAndGradBuffer keeps it
     # Staging only allocates in manual mode: no rendezvous after the context yet.
     assert events.log[-1] == "pool:exit-register"
     del events.log[:]
@@ -247,6 +246,8 @@ def test_manual_registration_rendezvous_follows_registration(events, monkeypatch
 def test_manual_registration_without_staging_adds_no_rendezvous(events, monkeypatch):
     buf = make_buffer(events.log, manual=True)
     buf.ddp_config.megatron_fsdp_max_pool_double_buffer = False  # FixedPool-style buffer
+    buf.maxpool_staging = sym.stage_symmetric_max_pool(buf)
+    assert buf.maxpool_staging is None
     monkeypatch.setattr(pgb.nccl_allocator, "register_mem_pool", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     pgb.ParamAndGradBuffer.manual_buffer_registration(buf)
@@ -271,6 +272,7 @@ def test_fingerprint_is_deterministic_and_plan_sensitive():
 def capture_env(monkeypatch):
     """FullCudaGraphWrapper's CUDA pieces replaced by recorders (as test_stale_capture_stream)."""
     from megatron.core import full_cuda_graph as fcg
+    from megatron.core import full_cuda_graph_homes
 
     class FakeGraph:
         def register_generator_state(self, state):
@@ -297,7 +299,7 @@ def capture_env(monkeypatch):
     monkeypatch.setattr(fcg, "get_shared_capture_stream", lambda: None)
     monkeypatch.setattr(fcg, "get_graph_pool", lambda single: None)
     monkeypatch.setattr(fcg, "enable_stale_capture_stream_override", lambda: True)
-    monkeypatch.setattr(fcg, "_logged_strict_max_pool_homes", False)
+    monkeypatch.setattr(full_cuda_graph_homes, "_logged_strict_max_pool_homes", False)
     for name in ("curr_iteration", "cuda_graph", "result"):
         init = 0 if name == "curr_iteration" else None
         monkeypatch.setattr(fcg.FullCudaGraphWrapper, name, {"training": init, "validation": init})
@@ -339,7 +341,7 @@ def test_capture_sets_fail_on_home_miss_and_logs_once(events, capture_env, caplo
     allocs = fcg_allocs(chunks)
     assert len(allocs) == 4 and not any(a.fail_on_home_miss for a in allocs)
     seen: list[list[bool]] = []
-    with caplog.at_level("INFO", logger=fcg.logger.name):
+    with caplog.at_level("INFO", logger="megatron.core.full_cuda_graph_homes"):
         assert capture(fcg, chunks, False, seen) == "loss"  # training capture
         capture(fcg, chunks, True, seen)  # validation capture
     assert seen[0] == [False] * 4  # not yet strict while the capture records the graph
@@ -361,7 +363,7 @@ def test_capture_sets_fail_on_home_miss_and_logs_once(events, capture_env, caplo
 
 def test_capture_without_max_pool_is_silent(capture_env, caplog):
     fcg = capture_env
-    with caplog.at_level("INFO", logger=fcg.logger.name):
+    with caplog.at_level("INFO", logger="megatron.core.full_cuda_graph_homes"):
         capture(fcg, [torch.nn.Linear(1, 1)], False, [])
         assert fcg.make_max_pool_homes_strict([torch.nn.Linear(1, 1)]) == 0
     assert not [r for r in caplog.records if "home miss" in r.getMessage()]

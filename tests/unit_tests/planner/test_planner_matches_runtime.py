@@ -109,7 +109,7 @@ def test_lane_plans_equal_runtime_allocators(cpu_fsdp_buffer):
                                     grad_comm_dtype=buf.mp_policy.grad_comm_dtype)["lanes"][lanes]
             assert alloc.size == buf.live_unit_limit == lanes
             if lanes == 2:  # today's allocator and plan, which the shared lanes equal byte for byte
-                assert type(alloc) is mpa.MaxPoolAllocator
+                assert type(alloc) is pgb.MaxPoolAllocator
                 assert {d: n for (_, d), n in mine.arena_numel.items()} == alloc.plan.arena_numel
                 assert mine.offsets == alloc.plan.offsets
             else:

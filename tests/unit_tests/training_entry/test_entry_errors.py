@@ -61,7 +61,7 @@ def test_flag_errors_are_user_errors_naming_the_flag():
 def test_hfsdp_debug_shows_the_traceback():
     """The script's own run: exit status 2, and the traceback only because HFSDP_DEBUG=1 asks for it."""
     proc = pretrain("--megatron-fsdp-max-pool-double-buffer", debug=True)
-    assert proc.returncode == 2 and "Traceback" in proc.stderr and "_validate_max_pool_double_buffer" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" in proc.stderr and "validate_double_buffer_args" in proc.stderr
 
 
 @pytest.mark.skipif(HAVE_CUDA, reason="checks the message on a machine without CUDA")
