@@ -93,7 +93,7 @@ def lint_paths(pin: BasePin, patches: list[Patch], base_files: set[str], overlay
     edited there, not by patches."""
     out: list[LintProblem] = []
     present = set(base_files)
-    in_overlay = set(overlay.paths)
+    in_overlay = set(overlay.paths) - base_files  # an overlay copy of a base file is reported by lint_overlay
     for patch in patches:
         for old, new in patch.touched_files():
             path = new if old == "/dev/null" else old
