@@ -1,8 +1,9 @@
 """Install the hfsdp fork of megatron-core (``pip install -e .``).
 
-Before setuptools runs, ``megatron/`` is materialized from the pinned sdist plus
-``patches/series`` (a no-op when its stamp is current; an error, with the way out, when it has
-local edits). The distribution is ``megatron-core`` with a PEP 440 local version
+Before setuptools runs, ``megatron/`` is materialized from the pinned sdist, the overlay
+(``patches/overlay/``) and ``patches/series`` (a no-op when its stamp is current; an error, with
+the way out, when it has local edits). The sdist of this project carries ``patches/`` (MANIFEST.in),
+so an unpacked sdist materializes the same way. The distribution is ``megatron-core`` with a PEP 440 local version
 (``0.18.2+hfsdp.N``), so pip replaces an upstream wheel instead of installing a second copy.
 """
 
@@ -21,13 +22,27 @@ from hfsdp.patchset.materialize import materialize  # noqa: E402
 from hfsdp.patchset.project import Project  # noqa: E402
 
 PROJECT = Project(ROOT)
-PIN = PROJECT.pin()
 
-if os.environ.get("HFSDP_SKIP_MATERIALIZE") != "1":
-    try:
+
+def overlay_package_data() -> dict[str, list[str]]:
+    """The overlay's files that are not Python modules, as package data of their packages (setuptools takes
+    a package's .py files by itself, so every overlay module is in the wheel)."""
+    data: dict[str, list[str]] = {}
+    for path in PROJECT.overlay_files():
+        if not path.endswith(".py"):
+            folder, _, name = path.rpartition("/")
+            data.setdefault(folder.replace("/", "."), []).append(name)
+    return data
+
+
+try:
+    PIN = PROJECT.pin()
+    if os.environ.get("HFSDP_SKIP_MATERIALIZE") != "1":
         materialize(PROJECT, log=lambda line: print(line, file=sys.stderr))
-    except PatchsetError as exc:
-        sys.exit(f"\nhfsdp: cannot materialize megatron/: {exc.cause}\n  -> {exc.fix}\n")
+    PACKAGE_DATA = overlay_package_data()
+except PatchsetError as exc:
+    sys.exit(f"\nhfsdp: cannot materialize megatron/: {exc.cause}\n  -> {exc.fix}\n")
+PACKAGE_DATA.setdefault("megatron.core.datasets", []).append("helpers.cpp")
 
 setup(
     name=PIN.distribution,
@@ -40,7 +55,7 @@ setup(
         include=["megatron.core", "megatron.core.*", "megatron.training", "megatron.training.*", "hfsdp", "hfsdp.*"]
     ),
     include_package_data=True,
-    package_data={"megatron.core.datasets": ["helpers.cpp"]},
+    package_data=PACKAGE_DATA,
     install_requires=["torch>=2.6.0", "numpy", "packaging>=24.2"],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "pyyaml", "einops", "matplotlib",

@@ -1,22 +1,53 @@
-"""``check``: the series applies to a pristine base with no fuzz; against a newer upstream
-release, report which patches are already upstream (they reverse-apply) and which conflict."""
+"""``check``: the overlay and the series apply to a pristine base with no fuzz; against another upstream
+release, report which patches are already upstream (they reverse-apply) and which conflict, and which
+overlay files the release would clash with.
+
+[Note: the overlay against another release] An overlay file conflicts with a release when
+
+* the release has a file at its path (the overlay only adds files), or
+* it is a Python module that defines, at its top level, a name (class, function, or assignment in the
+  module's own body) that a module of the same package (folder) of the release also defines at its
+  top level. That is how a backport meets its upstream original under another file name: the fork's
+  ``maxpool_allocator.py`` defines ``MaxPoolAllocator`` and a later release defines its own
+  ``MaxPoolAllocator`` in ``param_and_grad_buffer.py`` beside it; both would be imported by the same
+  code, and only one can be meant.
+
+Names with a leading underscore (private, dunders) and the per-module logger names in
+``PER_MODULE_NAMES`` are not compared: every module has its own, and sharing them means nothing.
+Names bound only inside ``if``/``try`` blocks are not compared either. A release module that this
+Python cannot parse is named in a note, never silently counted as clean.
+"""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import tempfile
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 
 from . import gitops
-from .errors import PatchDoesNotApply, PatchsetError
+from .errors import PatchDoesNotApply, PatchsetError, SeriesError
+from .overlay import Overlay, source_name, taken_paths, write_files
 from .pin import BasePin
 from .project import Project
-from .source import check_version, locate_sdist, sha256_file
-from .tree import build_queue, extract_base
+from .series import Patch
+from .source import (
+    _download,
+    cache_dir,
+    check_version,
+    index_files,
+    is_offline,
+    locate_sdist,
+    sha256_file,
+    verify,
+    yank_note,
+)
+from .tree import OVERLAY_MESSAGE, build_queue, extract_base
 
 _VERSION = re.compile(r"^\d+\.\d+\.\d+\S*$")
+PER_MODULE_NAMES = frozenset({"logger", "log"})
 
 
 @dataclass(frozen=True)
@@ -27,12 +58,36 @@ class CheckResult:
     note: str = ""
 
 
+@dataclass(frozen=True)
+class OverlayConflict:
+    """An overlay file that clashes with another release (see the note)."""
+
+    path: str  # the overlay file, as its megatron/ path
+    reason: str  # what clashes, as a sentence fragment
+    files: tuple[str, ...]  # the release's files involved
+
+
+@dataclass
+class AgainstReport:
+    """What ``check --against`` found."""
+
+    version: str
+    patches: list[CheckResult] = field(default_factory=list)
+    overlay: list[OverlayConflict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. the release is yanked
+
+    @property
+    def conflicts(self) -> int:
+        return sum(r.state == "conflicts" for r in self.patches) + len(self.overlay)
+
+
 def check_base(project: Project, sdist: Path | None = None) -> int:
-    """Apply the whole series to a fresh pristine base; raise PatchDoesNotApply on failure."""
+    """Add the overlay and apply the whole series to a fresh pristine base; raise on failure. Returns the number
+    of patches."""
     pin = project.pin()
     patches = project.series()
     with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:  # not in the checkout: it may be read-only
-        build_queue(pin, locate_sdist(pin, sdist), patches, Path(tmp) / "queue")
+        build_queue(pin, locate_sdist(pin, sdist), patches, Path(tmp) / "queue", project.overlay())
     return len(patches)
 
 
@@ -51,41 +106,113 @@ def _newer_pin(pin: BasePin, target: str) -> tuple[BasePin, Path | None]:
     return dataclasses.replace(pin, version=target, filename=name, sha256="", url=""), None
 
 
-def check_against(project: Project, target: str) -> list[CheckResult]:
-    """Each patch against another release: already upstream, still applies, or conflicts."""
+def check_against(project: Project, target: str) -> AgainstReport:
+    """The overlay and each patch against another release: already upstream, still applies, or conflicts."""
     pin = project.pin()
+    overlay = project.overlay()
+    patches = project.series()
     other, path = _newer_pin(pin, target)
     if path is None:
         path = _download_unpinned(other)
-    results: list[CheckResult] = []
+    report = AgainstReport(other.version)
+    if (note := yank_note(other, other.filename)) is not None:
+        report.notes.append(note)
     with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:
         repo = Path(tmp) / "newer"
         repo.mkdir()
         gitops.init_repo(repo)
         extract_base(other, path, repo)
         gitops.commit_all(repo, "base\n")
-        for patch in project.series():
-            expected = patch.fields.get("Applied-Upstream", "no")
-            try:
-                gitops.apply_patch(repo, patch.name, patch.diff, reverse=True, check_only=True)
-                results.append(CheckResult(patch.name, "upstream", note=f"Applied-Upstream: {expected}"))
+        taken = taken_paths(repo, overlay.paths)
+        report.overlay = [OverlayConflict(p, f"{other.version} has a file at this path", (p,)) for p in taken]
+        report.overlay += _same_package_names(overlay, repo, other.version, report.notes)
+        write_files(repo, {p: text for p, text in overlay.files.items() if p not in taken})
+        gitops.commit_all(repo, OVERLAY_MESSAGE)
+        report.patches = [_check_patch(repo, patch, other.version) for patch in patches]
+    return report
+
+
+def _check_patch(repo: Path, patch: Patch, version: str) -> CheckResult:
+    """One patch on the release's queue at ``repo``: upstream (reverse-applies), applies (committed), declared
+    upstream by its header, or conflicts."""
+    expected = patch.fields.get("Applied-Upstream", "no")
+    try:
+        gitops.apply_patch(repo, patch.name, patch.diff, reverse=True, check_only=True)
+        return CheckResult(patch.name, "upstream", note=f"Applied-Upstream: {expected}")
+    except PatchDoesNotApply:
+        pass
+    declared = _declared_upstream(expected, version)
+    try:
+        gitops.apply_patch(repo, patch.name, patch.diff)
+        gitops.commit_all(repo, patch.stem + "\n")
+        return CheckResult(patch.name, "applies", note="declared upstream" if declared else "")
+    except PatchDoesNotApply as exc:
+        if declared:
+            # A clean-room backport is a rewrite of the upstream change, so it rarely
+            # reverse-applies; its header says the release has it. Verify, then drop.
+            return CheckResult(patch.name, "declared", tuple(exc.files), note=f"Applied-Upstream: {expected}")
+        return CheckResult(patch.name, "conflicts", tuple(exc.files))
+
+
+def top_level_names(source: str) -> set[str]:
+    """Names a module defines in its own body: classes, functions, assignment targets (see the note for
+    which are compared)."""
+    names: set[str] = set()
+
+    def bind(target: ast.expr) -> None:
+        if isinstance(target, ast.Name):
+            names.add(target.id)
+        elif isinstance(target, ast.Tuple | ast.List):
+            for item in target.elts:
+                bind(item)
+        elif isinstance(target, ast.Starred):
+            bind(target.value)
+
+    type_alias = getattr(ast, "TypeAlias", None)  # `type X = ...` (Python >= 3.12)
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                bind(target)
+        elif isinstance(node, ast.AnnAssign):
+            bind(node.target)
+        elif type_alias is not None and isinstance(node, type_alias):
+            bind(node.name)
+    return {n for n in names if not n.startswith("_") and n not in PER_MODULE_NAMES}
+
+
+def _same_package_names(overlay: Overlay, release: Path, version: str, notes: list[str]) -> list[OverlayConflict]:
+    """Overlay modules defining a name that a module of the same package of the release at ``release`` also
+    defines (see the note); modules of the release this Python cannot parse are named in ``notes``."""
+    out: list[OverlayConflict] = []
+    unparsed: set[str] = set()
+    for path, text in overlay.files.items():
+        package = release / PurePosixPath(path).parent
+        if not path.endswith(".py") or not package.is_dir():
+            continue
+        try:
+            ours = top_level_names(text)
+        except SyntaxError as exc:
+            raise SeriesError(f"{source_name(path)} is not valid Python (line {exc.lineno}: {exc.msg}), so the "
+                              "names it defines cannot be compared with the release's",
+                              "fix the file, then check again") from exc
+        for sibling in sorted(package.glob("*.py")):
+            rel = sibling.relative_to(release).as_posix()
+            if rel == path or not sibling.is_file():
                 continue
-            except PatchDoesNotApply:
-                pass
-            declared = _declared_upstream(expected, other.version)
             try:
-                gitops.apply_patch(repo, patch.name, patch.diff)
-                gitops.commit_all(repo, patch.stem + "\n")
-                results.append(CheckResult(patch.name, "applies", note="declared upstream" if declared else ""))
-            except PatchDoesNotApply as exc:
-                if declared:
-                    # A clean-room backport is a rewrite of the upstream change, so it rarely
-                    # reverse-applies; its header says the release has it. Verify, then drop.
-                    results.append(CheckResult(patch.name, "declared", tuple(exc.files),
-                                               note=f"Applied-Upstream: {expected}"))
-                else:
-                    results.append(CheckResult(patch.name, "conflicts", tuple(exc.files)))
-    return results
+                theirs = top_level_names(sibling.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                unparsed.add(rel)
+                continue
+            if common := sorted(ours & theirs):
+                out.append(OverlayConflict(
+                    path, f"defines {', '.join(common)}, which {version} also defines in {rel} (the same package)",
+                    (rel,)))
+    notes.extend(f"{rel} of {version} does not parse with this Python; the names it defines were not compared "
+                 "with the overlay's" for rel in sorted(unparsed))
+    return out
 
 
 def _version_tuple(text: str) -> tuple[int, ...] | None:
@@ -102,28 +229,15 @@ def _declared_upstream(applied_upstream: str, target_version: str) -> bool:
 
 def _download_unpinned(other: BasePin) -> Path:
     """Fetch another release's sdist; its sha256 comes from the index (no pin exists for it)."""
-    import json
-    import urllib.request
-
-    from .source import cache_dir, is_offline
-
     cached = cache_dir() / other.filename
     if cached.is_file():
         return cached
     if is_offline():
         raise PatchsetError(f"offline and {cached} is missing",
                             f"download {other.filename} elsewhere and pass its path")
-    req = urllib.request.Request(
-        f"{other.index_url.rstrip('/')}/{other.distribution}/",
-        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        files = json.load(resp).get("files", [])
-    entry = next((f for f in files if f.get("filename") == other.filename), None)
+    entry = next((f for f in index_files(other, 120) if f.get("filename") == other.filename), None)
     if entry is None:
         raise PatchsetError(f"{other.filename} is not on {other.index_url}", "check the version number")
-    from .source import _download, verify
-
     _download(entry["url"], cached, 120)
     verify(dataclasses.replace(other, sha256=entry["hashes"]["sha256"]), cached)
     return cached

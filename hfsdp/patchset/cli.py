@@ -1,7 +1,7 @@
 """``scripts/patchset`` / ``python -m hfsdp.patchset``: quilt/gbp-pq style verbs for the series.
 
 Verbs that write (materialize, refresh, export) hold the checkout's lock and write all or
-nothing; the read-only verbs (status, check, diff, lint) write nothing in the checkout, so
+nothing; the read-only verbs (status, check, diff, lint, overlay) write nothing in the checkout, so
 they work on a read-only one. Errors are two lines, cause and way out, exit status 2; set
 ``HFSDP_DEBUG=1`` for a traceback (hfsdp/usererror.py). README, "What the tools guarantee".
 
@@ -56,6 +56,10 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
     for name in st.applied:
         if name not in st.series:
             print(f"  [removed] {name} (applied, no longer in series)")
+    changed = f", {len(st.changed_overlay)} changed since the tree was built" if st.changed_overlay else ""
+    print(f"overlay: {st.overlay_files} file(s) in patches/overlay/{changed}")
+    for path, kind in st.changed_overlay.items():
+        print(f"  [{kind:7}] {path}")
     if st.base_mismatch:
         print(f"base:    STALE: {st.base_mismatch}")
     if st.fork_mismatch:
@@ -65,8 +69,9 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
         how = ("`scripts/patchset diff` / `refresh`" if st.up_to_date
                else "`scripts/patchset diff`, then see materialize's advice")
         print(f"edits:   {len(st.edits)} file(s) differ from the stamp -> {how}")
+        in_overlay = set(st.overlay_edits)
         for path, kind in st.edits.items():
-            print(f"  {kind:8} {path}")
+            print(f"  {kind:8} {path}" + (" (overlay)" if path in in_overlay else ""))
     else:
         print("edits:   none")
     if st.kept:
@@ -80,18 +85,25 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
 def _cmd_check(project: Project, args: argparse.Namespace) -> int:
     if args.against is None:
         count = check_base(project, args.sdist)
-        print(f"patchset: all {count} patches apply to a pristine {project.pin().filename} with no fuzz")
+        files = len(project.overlay_files())
+        print(f"patchset: the overlay ({files} files) and all {count} patches apply to a pristine "
+              f"{project.pin().filename} with no fuzz")
         return 0
-    results = check_against(project, args.against)
-    for r in results:
+    report = check_against(project, args.against)
+    for note in report.notes:
+        print(f"note:    {note}")
+    for r in report.patches:
         extra = f" ({', '.join(r.files)})" if r.files else (f" [{r.note}]" if r.note else "")
         print(f"  {r.state:9} {r.patch}{extra}")
-    tally = {state: sum(r.state == state for r in results)
+    for c in report.overlay:
+        print(f"  {'conflicts':9} overlay {c.path}: {c.reason}")
+    tally = {state: sum(r.state == state for r in report.patches)
              for state in ("upstream", "declared", "conflicts", "applies")}
     print(f"patchset: against {args.against}: {tally['upstream']} already upstream (reverse-apply; drop them), "
           f"{tally['declared']} declared upstream by Applied-Upstream (verify, then drop), "
-          f"{tally['conflicts']} conflict (rebase them), {tally['applies']} apply")
-    return 1 if tally["conflicts"] else 0
+          f"{tally['conflicts']} conflict (rebase them), {tally['applies']} apply; "
+          f"{len(report.overlay)} overlay conflict(s) (rename, move or drop those files)")
+    return 1 if report.conflicts else 0
 
 
 def _cmd_refresh(project: Project, args: argparse.Namespace) -> int:
@@ -115,9 +127,16 @@ def _cmd_diff(project: Project, args: argparse.Namespace) -> int:
 
 def _cmd_queue(project: Project, args: argparse.Namespace) -> int:
     queue = continue_queue(project, args.dir) if args.cont else make_queue(project, args.dir, args.sdist)
-    print(f"patchset: queue at {args.dir}: base {queue.base[:12]} (tag patchset/base) + all patches as commits")
+    print(f"patchset: queue at {args.dir}: base {queue.base[:12]} (tag patchset/base), the overlay commit, then "
+          "one commit per patch")
     print("  edit with git (commit --fixup, rebase -i, new commits), "
           f"then `scripts/patchset export --queue {args.dir}`")
+    return 0
+
+
+def _cmd_overlay(project: Project, args: argparse.Namespace) -> int:
+    for path in project.overlay_files():
+        print(path)
     return 0
 
 
@@ -137,25 +156,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backup", action="store_true", help="move a foreign or edited tree to megatron.bak-* and rebuild")
     p.set_defaults(func=_cmd_materialize)
     sub.add_parser("status", help="applied vs series, stale stamp, local edits").set_defaults(func=_cmd_status)
-    p = sub.add_parser("check", help="series applies with no fuzz; --against VERSION|SDIST finds upstreamed patches")
+    p = sub.add_parser("check", help="overlay + series apply with no fuzz; --against VERSION|SDIST finds upstreamed "
+                                     "patches and overlay conflicts")
     p.add_argument("--against", default=None, metavar="VERSION|SDIST")
     p.set_defaults(func=_cmd_check)
-    p = sub.add_parser("refresh", help="fold edits made in megatron/ back into a patch")
+    p = sub.add_parser("refresh", help="fold edits made in megatron/ back into patches/overlay/ and the patches")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--patch", default=None, help="patch to fold the edits into (default: the one owning the files)")
     group.add_argument("--new", default=None, metavar="NAME", help="add the edits as a new patch at the end")
     p.add_argument("--description", default=None, help="Description line for --new")
     p.set_defaults(func=_cmd_refresh)
-    sub.add_parser("lint", help="DEP-3 headers valid; paths exist in the sdist").set_defaults(func=_cmd_lint)
-    p = sub.add_parser("diff", help="local edits in megatron/ as a patch (--series: the whole series)")
+    sub.add_parser("lint", help="DEP-3 headers valid; patches change only sdist files; the overlay only adds files"
+                   ).set_defaults(func=_cmd_lint)
+    sub.add_parser("overlay", help="the overlay's files as megatron/ paths (where they are materialized), one a line"
+                   ).set_defaults(func=_cmd_overlay)
+    p = sub.add_parser("diff", help="local edits in megatron/ as a patch (--series: the overlay, then the series)")
     p.add_argument("--series", action="store_true")
     p.set_defaults(func=_cmd_diff)
-    p = sub.add_parser("queue", help="gbp-pq import: a git repo with one commit per patch, for editing")
+    p = sub.add_parser("queue", help="gbp-pq import: a git repo (base, overlay commit, one commit per patch), "
+                                     "for editing")
     p.add_argument("--dir", type=Path, required=True, help="a new folder outside the checkout")
     p.add_argument("--continue", dest="cont", action="store_true",
                    help="after fixing the patch a queue stopped at: commit it and apply the rest")
     p.set_defaults(func=_cmd_queue)
-    p = sub.add_parser("export", help="gbp-pq export: rewrite patches/ and series from a queue (all or nothing)")
+    p = sub.add_parser("export", help="gbp-pq export: rewrite patches/, series and patches/overlay/ from a queue "
+                                      "(all or nothing)")
     p.add_argument("--queue", type=Path, required=True)
     p.add_argument("--drop", action="append", default=[], metavar="NAME.patch",
                    help="a patch of the series the queue no longer has, to be removed (repeatable)")

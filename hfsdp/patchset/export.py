@@ -3,16 +3,24 @@
 [Note: export writes all or nothing] Everything is checked before a byte is written:
 
 1. the queue's root commit is the pristine base, the queue is not stopped at a patch, and
-   every commit subject is a unique patch name;
-2. no patch file changed after the queue was made (the queue's state records the series; a
-   pull or an edit since would otherwise be undone);
+   every commit subject is a unique patch name, except the overlay commit's (``overlay``), which
+   comes right after the base ([Note: the queue] in tree.py);
+2. no patch or overlay file changed after the queue was made (the queue's state records the
+   series and the overlay; a pull or an edit since would otherwise be undone);
 3. every patch of the series is in the queue, or named with ``--drop`` (a queue that lacks
-   patches once made ``export`` delete them);
-4. the rendered patches, applied to a fresh pristine base, give exactly the queue's tree.
+   patches once made ``export`` delete them); a queue without an overlay commit is refused while
+   ``patches/overlay/`` has files (exporting it would delete them);
+4. the overlay commit only adds files, each one an overlay file ([Note: the overlay] in
+   overlay.py); a patch commit creates no file (new files belong in the overlay commit), except
+   those that the patch of the same name already creates in ``patches/`` (``lint`` names these,
+   and a queue of such a series still round-trips unchanged);
+5. the rendered overlay and patches, applied to a fresh pristine base, give exactly the queue's
+   tree.
 
-Then the new ``patches/`` (series included) is built beside the old one and swapped in with the
-guarded swap (swap.py). The same export is byte-identical every time, so review diffs show only
-real changes.
+Then the new ``patches/`` (series and overlay included) is built beside the old one and swapped in
+with the guarded swap (swap.py), against a snapshot of ``patches/`` taken before any of it was read:
+a file saved there while the queue was read and checked undoes the swap instead of being
+overwritten. The same export is byte-identical every time, so review diffs show only real changes.
 """
 
 from __future__ import annotations
@@ -27,9 +35,10 @@ from pathlib import Path
 
 from . import gitops
 from .errors import PatchsetError, SeriesError
+from .overlay import OVERLAY_DIR_NAME, OVERLAY_SUBJECT, Overlay, path_problem, read_overlay, source_name, write_files
 from .project import Project
 from .queue import BASE_TAG, read_state
-from .scan import scan
+from .scan import describe, scan
 from .series import NAME_RULE, Patch, is_patch_name, parse_header, parse_patch, patch_name, render_patch
 from .source import locate_sdist
 from .swap import TMP_PREFIX, swap_in
@@ -50,11 +59,13 @@ def today() -> str:
 
 @dataclass
 class ExportPlan:
-    """What an export will write: patch texts in series order, and the patches it removes."""
+    """What an export will write: patch texts in series order, the patches it removes, the overlay."""
 
     texts: dict[str, str]  # name -> file text, in order
     dropped: list[str]
-    tree: str  # the queue's HEAD tree, which the texts must reproduce
+    tree: str  # the queue's HEAD tree, which the overlay and the texts must reproduce
+    overlay: Overlay
+    series: str | None  # the new series file, or None to keep it as it is (same patches, same order)
 
     def patches(self, patches_dir: Path) -> list[Patch]:
         return [parse_patch(name, text, patches_dir / name) for name, text in self.texts.items()]
@@ -111,9 +122,94 @@ def _patch_from_commit(repo: Path, commit: str, parent: str, previous: Patch | N
     return f"{name}.patch", render_patch(header, diff)
 
 
+def _subject(repo: Path, commit: str) -> str:
+    return gitops.message(repo, commit).partition("\n")[0].strip()
+
+
+def split_queue(repo: Path, base: str) -> tuple[str | None, list[str]]:
+    """(the overlay commit, or None if the queue has none; the patch commits, oldest first)."""
+    commits = gitops.rev_list(repo, base)
+    misplaced = [c for c in commits[1:] if _subject(repo, c) == OVERLAY_SUBJECT]
+    if misplaced:
+        raise SeriesError(
+            f"queue commit {misplaced[0][:12]} of {repo} has the subject '{OVERLAY_SUBJECT}', but the overlay commit "
+            "comes right after the base; nothing was written",
+            f"move its line first, or fold it into the first one, in `git -C {repo} rebase -i {BASE_TAG}`, then "
+            f"`scripts/patchset export --queue {repo}` again",
+        )
+    if commits and _subject(repo, commits[0]) == OVERLAY_SUBJECT:
+        return commits[0], commits[1:]
+    return None, commits
+
+
+def overlay_of_commit(repo: Path, base: str, commit: str, members: tuple[str, ...]) -> Overlay:
+    """The files the overlay commit adds; it may only add overlay files (step 4 of the note)."""
+    changes = gitops.name_status(repo, base, commit)
+    if changed := [f"{status} {path}" for status, path in changes if status != "A"]:
+        raise SeriesError(
+            f"the overlay commit {commit[:12]} of {repo} changes or deletes files of the base; it may only add "
+            f"files. Nothing was written:\n{describe(changed)}",
+            f"move those changes into patch commits (`git -C {repo} rebase -i {BASE_TAG}`), then "
+            f"`scripts/patchset export --queue {repo}` again",
+        )
+    files: dict[str, str] = {}
+    refused: list[str] = []
+    for _, path in changes:
+        if (why := path_problem(path, members)) is not None:
+            refused.append(f"{path} {why}")
+            continue
+        try:
+            files[path] = gitops.blob(repo, commit, path).decode("utf-8")
+        except UnicodeDecodeError:
+            refused.append(f"{path} is not UTF-8 text")
+    if refused:
+        raise SeriesError(
+            f"the overlay commit {commit[:12]} of {repo} adds what cannot be an overlay file; nothing was "
+            f"written:\n{describe(refused)}",
+            f"remove those files from the overlay commit (`git -C {repo} rebase -i {BASE_TAG}`), then "
+            f"`scripts/patchset export --queue {repo}` again",
+        )
+    return Overlay.of(files)
+
+
+def _refuse_created_files(repo: Path, commit: str, parent: str, name: str, previous: Patch | None) -> None:
+    """A patch commit creates no file, except those the patch of that name already creates (step 4 of the note)."""
+    before = {new for old, new in previous.touched_files() if old == "/dev/null"} if previous is not None else set()
+    created = [path for status, path in gitops.name_status(repo, parent, commit)
+               if status == "A" and path not in before]
+    if created:
+        raise SeriesError(
+            f"queue commit {commit[:12]} ({name}) creates {', '.join(created)}; a file upstream does not have belongs "
+            "in the overlay commit. Nothing was written",
+            f"move it there: in `git -C {repo} rebase -i {BASE_TAG}` mark the overlay commit `edit`, add the file "
+            "there (`git commit --amend`), `git rebase --continue` (the patch commit then no longer creates it); "
+            f"then `scripts/patchset export --queue {repo}` again",
+        )
+
+
+def _refuse_changed_since(project: Project, repo: Path, then_series: list[list[str]],
+                          then_overlay: list[list[str]] | None) -> None:
+    """Step 2 of the note: patch or overlay files that changed after the queue was made."""
+    old = {p.name: p.sha256 for p in project.series()}
+    then = {name: sha256 for name, sha256 in then_series}
+    changed = sorted(n for n in set(then) | set(old) if then.get(n) != old.get(n))
+    if then_overlay is not None:
+        now_overlay, was = dict(project.overlay().digests()), {path: sha256 for path, sha256 in then_overlay}
+        changed += [source_name(p) for p in sorted(set(was) | set(now_overlay)) if was.get(p) != now_overlay.get(p)]
+    if changed:
+        raise PatchsetError(
+            f"patches changed after the queue {repo} was made ({', '.join(changed)}); exporting it would "
+            "undo those changes, so nothing was written",
+            "make a fresh queue from the current patches (`scripts/patchset queue --dir DIR`, DIR: a new "
+            "folder) and redo your queue changes there",
+        )
+
+
 def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist: Path | None = None,
-                check_state: bool = True) -> ExportPlan:
-    """Steps 1-3 of the note: what ``repo`` exports to; raises before anything is written."""
+                check_state: bool = True, keep: dict[str, str] | None = None) -> ExportPlan:
+    """Steps 1-4 of the note, then step 5 (:func:`validate`): what ``repo`` exports to; raises before anything
+    is written. ``keep`` (refresh): patch name -> its diff as the queue was built; a patch whose diff is still
+    that keeps its file byte for byte, and ``series`` is kept when it lists the same patches."""
     drop = tuple(patch_name(name, "--drop") for name in drop)
     repo = repo.absolute()
     base = _queue_base(repo)
@@ -130,19 +226,21 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
         )
     old = {p.name: p for p in project.series()}
     if state is not None:
-        then = {name: sha256 for name, sha256 in state.series}
-        changed_since = sorted(n for n in set(then) | set(old) if then.get(n) != (old[n].sha256 if n in old else None))
-        if changed_since:
-            raise PatchsetError(
-                f"patches changed after the queue {repo} was made ({', '.join(changed_since)}); exporting it would "
-                "undo those changes, so nothing was written",
-                "make a fresh queue from the current patches (`scripts/patchset queue --dir DIR`, DIR: a new "
-                "folder) and redo your queue changes there",
-            )
+        _refuse_changed_since(project, repo, state.series, state.overlay)
+    overlay_commit, patch_commits = split_queue(repo, base)
+    overlay = Overlay() if overlay_commit is None else overlay_of_commit(repo, base, overlay_commit,
+                                                                           project.pin().members)
+    if overlay_commit is None and (had := project.overlay_files()):
+        raise SeriesError(
+            f"the queue {repo} has no overlay commit (subject '{OVERLAY_SUBJECT}', right after the base), but "
+            f"patches/overlay/ has {len(had)} file(s); exporting would delete them, so nothing was written",
+            "make a new queue from the current patches (`scripts/patchset queue --dir DIR`, DIR: a new folder), "
+            "which has one, and redo your queue changes there",
+        )
     texts: dict[str, str] = {}
-    parent = base
-    for commit in gitops.rev_list(repo, base):
-        name_guess = gitops.message(repo, commit).partition("\n")[0].strip() + ".patch"
+    parent = base if overlay_commit is None else overlay_commit
+    for commit in patch_commits:
+        name_guess = _subject(repo, commit) + ".patch"
         previous = old.get(name_guess)
         fresh = gitops.diff_commits(repo, parent, commit).rstrip("\n")
         changed = previous is None or previous.diff.rstrip("\n") != fresh
@@ -150,7 +248,9 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
         if name in texts:
             raise SeriesError(f"two queue commits are both named {name}; nothing was written",
                               "give each patch commit a unique subject")
-        texts[name] = text
+        _refuse_created_files(repo, commit, parent, name, previous)
+        unchanged = keep is not None and previous is not None and keep.get(name) == fresh
+        texts[name] = previous.text if unchanged and previous is not None else text
         parent = commit
     unknown = sorted(set(drop) - set(old))
     if unknown:
@@ -170,7 +270,9 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
             + "; otherwise the queue is incomplete: make a new one with `scripts/patchset queue --dir DIR`",
         )
     _refuse_overwriting_unlisted(project, [n for n in texts if n not in old])
-    plan = ExportPlan(texts, sorted(drop), gitops.tree_of(repo, "HEAD"))
+    same_series = keep is not None and list(texts) == list(old)
+    series = None if same_series else SERIES_HEADER + "".join(f"{n}\n" for n in texts)
+    plan = ExportPlan(texts, sorted(drop), gitops.tree_of(repo, "HEAD"), overlay, series)
     validate(project, plan, sdist)
     return plan
 
@@ -188,21 +290,46 @@ def _refuse_overwriting_unlisted(project: Project, new_names: list[str]) -> None
 
 
 def validate(project: Project, plan: ExportPlan, sdist: Path | None = None) -> None:
-    """Step 4: the rendered patches rebuild exactly the queue's tree from a pristine base."""
+    """Step 5: the rendered overlay and patches rebuild exactly the queue's tree from a pristine base."""
     pin = project.pin()
     with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:
-        rebuilt = build_queue(pin, locate_sdist(pin, sdist), plan.patches(Path(tmp)), Path(tmp) / "check")
+        rebuilt = build_queue(pin, locate_sdist(pin, sdist), plan.patches(Path(tmp)), Path(tmp) / "check",
+                              plan.overlay)
         got = gitops.tree_of(rebuilt.repo, "HEAD")
     if got != plan.tree:
-        raise PatchsetError("the exported patches would not rebuild the queue's tree (tree "
+        raise PatchsetError("the exported overlay and patches would not rebuild the queue's tree (tree "
                             f"{got[:12]} != {plan.tree[:12]}); nothing was written",
                             "this is a bug in the tool; please report it with the queue")
 
 
-def write_plan(project: Project, plan: ExportPlan, rerun: str, log: Callable[[str], None]) -> None:
-    """Build the new patches/ beside the old one and swap it in (guarded)."""
+def _write_overlay(built: Path, members: tuple[str, ...], overlay: Overlay) -> list[str]:
+    """Make ``built/overlay`` (a copy of patches/overlay) hold exactly ``overlay``'s files: write the new and
+    changed ones, remove the ones it no longer has and the folders that leaves empty; anything else there (a
+    cache) stays. Returns the overlay paths written or removed."""
+    folder = built / OVERLAY_DIR_NAME
+    old = read_overlay(folder, members)
+    gone = [path for path in old.paths if path not in overlay.files]
+    for path in gone:
+        (folder / path).unlink()
+        for parent in (folder / path).parents:
+            if parent == built or any(parent.iterdir()):
+                break
+            parent.rmdir()
+    changed = {path: text for path, text in overlay.files.items() if old.files.get(path) != text}
+    write_files(folder, changed)
+    return sorted([*gone, *changed])
+
+
+def snapshot_patches(project: Project) -> dict:
+    """``patches/`` as the guarded swap compares it (swap.py): take it before anything in it is read, so that a
+    file saved there while the queue is built and checked undoes the swap instead of being overwritten."""
+    return scan(project.patches_dir, prefix="patches")
+
+
+def write_plan(project: Project, plan: ExportPlan, snapshot: dict, rerun: str, log: Callable[[str], None]) -> None:
+    """Build the new patches/ (patches, series, overlay) beside the old one and swap it in, guarded against
+    any change since ``snapshot`` (:func:`snapshot_patches`)."""
     target = project.patches_dir
-    snapshot = scan(target, prefix="patches")
     scratch = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=project.root))
     try:
         built = scratch / "patches"
@@ -211,18 +338,25 @@ def write_plan(project: Project, plan: ExportPlan, rerun: str, log: Callable[[st
             (built / name).unlink(missing_ok=True)
         for name, text in plan.texts.items():
             (built / name).write_text(text, encoding="utf-8")
-        (built / "series").write_text(SERIES_HEADER + "".join(f"{n}\n" for n in plan.texts), encoding="utf-8")
+        if plan.series is not None:
+            (built / "series").write_text(plan.series, encoding="utf-8")
+        overlay_changed = _write_overlay(built, project.pin().members, plan.overlay)
         swap_in(target, built, snapshot, lambda d: scan(d, prefix="patches"), rerun)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     for name in plan.dropped:
         log(f"patchset: removed {name} (--drop)")
+    if overlay_changed:
+        log(f"patchset: patches/overlay/: {len(overlay_changed)} file(s) written or removed "
+            f"(it holds {len(plan.overlay.files)})")
 
 
 def export_queue(project: Project, repo: Path, sdist: Path | None = None, drop: tuple[str, ...] = (),
                  log: Callable[[str], None] = print) -> list[str]:
     """gbp-pq export (see the note); the caller holds the checkout lock."""
+    snapshot = snapshot_patches(project)
     plan = plan_export(project, repo, drop, sdist)
-    write_plan(project, plan, f"scripts/patchset export --queue {repo.absolute()}", log)
-    log(f"patchset: exported {len(plan.texts)} patches to {project.patches_dir}")
+    write_plan(project, plan, snapshot, f"scripts/patchset export --queue {repo.absolute()}", log)
+    log(f"patchset: exported the overlay ({len(plan.overlay.files)} files) and {len(plan.texts)} patches to "
+        f"{project.patches_dir}")
     return list(plan.texts)

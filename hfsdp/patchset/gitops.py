@@ -38,15 +38,21 @@ _FAILED_FILE = re.compile(
 )
 
 
-def git(args: list[str], cwd: Path, check: bool = True, input_text: str | None = None,
-        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run git with a neutral environment; raise PatchsetError with git's words on failure."""
+def _git_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The neutral environment every git call runs in (git must be installed)."""
     if shutil.which("git") is None:
         raise ToolMissing("git is not installed", "install git (apt-get install git); it applies the patch series")
     env = {**os.environ, **_ENV, **(extra_env or {})}
     env.pop("GIT_DIR", None)
     env.pop("GIT_WORK_TREE", None)
     env.pop("GIT_INDEX_FILE", None)
+    return env
+
+
+def git(args: list[str], cwd: Path, check: bool = True, input_text: str | None = None,
+        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run git with a neutral environment; raise PatchsetError with git's words on failure."""
+    env = _git_env(extra_env)
     proc = subprocess.run(
         ["git", *_DIFF_OPTS, *args], cwd=cwd, env=env, text=True, capture_output=True, input=input_text
     )
@@ -120,3 +126,22 @@ def tree_of(repo: Path, rev: str) -> str:
 def changed_paths(repo: Path, old: str, new: str) -> list[str]:
     out = git(["diff", "--name-only", "--no-renames", old, new], cwd=repo).stdout
     return [line for line in out.splitlines() if line]
+
+
+def name_status(repo: Path, old: str, new: str) -> list[tuple[str, str]]:
+    """(status letter, path) of each file that differs between two commits: A added, M modified, D deleted,
+    T type changed (no renames; paths exactly as stored, whatever characters they hold)."""
+    out = git(["diff", "--name-status", "--no-renames", "-z", old, new], cwd=repo).stdout
+    fields = out.split("\0")
+    return [(fields[i][:1], fields[i + 1]) for i in range(0, len(fields) - 1, 2)]
+
+
+def blob(repo: Path, rev: str, path: str) -> bytes:
+    """The bytes of ``path`` at commit ``rev``."""
+    proc = subprocess.run(["git", "cat-file", "blob", f"{rev}:{path}"], cwd=repo, env=_git_env(), capture_output=True)
+    if proc.returncode != 0:
+        raise PatchsetError(f"git cat-file blob {rev}:{path} failed in {repo}: "
+                            f"{proc.stderr.decode('utf-8', 'replace').strip()}",
+                            "git's own message above says why; if the folder is not a queue made by "
+                            "`scripts/patchset queue`, make one")
+    return proc.stdout

@@ -35,10 +35,10 @@ def ensure_fork(project: Project | None = None) -> Path:
             f"remove the other copy (`pip uninstall -y megatron-core`), then `pip install -e {project.root}`",
         )
     stamp = read_stamp(project.root)
-    if stamp is None or not stamp.matches(project.pin(), project.series()):
+    if stamp is None or not stamp.matches(project.pin(), project.series(), project.overlay()):
         raise StaleTree(
             f"{project.megatron_dir} is {'not stamped' if stamp is None else 'stale'}: it does not match "
-            "patches/series and patches/base.toml",
+            "patches/series, patches/overlay/ and patches/base.toml",
             "run `scripts/patchset materialize` (or `pip install -e .`); `scripts/patchset status` says why",
         )
     return project.megatron_dir

@@ -1,4 +1,9 @@
-"""``lint``: DEP-3 headers are present and valid; patches touch only paths the sdist has."""
+"""``lint``: DEP-3 headers are present and valid; patches change only files the sdist has; the overlay
+only adds files, under the pinned members ([Note: the overlay] in overlay.py).
+
+A patch that creates a file, or touches a file of the overlay, is refused: a file upstream does not
+have is kept whole in ``patches/overlay/``, and edited there, never as a diff (or a diff of a diff).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import PatchsetError
+from .overlay import Overlay, scan_overlay, source_name
 from .pin import BasePin
 from .project import Project
 from .series import Patch, read_patch, read_series_names
@@ -82,19 +88,26 @@ def sdist_paths(pin: BasePin, sdist: Path) -> set[str]:
         }
 
 
-def lint_paths(pin: BasePin, patches: list[Patch], base_files: set[str]) -> list[LintProblem]:
-    """Each patch may only modify files that exist (in the sdist or created earlier in the series)."""
+def lint_paths(pin: BasePin, patches: list[Patch], base_files: set[str], overlay: Overlay) -> list[LintProblem]:
+    """Each patch may only modify files the sdist has; new files belong in the overlay, and overlay files are
+    edited there, not by patches."""
     out: list[LintProblem] = []
     present = set(base_files)
+    in_overlay = set(overlay.paths) - base_files  # an overlay copy of a base file is reported by lint_overlay
     for patch in patches:
         for old, new in patch.touched_files():
             path = new if old == "/dev/null" else old
             if not any(path.startswith(m + "/") for m in pin.members):
                 out.append(LintProblem(patch.name, f"touches {path}, outside {', '.join(pin.members)}"))
                 continue
+            if path in in_overlay:
+                out.append(LintProblem(patch.name, f"touches {path}, a file of the overlay: change "
+                                                   f"{source_name(path)} itself and drop it from the patch"))
+                continue
             if old == "/dev/null":
-                if new in present:
-                    out.append(LintProblem(patch.name, f"creates {new}, which already exists"))
+                out.append(LintProblem(patch.name, f"creates {new}; a file upstream does not have belongs in "
+                                                   f"the overlay: move it to {source_name(new)} and drop it from "
+                                                   "the patch"))
                 present.add(new)
             elif old not in present:
                 out.append(LintProblem(patch.name, f"modifies {old}, which does not exist in the {pin.filename} sdist"))
@@ -103,8 +116,25 @@ def lint_paths(pin: BasePin, patches: list[Patch], base_files: set[str]) -> list
     return out
 
 
+def lint_overlay(pin: BasePin, overlay: Overlay, base_files: set[str]) -> list[LintProblem]:
+    """The overlay only adds files: none may be a file of the sdist."""
+    return [LintProblem("overlay", f"{source_name(path)} is a file of the {pin.filename} sdist; the overlay only "
+                                   "adds files: make the change to it a patch and delete the overlay copy")
+            for path in overlay.paths if path in base_files]
+
+
+def lint_line_endings(patch: Patch) -> list[LintProblem]:
+    """A patch saved with CRLF line endings (its header or diff lines, not the content of a CRLF file)."""
+    structural = ("diff --git ", "index ", "--- ", "+++ ", "@@ ", "new file mode", "deleted file mode")
+    for number, line in enumerate(patch.text.split("\n"), start=1):
+        body = number <= patch.header_text.count("\n")
+        if line.endswith("\r") and (body or line.startswith(structural)):
+            return [LintProblem(patch.name, f"has CRLF line endings (line {number}); save it with LF endings")]
+    return []
+
+
 def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:
-    """All problems in the series; an empty list means clean."""
+    """All problems in the series and the overlay; an empty list means clean."""
     pin = project.pin()
     names = read_series_names(project.patches_dir / "series")
     problems: list[LintProblem] = []
@@ -120,5 +150,10 @@ def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:
             problems.append(LintProblem(name, exc.cause))
     for patch in patches:
         problems.extend(lint_header(patch))
-    problems.extend(lint_paths(pin, patches, sdist_paths(pin, locate_sdist(pin, sdist))))
+        problems.extend(lint_line_endings(patch))
+    overlay, overlay_problems = scan_overlay(project.overlay_dir, pin.members)
+    problems.extend(LintProblem("overlay", message) for message in overlay_problems)
+    base_files = sdist_paths(pin, locate_sdist(pin, sdist))
+    problems.extend(lint_overlay(pin, overlay, base_files))
+    problems.extend(lint_paths(pin, patches, base_files, overlay))
     return problems

@@ -48,7 +48,10 @@ class TreeStatus:
     applied: list[str] = field(default_factory=list)  # patch names in the stamp
     series: list[str] = field(default_factory=list)  # patch names in patches/series
     changed_patches: list[str] = field(default_factory=list)  # listed in both, file differs
+    overlay_files: int = 0  # files in patches/overlay/
+    changed_overlay: dict[str, str] = field(default_factory=dict)  # path -> changed/new/removed since the build
     edits: dict[str, str] = field(default_factory=dict)
+    overlay_edits: list[str] = field(default_factory=list)  # edits that refresh writes to patches/overlay/
     kept: dict[str, Entry] = field(default_factory=dict)  # not made by this tool; a rebuild keeps them
     base_mismatch: str | None = None
     fork_mismatch: str | None = None  # the tree's fork version differs from patches/base.toml's
@@ -91,29 +94,40 @@ def live_census(project: Project, stamp: Stamp, entries: dict[str, Entry] | None
     return census(entries, stamp.files, project.pin().members)
 
 
+def overlay_edits(edits: dict[str, str], stamp: Stamp) -> list[str]:
+    """The edits that belong to the overlay: of files the tree got from the overlay, and new files (which
+    ``refresh`` adds to the overlay)."""
+    built = dict(stamp.overlay)
+    return [path for path, kind in edits.items() if path in built or kind == "added"]
+
+
 def tree_status(project: Project) -> TreeStatus:
     """Read-only: nothing in the checkout is written."""
     require_real_tree(project)
     pin = project.pin()
     patches = project.series()
+    overlay = project.overlay()
     names = [p.name for p in patches]
     leftovers = litter.find(project.root, pin.members)
     if not project.megatron_dir.exists():
-        return TreeStatus(False, False, False, series=names, leftovers=leftovers)
+        return TreeStatus(False, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers)
     stamp = read_stamp(project.root)
     if stamp is None:
-        return TreeStatus(True, False, False, series=names, leftovers=leftovers)
+        return TreeStatus(True, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers)
     applied = dict(stamp.patches)
     current = dict(Stamp.expected_patches(patches))
     found = live_census(project, stamp)
     status = TreeStatus(
         exists=True,
         stamped=True,
-        up_to_date=stamp.matches(pin, patches),
+        up_to_date=stamp.matches(pin, patches, overlay),
         applied=[n for n, _ in stamp.patches],
         series=names,
         changed_patches=[n for n in names if n in applied and applied[n] != current[n]],
+        overlay_files=len(overlay.files),
+        changed_overlay=stamp.overlay_changes(overlay),
         edits=found.edits,
+        overlay_edits=overlay_edits(found.edits, stamp),
         kept=found.kept,
         leftovers=leftovers,
     )
@@ -165,19 +179,21 @@ def materialize(project: Project, sdist: Path | None = None, backup: bool = Fals
 
 
 def _report_up_to_date(project: Project, log: Callable[[str], None]) -> bool:
-    pin, patches = project.pin(), project.series()
+    pin, patches, overlay = project.pin(), project.series(), project.overlay()
     stamp = read_stamp(project.root) if project.megatron_dir.exists() else None
-    if stamp is None or not stamp.matches(pin, patches):
+    if stamp is None or not stamp.matches(pin, patches, overlay):
         return False
     edits = live_census(project, stamp).edits
     note = f"; {len(edits)} local edit(s) left as they are" if edits else ""
-    log(f"patchset: megatron/ is up to date ({pin.fork_version}, {len(patches)} patches); nothing to do{note}")
+    log(f"patchset: megatron/ is up to date ({pin.fork_version}, {len(overlay.files)} overlay files, "
+        f"{len(patches)} patches); nothing to do{note}")
     return True
 
 
 def _materialize(project: Project, sdist: Path | None, backup: bool, log: Callable[[str], None]) -> bool:
     pin = project.pin()
     patches = project.series()
+    overlay = project.overlay()
     target = project.megatron_dir
     if not backup:
         require_real_tree(project)
@@ -204,9 +220,9 @@ def _materialize(project: Project, sdist: Path | None, backup: bool, log: Callab
     started = time.monotonic()
     scratch = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=project.root))
     try:
-        queue = build_queue(pin, source, patches, scratch / "queue")
+        queue = build_queue(pin, source, patches, scratch / "queue", overlay)
         shutil.rmtree(queue.repo / ".git")
-        write_stamp_file(queue.repo, make_stamp(pin, patches, hash_files(queue.repo, pin.members)))
+        write_stamp_file(queue.repo, make_stamp(pin, patches, overlay, hash_files(queue.repo, pin.members)))
         built = queue.repo / "megatron"
         if clashing := conflicts(kept, queue.repo):
             if not backup:
@@ -228,8 +244,8 @@ def _materialize(project: Project, sdist: Path | None, backup: bool, log: Callab
         log(f"patchset: carried {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} not made by this tool into "
             "the new tree")
     log(
-        f"patchset: materialized megatron/ = {pin.distribution} {pin.version} + {len(patches)} patches "
-        f"-> {pin.fork_version} in {time.monotonic() - started:.1f}s"
+        f"patchset: materialized megatron/ = {pin.distribution} {pin.version} + {len(overlay.files)} overlay files "
+        f"+ {len(patches)} patches -> {pin.fork_version} in {time.monotonic() - started:.1f}s"
     )
     return True
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .overlay import OVERLAY_DIR_NAME, Overlay, read_overlay
 from .pin import BasePin, load_pin
 from .series import Patch, read_series
 
 
 @dataclass(frozen=True)
 class Project:
-    """A checkout: ``patches/`` (series + base pin) and the materialized ``megatron/``."""
+    """A checkout: ``patches/`` (series, base pin, overlay) and the materialized ``megatron/``."""
 
     root: Path
 
@@ -25,6 +26,11 @@ class Project:
         return self.root / "patches"
 
     @property
+    def overlay_dir(self) -> Path:
+        """``patches/overlay``: our whole files, at their ``megatron/`` paths ([Note: the overlay] in overlay.py)."""
+        return self.patches_dir / OVERLAY_DIR_NAME
+
+    @property
     def megatron_dir(self) -> Path:
         return self.root / "megatron"
 
@@ -33,3 +39,12 @@ class Project:
 
     def series(self) -> list[Patch]:
         return read_series(self.patches_dir)
+
+    def overlay(self) -> Overlay:
+        """The overlay's files and texts; an entry that cannot be an overlay file is refused (SeriesError)."""
+        return read_overlay(self.overlay_dir, self.pin().members)
+
+    def overlay_files(self) -> list[str]:
+        """The overlay's files as ``megatron/...`` paths relative to the checkout, sorted: where each is
+        materialized (e.g. for type checkers, which read the materialized copies)."""
+        return self.overlay().paths

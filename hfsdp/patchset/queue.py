@@ -1,4 +1,6 @@
-"""``queue``: the series as a git repository (gbp-pq import), one commit per patch, for editing.
+"""``queue``: the overlay and the series as a git repository (gbp-pq import), for editing: the base
+commit (tag ``patchset/base``), the overlay commit (subject ``overlay``: it adds the overlay's files,
+[Note: the queue] in tree.py), then one commit per patch.
 
 [Note: a queue that stops] ``queue --dir DIR`` builds the queue in a temporary folder beside
 DIR and renames it into place, so DIR is either complete or absent. When a patch does not
@@ -8,8 +10,9 @@ others in ``<file>.rej``, and records where it stopped in ``DIR/.git/patchset-qu
 ``queue --continue --dir DIR`` commits the fixed files as that patch and applies the rest,
 stopping again at the next patch that does not apply. ``export`` refuses a stopped queue.
 
-The state file also records the series the queue was made from; ``export`` refuses to write
-over patch files that changed after that (a pull, an edit), which it would otherwise undo.
+The state file also records the series and the overlay the queue was made from; ``export`` refuses
+to write over patch or overlay files that changed after that (a pull, an edit), which it would
+otherwise undo.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from .errors import PatchDoesNotApply, PatchsetError
 from .project import Project
 from .series import Patch, parse_patch
 from .source import locate_sdist
-from .tree import Queue, base_message, extract_base
+from .tree import Queue, start_queue
 
 STATE_FILE = "patchset-queue.json"
 BASE_TAG = "patchset/base"
@@ -39,6 +42,7 @@ class QueueState:
     """Kept in ``DIR/.git``: the series the queue was made from, and where it stopped, if it did."""
 
     series: list[list[str]]  # [name, sha256] of each patch file the queue was made from
+    overlay: list[list[str]] | None = None  # [path, sha256] of each overlay file (None: made by an older tool)
     stopped_at: str | None = None
     head_at_stop: str | None = None  # HEAD when it stopped (the commit before the stopped patch)
     pending: list[str] = field(default_factory=list)  # patches after stopped_at, in order
@@ -108,6 +112,7 @@ def make_queue(project: Project, dest: Path, sdist: Path | None = None) -> Queue
                             f"`scripts/patchset queue --dir {project.root.parent / (project.root.name + '-queue')}`")
     pin = project.pin()
     patches = project.series()
+    overlay = project.overlay()
     source = locate_sdist(pin, sdist)
     dest.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{dest.name}.patchset-tmp-", dir=dest.parent))
@@ -115,11 +120,11 @@ def make_queue(project: Project, dest: Path, sdist: Path | None = None) -> Queue
     stopped: QueueStopped | None = None
     try:
         repo.mkdir()
-        gitops.init_repo(repo)
-        extract_base(pin, source, repo)
-        queue = Queue(dest, gitops.commit_all(repo, base_message(pin)))
+        started = start_queue(pin, source, overlay, repo)
+        queue = Queue(dest, started.base, started.overlay)
         gitops.git(["tag", BASE_TAG, queue.base], cwd=repo)
-        state = QueueState(series=[[p.name, p.sha256] for p in patches])
+        state = QueueState(series=[[p.name, p.sha256] for p in patches],
+                           overlay=[[path, digest] for path, digest in overlay.digests()])
         _write_state(repo, state)
         try:
             _apply_from(repo, patches, state, queue, dest)

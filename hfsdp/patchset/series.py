@@ -18,18 +18,23 @@ HEADER_END = "---"
 # '-' and '.', starting with a letter or digit, no '..', at most 100 characters before ``.patch``.
 # Such a name cannot start a comment in ``series`` ('#'), leave ``patches/`` ('/', '..'), or need
 # quoting in a shell, so what ``refresh``/``export`` write is always read back as the same patch.
+# ``overlay.patch`` is reserved: ``overlay`` is the subject of every queue's overlay commit
+# ([Note: the queue] in tree.py), which must never be read as a patch.
 _PATCH_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{0,99}\.patch")
-NAME_RULE = "lowercase letters, digits, '-' and '.' (no '..'), starting with a letter or digit"
+RESERVED_NAMES = ("overlay.patch",)
+NAME_RULE = ("lowercase letters, digits, '-' and '.' (no '..'), starting with a letter or digit, "
+             "not 'overlay'")
 
 
 def is_patch_name(name: str) -> bool:
     """Whether ``name`` (a file name, ``.patch`` included) follows the note's rule."""
-    return _PATCH_NAME.fullmatch(name) is not None and ".." not in name
+    return _PATCH_NAME.fullmatch(name) is not None and ".." not in name and name not in RESERVED_NAMES
 
 
 def _suggest(text: str) -> str:
     """A name that follows the rule, made from ``text`` (for error messages)."""
-    return re.sub(r"[^a-z0-9]+", "-", text.lower().removesuffix(".patch")).strip("-")[:100] or "my-change"
+    name = re.sub(r"[^a-z0-9]+", "-", text.lower().removesuffix(".patch")).strip("-")[:100] or "my-change"
+    return "my-overlay-change" if f"{name}.patch" in RESERVED_NAMES else name
 
 
 def patch_name(text: str, option: str) -> str:

@@ -112,18 +112,43 @@ def _download(url: str, dest: Path, timeout: float) -> None:
             os.unlink(tmp_name)
 
 
-def _index_url_for(pin: BasePin, timeout: float) -> str | None:
-    """Ask the PEP 691 JSON simple index for the sdist's URL."""
+def index_files(pin: BasePin, timeout: float) -> list[dict]:
+    """The files the PEP 691 JSON simple index lists for the pin's distribution (each a dict with
+    ``filename``, ``url``, ``hashes`` and, where the release was withdrawn, a truthy ``yanked``)."""
     req = urllib.request.Request(
         f"{pin.index_url.rstrip('/')}/{pin.distribution}/",
         headers={"Accept": "application/vnd.pypi.simple.v1+json"},
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         files = json.load(resp).get("files", [])
-    for entry in files:
+    return [entry for entry in files if isinstance(entry, dict)] if isinstance(files, list) else []
+
+
+def _index_url_for(pin: BasePin, timeout: float) -> str | None:
+    """Ask the PEP 691 JSON simple index for the sdist's URL."""
+    for entry in index_files(pin, timeout):
         if entry.get("filename") == pin.filename:
             return str(entry["url"])
     return None
+
+
+def yank_note(pin: BasePin, filename: str, env: Mapping[str, str] | None = None, timeout: float = 15.0) -> str | None:
+    """A sentence when the index says ``filename`` is yanked (PEP 592: pip installs a yanked release only when
+    pinned exactly) or cannot be asked; None when it is listed and not yanked, or not listed at all."""
+    where = pin.index_url.rstrip("/")
+    if is_offline(env):
+        return f"whether {filename} is yanked on {where} is unknown (offline: MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX)"
+    try:
+        files = index_files(pin, timeout)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return f"whether {filename} is yanked on {where} is unknown (the index did not answer: {exc})"
+    entry = next((f for f in files if f.get("filename") == filename), None)
+    yanked = None if entry is None else entry.get("yanked")
+    if not yanked:
+        return None
+    reason = f" ({yanked})" if isinstance(yanked, str) and yanked.strip() else ""
+    return (f"{filename} is yanked on {where}{reason}: pip installs it only when pinned exactly, so few users "
+            "run it; compare against a release that is not yanked")
 
 
 def locate_sdist(

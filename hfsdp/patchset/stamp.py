@@ -1,10 +1,17 @@
 """The stamp of a materialized tree: what it was built from, and the text of every patch applied.
 
-``megatron/.patchset-stamp.json`` (schema 2) holds the base pin, the fork version, the applied
-patches (name + sha256, in order), the sha256 of every file the build wrote, and the applied
-patches' full text. The texts let ``diff`` rebuild the tree *as it was built*, so local edits are
-always shown against that tree, even after ``patches/`` changed (a pull): a diff against the new
-series would silently undo the pulled change. Schema-1 stamps (no texts) are still read.
+``megatron/.patchset-stamp.json`` (schema 3) holds the base pin, the fork version, the applied
+patches (name + sha256, in order), the overlay's files (path + sha256, [Note: the overlay] in
+overlay.py), the sha256 of every file the build wrote, and the full text of the applied patches and
+of the overlay's files. The texts let ``diff`` rebuild the tree *as it was built*, so local edits
+are always shown against that tree, even after ``patches/`` changed (a pull): a diff against the
+new series or overlay would silently undo the pulled change.
+
+[Note: older stamps] Schema-1 stamps (no texts) and schema-2 stamps (no overlay) are still read.
+The tools that wrote them never copied an overlay, so such a tree was built with none: it is read
+as having an empty overlay, which is the truth. A checkout that has overlay files therefore finds
+such a tree stale, and rebuilds it (``materialize``) or refuses over its edits, as for a changed
+patch. Any other schema is a :class:`CorruptStamp`.
 
 A stamp that is not a JSON object of this shape is a :class:`CorruptStamp`, never a traceback.
 """
@@ -13,18 +20,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hfsdp.atomic import write_text_atomic
 
 from .errors import PatchsetError
+from .overlay import Overlay, text_sha256
 from .pin import BasePin
 from .scan import STAMP_NAME
 from .series import Patch
 
-STAMP_SCHEMA = 2
-_READABLE_SCHEMAS = (1, 2)
+STAMP_SCHEMA = 3
+_READABLE_SCHEMAS = (1, 2, 3)
 
 
 class CorruptStamp(PatchsetError):
@@ -41,18 +49,42 @@ class Stamp:
     patches: tuple[tuple[str, str], ...]  # (name, sha256 of the patch file), in order
     files: dict[str, str]
     texts: dict[str, str] | None = None  # name -> patch text as applied (None: schema-1 stamp)
+    overlay: tuple[tuple[str, str], ...] = ()  # (path, sha256) of each overlay file, in path order
+    overlay_texts: dict[str, str] = field(default_factory=dict)  # path -> overlay file text as built
+    checkout: Path | None = field(default=None, compare=False)  # the checkout it was read from, if known
 
     @staticmethod
     def expected_patches(patches: list[Patch]) -> tuple[tuple[str, str], ...]:
         return tuple((p.name, p.sha256) for p in patches)
 
-    def matches(self, pin: BasePin, patches: list[Patch]) -> bool:
+    def matches(self, pin: BasePin, patches: list[Patch], overlay: Overlay | None = None) -> bool:
+        """Whether the tree is what ``pin``, ``patches`` and ``overlay`` build. ``overlay`` None: the overlay of
+        the checkout the stamp was read from (the import guard of the fork-identity patch calls this with
+        two arguments)."""
+        if overlay is None:
+            assert self.checkout is not None, "Stamp.matches needs the overlay of a stamp read from no checkout"
+            from .project import Project  # project.py imports the series and pin modules; stamp.py is below them
+
+            overlay = Project(self.checkout).overlay()
         return (
             self.base_version == pin.version
             and self.sdist_sha256 == pin.sha256
             and self.fork_version == pin.fork_version  # a new [fork] release restamps the tree
             and self.patches == self.expected_patches(patches)
+            and self.overlay == overlay.digests()
         )
+
+    def overlay_changes(self, overlay: Overlay) -> dict[str, str]:
+        """Overlay files that differ between the tree as built and ``overlay``: path -> changed/new/removed."""
+        built, now = dict(self.overlay), dict(overlay.digests())
+        changes = {path: "changed" for path in built if path in now and now[path] != built[path]}
+        changes.update({path: "new" for path in now if path not in built})
+        changes.update({path: "removed" for path in built if path not in now})
+        return dict(sorted(changes.items()))
+
+    def built_overlay(self) -> Overlay:
+        """The overlay the tree was built with (from the recorded texts; see [Note: older stamps])."""
+        return Overlay.of(self.overlay_texts)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -64,15 +96,17 @@ class Stamp:
                 "patches": [{"name": n, "sha256": h} for n, h in self.patches],
                 "files": self.files,
                 "patch_texts": self.texts or {},
+                "overlay": [{"path": p, "sha256": h} for p, h in self.overlay],
+                "overlay_texts": self.overlay_texts,
             },
             indent=1,
             sort_keys=True,
         ) + "\n"
 
 
-def make_stamp(pin: BasePin, patches: list[Patch], files: dict[str, str]) -> Stamp:
+def make_stamp(pin: BasePin, patches: list[Patch], overlay: Overlay, files: dict[str, str]) -> Stamp:
     return Stamp(pin.version, pin.sha256, pin.fork_version, Stamp.expected_patches(patches), files,
-                 {p.name: p.text for p in patches})
+                 {p.name: p.text for p in patches}, overlay.digests(), dict(overlay.files))
 
 
 def write_stamp_file(tree_root: Path, stamp: Stamp) -> None:
@@ -90,11 +124,12 @@ def _corrupt(path: Path, why: str) -> CorruptStamp:
 
 def read_stamp(tree_root: Path) -> Stamp | None:
     """The stamp of ``tree_root/megatron``, or None if absent. A malformed stamp is a CorruptStamp."""
-    return read_stamp_file(tree_root / "megatron" / STAMP_NAME)
+    return read_stamp_file(tree_root / "megatron" / STAMP_NAME, checkout=tree_root)
 
 
-def read_stamp_file(path: Path) -> Stamp | None:
-    """A stamp file (also one inside a parked tree), or None if absent."""
+def read_stamp_file(path: Path, checkout: Path | None = None) -> Stamp | None:
+    """A stamp file (also one inside a parked tree), or None if absent; ``checkout``: the checkout whose tree
+    it stamps, if known (see :meth:`Stamp.matches`)."""
     if not path.is_file():
         return None
     try:
@@ -126,4 +161,23 @@ def read_stamp_file(path: Path) -> Stamp | None:
             raise _corrupt(path, f"the recorded text of {', '.join(bad)} does not match its sha256")
     else:
         texts = None
-    return Stamp(data["base_version"], data["sdist_sha256"], data["fork_version"], pairs, dict(files), texts)
+    overlay, overlay_texts = _read_overlay(path, data)
+    return Stamp(data["base_version"], data["sdist_sha256"], data["fork_version"], pairs, dict(files), texts,
+                 overlay, overlay_texts, checkout)
+
+
+def _read_overlay(path: Path, data: dict) -> tuple[tuple[tuple[str, str], ...], dict[str, str]]:
+    """The overlay a stamp records: (path, sha256) pairs and texts; none before schema 3 ([Note: older stamps])."""
+    if data["schema"] < 3:
+        return (), {}
+    entries, texts = data.get("overlay"), data.get("overlay_texts")
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("sha256"), str)
+            for e in entries):
+        raise _corrupt(path, "'overlay' must be a list of {path, sha256}")
+    if not isinstance(texts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in texts.items()):
+        raise _corrupt(path, "'overlay_texts' must map overlay paths to text")
+    pairs = tuple((e["path"], e["sha256"]) for e in entries)
+    if [p for p, _ in pairs] != sorted(texts) or any(text_sha256(texts[p]) != h for p, h in pairs):
+        raise _corrupt(path, "the recorded overlay texts do not match the overlay's paths and sha256s")
+    return pairs, texts

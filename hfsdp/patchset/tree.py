@@ -1,9 +1,11 @@
 """Build a patched tree: extract the verified sdist, apply the series as queue commits, stamp it.
 
 [Note: the queue] Every build is a throw-away git repository whose first commit is the
-pristine upstream tree and whose next commits are the patches, one each, in series order
-(gbp-pq / Electron style). Materializing copies its work tree; ``refresh`` and ``export``
-edit its commits and write them back as patch files.
+pristine upstream tree, whose second commit (subject ``overlay``) adds the overlay's files
+([Note: the overlay] in overlay.py), and whose next commits are the patches, one each, in series
+order (gbp-pq / Electron style). The overlay commit is there even when the overlay is empty, so
+every queue has the same shape. Materializing copies its work tree; ``refresh`` and ``export``
+edit its commits and write them back as the overlay, patch files and ``series``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path, PurePosixPath
 
 from . import gitops
 from .errors import WrongBaseVersion
+from .overlay import OVERLAY_SUBJECT, Overlay, add_to_tree
 from .pin import BasePin
 from .scan import STAMP_NAME  # noqa: F401  (re-exported)
 from .series import Patch
@@ -83,10 +86,11 @@ def extract_base(pin: BasePin, sdist: Path, dest: Path) -> None:
 
 @dataclass
 class Queue:
-    """A built patch queue: the repo, its base commit and one commit per applied patch."""
+    """A built patch queue: the repo, its base commit, its overlay commit and one commit per applied patch."""
 
     repo: Path
     base: str
+    overlay: str = ""  # the overlay commit (see the note)
     commits: list[tuple[str, str]] = field(default_factory=list)  # (patch name, commit id)
 
 
@@ -94,12 +98,23 @@ def base_message(pin: BasePin) -> str:
     return f"{BASE_SUBJECT}\n\nPristine {pin.filename} ({', '.join(pin.members)}), sha256 {pin.sha256}\n"
 
 
-def build_queue(pin: BasePin, sdist: Path, patches: list[Patch], repo: Path) -> Queue:
-    """Extract the base into a fresh repo at ``repo`` and commit each patch on top."""
-    repo.mkdir(parents=True, exist_ok=False)
+OVERLAY_MESSAGE = (f"{OVERLAY_SUBJECT}\n\nFiles upstream does not have (patches/overlay/), added to the base; "
+                   "the patches follow.\n")
+
+
+def start_queue(pin: BasePin, sdist: Path, overlay: Overlay, repo: Path) -> Queue:
+    """A fresh repo at ``repo`` (an existing empty folder) holding the base commit and the overlay commit."""
     gitops.init_repo(repo)
     extract_base(pin, sdist, repo)
-    queue = Queue(repo, gitops.commit_all(repo, base_message(pin)))
+    base = gitops.commit_all(repo, base_message(pin))
+    add_to_tree(repo, overlay, pin.filename)
+    return Queue(repo, base, gitops.commit_all(repo, OVERLAY_MESSAGE))
+
+
+def build_queue(pin: BasePin, sdist: Path, patches: list[Patch], repo: Path, overlay: Overlay) -> Queue:
+    """Extract the base into a fresh repo at ``repo``, add the overlay and commit each patch on top."""
+    repo.mkdir(parents=True, exist_ok=False)
+    queue = start_queue(pin, sdist, overlay, repo)
     for patch in patches:
         gitops.apply_patch(repo, patch.name, patch.diff)
         body = patch.header_text.rstrip("\n")

@@ -88,6 +88,29 @@ TRAIN_PATCH = textwrap.dedent(
 )
 
 
+# Whole files of the fork (patches/overlay/), at their megatron/ paths: a module in a package the base has,
+# and one in a package of its own.
+OVERLAY_FILES = {
+    "megatron/core/maxpool_allocator.py": textwrap.dedent(
+        """\
+        import logging
+
+        logger = logging.getLogger(__name__)
+        POOL_LANES = 2
+
+
+        class MaxPoolAllocator:
+            def allocate(self, size):
+                return bytearray(size)
+
+
+        def _private_helper():
+            return None
+        """),
+    "megatron/training/fork/teardown.py": "def tear_down():\n    return 'clean'\n",
+}
+
+
 @dataclass
 class Env:
     project: Project
@@ -98,6 +121,13 @@ class Env:
         for name, text in patches.items():
             (self.project.patches_dir / name).write_text(text)
         (self.project.patches_dir / "series").write_text("# test series\n" + "".join(f"{n}\n" for n in patches))
+
+    def write_overlay(self, files: dict[str, str]) -> None:
+        """Add (or replace) files of patches/overlay/, keyed by their megatron/ path."""
+        for path, text in files.items():
+            target = self.project.overlay_dir / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
 
     def series_with(self, alloc: str = ALLOC_PATCH, desc: str = "Add maxpool flag") -> None:
         """The two-patch series with another alloc.patch (as a pull or an edit of it would make it)."""
@@ -149,6 +179,13 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Env:
     monkeypatch.setenv("MEGATRON_PATCHSET_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1795000000")
     return env
+
+
+@pytest.fixture
+def overlaid(fake: Env) -> Env:
+    """The fake project with an overlay of two files (OVERLAY_FILES)."""
+    fake.write_overlay(OVERLAY_FILES)
+    return fake
 
 
 def tree_digest(root: Path) -> dict[str, str]:

@@ -258,3 +258,97 @@ def test_symlinked_folder_inside_the_tree_both_ways_out(fake: Env, capsys) -> No
     assert os.readlink(kept / "core") == str(root / "core-elsewhere")
     assert (root / "core-elsewhere" / "__init__.py").read_text() == "VALUE = 8  # mine\n"
     assert main(["--root", str(root), "status"]) == 0
+
+
+# --- The overlay (patches/overlay/).
+
+ALLOCATOR = "megatron/core/maxpool_allocator.py"
+
+
+def test_an_overlay_file_over_a_base_file(overlaid: Env, capsys) -> None:
+    """Delete the overlay copy; the change to the upstream file goes into a patch."""
+    main(["--root", str(overlaid.project.root), "materialize"])
+    overlaid.write_overlay({"megatron/core/alloc.py": "replaced = True\n"})
+    err = error_of(overlaid, capsys, "materialize")
+    assert commands(err.split("-> ", 1)[1]) == ["scripts/patchset refresh"]
+    (overlaid.project.overlay_dir / "megatron/core/alloc.py").unlink()  # the manual step
+    alloc = overlaid.project.megatron_dir / "core" / "alloc.py"
+    alloc.write_text(alloc.read_text() + "replaced = True\n")
+    assert run_advice(overlaid, "scripts/patchset refresh", capsys) == 0
+    assert "+replaced = True" in (overlaid.project.patches_dir / "alloc.patch").read_text()
+    assert main(["--root", str(overlaid.project.root), "status"]) == 0
+
+
+def test_what_cannot_be_an_overlay_file(overlaid: Env, capsys) -> None:
+    (overlaid.project.overlay_dir / "NOTES.md").write_text("notes\n")
+    err = error_of(overlaid, capsys, "materialize")
+    assert commands(err.split("-> ", 1)[1]) == ["scripts/patchset lint"]
+    assert run_advice(overlaid, "scripts/patchset lint", capsys) == 1
+    assert "patches/overlay/NOTES.md is outside" in capsys.readouterr().out
+    (overlaid.project.overlay_dir / "NOTES.md").unlink()
+    assert main(["--root", str(overlaid.project.root), "materialize"]) == 0
+
+
+def test_a_new_file_that_is_not_text(overlaid: Env, capsys) -> None:
+    main(["--root", str(overlaid.project.root), "materialize"])
+    blob = overlaid.project.megatron_dir / "core" / "weights.py"
+    blob.write_bytes(b"\xff\xfe\x00")
+    before = {p: p.read_bytes() for p in overlaid.project.patches_dir.rglob("*") if p.is_file()}
+    err = error_of(overlaid, capsys, "refresh")
+    assert {p: p.read_bytes() for p in overlaid.project.patches_dir.rglob("*") if p.is_file()} == before
+    assert commands(err.split("-> ", 1)[1]) == ["scripts/patchset refresh"]
+    os.rename(blob, overlaid.project.root / "weights.bin")  # moved out of megatron/
+    assert run_advice(overlaid, "scripts/patchset refresh", capsys) == 0
+
+
+def test_a_new_file_where_a_patch_deletes_one(fake: Env, tmp_path: Path, capsys) -> None:
+    deletes = ("diff --git a/megatron/training/train.py b/megatron/training/train.py\ndeleted file mode 100644\n"
+               "--- a/megatron/training/train.py\n+++ /dev/null\n@@ -1,2 +0,0 @@\n-def train():\n"
+               "-    return 'upstream'\n")
+    fake.write_series({"alloc.patch": patch_text("Add maxpool flag", ALLOC_PATCH),
+                       "train.patch": patch_text("Drop training", deletes)})
+    main(["--root", str(fake.project.root), "materialize"])
+    (fake.project.megatron_dir / "training").mkdir(exist_ok=True)  # the patch emptied it
+    (fake.project.megatron_dir / "training" / "train.py").write_text("def train():\n    return 'back'\n")
+    err = error_of(fake, capsys, "refresh")
+    assert "the megatron_core-0.18.2.tar.gz sdist has it" in err
+    queue, export = commands(err.split("-> ", 1)[1])
+    assert run_advice(fake, queue, capsys, DIR=str(tmp_path / "q")) == 0
+    assert run_advice(fake, export, capsys, DIR=str(tmp_path / "q")) == 0
+    assert fake.project.overlay_files() == []
+
+
+def test_an_overlay_edit_under_a_patch_that_changes_it(overlaid: Env, tmp_path: Path, capsys) -> None:
+    later = ("diff --git a/megatron/core/maxpool_allocator.py b/megatron/core/maxpool_allocator.py\n"
+             "--- a/megatron/core/maxpool_allocator.py\n+++ b/megatron/core/maxpool_allocator.py\n"
+             "@@ -1,7 +1,7 @@\n import logging\n \n logger = logging.getLogger(__name__)\n-POOL_LANES = 2\n"
+             "+POOL_LANES = 'patched'\n \n \n class MaxPoolAllocator:\n")
+    overlaid.write_series({"alloc.patch": patch_text("Add maxpool flag", ALLOC_PATCH),
+                           "train.patch": patch_text("Fork training", TRAIN_PATCH),
+                           "lanes.patch": patch_text("Patch an overlay file", later)})
+    main(["--root", str(overlaid.project.root), "materialize"])
+    edited = overlaid.project.root / ALLOCATOR
+    edited.write_text(edited.read_text().replace("POOL_LANES = 'patched'", "POOL_LANES = 'mine'"))
+    before = {p: p.read_bytes() for p in overlaid.project.patches_dir.rglob("*") if p.is_file()}
+    err = error_of(overlaid, capsys, "refresh")
+    assert {p: p.read_bytes() for p in overlaid.project.patches_dir.rglob("*") if p.is_file()} == before
+    lint, queue, export = commands(err.split("-> ", 1)[1])
+    assert run_advice(overlaid, lint, capsys) == 1
+    assert f"lanes.patch: touches {ALLOCATOR}, a file of the overlay" in capsys.readouterr().out
+    assert run_advice(overlaid, queue, capsys, DIR=str(tmp_path / "q")) == 0
+    assert run_advice(overlaid, export, capsys, DIR=str(tmp_path / "q")) == 0
+    assert edited.read_text().count("POOL_LANES = 'mine'") == 1  # the edit is where it was
+
+
+def test_a_queue_without_overlay_commit(overlaid: Env, tmp_path: Path, capsys) -> None:
+    old = tmp_path / "old"
+    main(["--root", str(overlaid.project.root), "queue", "--dir", str(old)])
+    first = subprocess.run(["git", "-C", str(old), "rev-list", "--reverse", "patchset/base..HEAD"],
+                           capture_output=True, text=True, check=True).stdout.split()[0]
+    subprocess.run(["git", "-C", str(old), "-c", "user.name=t", "-c", "user.email=t@t", "rebase", "-q", "--onto",
+                    "patchset/base", first], check=True)  # as a queue of an older tool: no overlay commit
+    err = error_of(overlaid, capsys, "export", "--queue", str(old))
+    (step,) = commands(err.split("-> ", 1)[1])
+    assert run_advice(overlaid, step, capsys, DIR=str(tmp_path / "new")) == 0
+    assert main(["--root", str(overlaid.project.root), "export", "--queue", str(tmp_path / "new")]) == 0
+    assert (overlaid.project.overlay_dir / ALLOCATOR).is_file()

@@ -131,7 +131,7 @@ def test_check_against_newer_release_finds_upstreamed_patches(fake: Env, tmp_pat
         "line_20 = 20\n", "line_20 = 20\nmaxpool = True\n")
     newer["megatron/training/train.py"] = "def train():\n    return 'rewritten upstream'\n"
     sdist = make_sdist(tmp_path, version="0.19.0", files=newer)
-    results = {r.patch: r for r in check_against(fake.project, str(sdist))}
+    results = {r.patch: r for r in check_against(fake.project, str(sdist)).patches}
     assert results["alloc.patch"].state == "upstream"
     assert results["train.patch"].state == "conflicts"
     assert results["train.patch"].files == ("megatron/training/train.py",)
@@ -181,10 +181,10 @@ def test_check_against_reports_declared_backports_that_do_not_reverse_apply(fake
     newer = dict(BASE_FILES)
     newer["megatron/training/train.py"] = "def train():\n    return 'upstream rewrote it'\n"
     sdist = make_sdist(tmp_path, version="0.19.0", files=newer)
-    results = {r.patch: r for r in check_against(fake.project, str(sdist))}
+    results = {r.patch: r for r in check_against(fake.project, str(sdist)).patches}
     assert results["train.patch"].state == "declared"
     assert "0.19.0" in results["train.patch"].note
     assert results["alloc.patch"].state == "applies"
     (tmp_path / "old").mkdir()
     older = make_sdist(tmp_path / "old", version="0.18.9", files=newer)  # predates the backport
-    assert {r.patch: r.state for r in check_against(fake.project, str(older))}["train.patch"] == "conflicts"
+    assert {r.patch: r.state for r in check_against(fake.project, str(older)).patches}["train.patch"] == "conflicts"
