@@ -90,8 +90,8 @@ def cpu_fsdp_buffer(fake_dp_world: None) -> Callable[..., Any]:
         index = FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
                                      expt_device_mesh=mesh)
         cfg = DistributedDataParallelConfig(
-            data_parallel_sharding_strategy="optim_grads_params", use_distributed_optimizer=True, use_megatron_fsdp=True,
-            fsdp_double_buffer=True, **ddp_kwargs)
+            data_parallel_sharding_strategy="optim_grads_params", use_distributed_optimizer=True,
+            use_megatron_fsdp=True, fsdp_double_buffer=True, **ddp_kwargs)
         policy = pgb.BucketingPolicy(fsdp_unit_modules=list(unit_classes))
         return pgb.ParamAndGradBuffer(cfg, model, policy, index, device=torch.device("cpu"))
 

@@ -69,7 +69,6 @@ def child(mode: str, result_path: str) -> None:
             return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
     try:
-        from megatron.core.distributed.fsdp.src.megatron_fsdp import maxpool_symmetric
         from megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard import fully_shard_model
 
         torch.manual_seed(0)

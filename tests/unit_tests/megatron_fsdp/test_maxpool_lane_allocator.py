@@ -30,7 +30,10 @@ from test_maxpool_allocator import (
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
 import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan as mp
 from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
-from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import LaneMaxPoolAllocator, MaxPoolAllocator
+from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+    LaneMaxPoolAllocator,
+    MaxPoolAllocator,
+)
 
 
 @pytest.fixture

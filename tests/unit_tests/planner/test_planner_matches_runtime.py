@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
 from hfsdp.planner import layout as L
 from hfsdp.planner import report as R

@@ -1,0 +1,131 @@
+# Copyright (c) 2026, hfsdp authors. Licensed under the Apache License, Version 2.0.
+"""LaneMaxPool: the max-pool double buffer with 3 or more round-robin lanes.
+
+A MaxPool whose buffer groups are lanes of their own size: the plan is
+``maxpool_plan.runtime_lane_plan`` (unit at position i lives in lane i % N, each (lane,
+dtype) arena sized by the largest unit of that lane), and a unit's home is the plan's lane,
+fixed before the first allocation. Everything else (views at planned offsets, arenas created
+once and never grown, the live-unit limit N read by ParamAndGradBuffer.live_unit_limit,
+poisoning, stats) is MaxPool's. ``--megatron-fsdp-max-pool-lanes 2`` never builds this class
+([Note: max-pool lanes] in maxpool_plan). ParamAndGradBuffer's ``LaneMaxPoolAllocator`` is this
+class with its bucket types (maxpool_allocator.py says why).
+"""
+
+# [Note: max-pool lane homes]
+# Units run in order (forward 0..n-1, backward n-1..0) and every live-unit check allows at most
+# N units (ParamAndGradBuffer.live_unit_limit = N), so the units live at once are N consecutive
+# ones, which round robin puts in N distinct lanes: each unit finds its home lane idle.
+# A unit whose home is busy (two live units that are not consecutive) is a home miss:
+# - before CUDA-graph capture it is counted and logged, as with the shared pool, and the unit
+#   takes the first idle lane whose arenas hold it; none holds it -> RuntimeError naming owners;
+# - with fail_on_home_miss (set after capture or manual UB registration) it is fatal, as today:
+#   a graph replayed against another lane would read stale addresses.
+# Init-time fetches (strict_assignments=False) use the same rule without counting a miss.
+
+from __future__ import annotations
+
+import logging
+
+from .maxpool_allocator import MaxPool
+from .maxpool_plan import (
+    SHARED_LANES,
+    BucketSpec,
+    LanePlan,
+    format_lane_plan,
+    lanes_units_problem,
+    runtime_lane_plan,
+)
+from .utils import log_single_rank
+
+logger = logging.getLogger(__name__)
+
+
+class MaxPoolLanesError(ValueError):
+    """A lane count this model chunk cannot use; found while its buffer is built, so entry
+    points that report flag errors as one sentence catch it by this type."""
+
+
+class LaneMaxPool(MaxPool):
+    """MaxPool with ``size`` >= 3 round-robin lanes and plan-fixed homes.
+
+    Takes MaxPool's arguments; ``size`` is the lane count N (required, >= 3). A chunk
+    with fewer than N units is refused (``maxpool_plan.lanes_units_problem``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.size <= SHARED_LANES:
+            raise ValueError(
+                f"[{self.name}] LaneMaxPool needs more than {SHARED_LANES} lanes, got "
+                f"{self.size}; {SHARED_LANES} lanes is MaxPool (the shared pool)"
+            )
+        problem = lanes_units_problem(
+            self.size,
+            len(self.fsdp_double_buffer_units),
+            setting="megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes)",
+        )
+        if problem is not None:
+            raise MaxPoolLanesError(f"[{self.name}] {problem}")
+
+    # ----------------------------------------------------------------- planning
+    def _make_plan(self, specs: list[BucketSpec]) -> LanePlan:
+        plan = runtime_lane_plan(specs, lanes=self.size, align_bytes=self.align_bytes)
+        for line in format_lane_plan(plan, name=self.name):
+            log_single_rank(logger, logging.INFO, line)
+        # Homes are the plan's lanes, fixed before the first allocation.
+        self.home = {unit: allowed[0] for unit, allowed in plan.allowed.items()}
+        return plan
+
+    def _lane_plan(self) -> LanePlan:
+        plan = self.plan
+        assert isinstance(plan, LanePlan), f"[{self.name}] has no lane plan: {plan!r}"
+        return plan
+
+    def planned_arena_numel(self, group: int, dname: str) -> int:
+        arenas = self._lane_plan().arena_numel
+        numel = arenas.get((group, dname))
+        assert numel is not None, (
+            f"[{self.name}] lane {group} has no {dname} arena (its units hold no {dname} "
+            f"bucket); arenas: {arenas}"
+        )
+        return numel
+
+    def arena_order(self) -> list[tuple[int, str, int]]:
+        """(lane, planned dtype, numel) of every arena: lanes ascending, dtype names sorted."""
+        if self.plan is None:
+            return []
+        return [(lane, d, n) for (lane, d), n in sorted(self._lane_plan().arena_numel.items())]
+
+    # --------------------------------------------------------------- allocation
+    def _fits(self, unit_id: int, lane: int) -> bool:
+        """Whether every arena of ``lane`` holds ``unit_id``'s layout of that dtype."""
+        plan = self._lane_plan()
+        return all(
+            per_unit[unit_id] <= plan.arena_numel.get((lane, dtype), 0)
+            for dtype, per_unit in plan.unit_layout_numel.items()
+            if unit_id in per_unit
+        )
+
+    def _acquire_group(self, unit_id: int, strict: bool) -> int:
+        if unit_id in self.unit_group:
+            return self.unit_group[unit_id]
+        idle = self._idle_groups(unit_id)
+        home = self.home[unit_id]
+        if home in idle:
+            group = home
+        else:
+            fitting = [g for g in idle if self._fits(unit_id, g)]
+            if not fitting:
+                raise RuntimeError(
+                    f"[{self.name}] unit {unit_id}: home lane {home} is owned by unit "
+                    f"{self.group_owner[home]} and no idle lane of {idle} is large enough "
+                    f"(arenas {self._lane_plan().arena_numel}). Live units must be consecutive for "
+                    "round-robin lanes; see [Note: max-pool lane homes]"
+                )
+            group = fitting[0]
+            if strict:
+                # Raises under fail_on_home_miss (after capture): [Note: max-pool lane homes].
+                self._home_miss(unit_id, home, group)
+        self.group_owner[group] = unit_id
+        self.unit_group[unit_id] = group
+        return group

@@ -1,0 +1,147 @@
+# Copyright (c) 2026, hfsdp authors. Added by the hfsdp patch series.
+
+"""Argument checks for Transformer Engine combinations that cannot run as asked on 0.18.2.
+
+[Note: TE combinations]
+Each check below is a combination whose failure (or silent change) can be read off the code of
+0.18.2 and TE 2.20, turned into one error at argument validation that names the way out. Without
+the checks the first three fail after the process groups are up, while the model is built:
+
+* ``--deterministic-mode`` with TE attention: Megatron's ``TEDotProductAttention.__init__``
+  raises unless ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` is in the environment (TE 2.20 itself
+  already runs deterministic attention under ``torch.use_deterministic_algorithms``, which
+  ``--deterministic-mode`` sets; the variable is Megatron's requirement). Only models with
+  attention layers: dense and MoE GPT, or a hybrid pattern with ``*``.
+* ``NVTE_FLASH_ATTN`` / ``NVTE_FUSED_ATTN`` / ``NVTE_UNFUSED_ATTN`` in the environment that
+  disagree with ``--attention-backend`` (default ``auto``): ``LanguageModule`` sets the three
+  itself from the flag and asserts that a value already set agrees.
+* ``--moe-grouped-gemm`` with ``--transformer-impl local``: grouped-GEMM experts exist only as
+  TE's ``TEGroupedMLP``; the local spec provider builds ``SequentialMLP`` whatever the flag says
+  (``LocalSpecProvider.grouped_mlp_modules`` ignores it, ``hybrid_local_stack_spec`` pins
+  ``moe_grouped_gemm=False``), so the flag would silently do nothing.
+* The max-pool double buffer with blockwise-FP8 parameters (``--fp8-param-gather --fp8-recipe
+  blockwise``): after each optimizer step ``copy_main_weights_to_model_weights`` fetches the
+  weight bucket of every blockwise-FP8 unit (up to 5 GB of them) before it frees any, more units
+  than the pool has groups ([Note: max-pool failure modes], too many live units).
+
+Not checked because nothing in the code says they fail (open questions for a GPU run): TE with
+full-iteration CUDA graphs and Mamba's fused path; TE with other FP8 recipes and the max-pool
+double buffer.
+"""
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+ATTENTION_SYMBOL = "*"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.ATTENTION
+ATTN_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+# The values LanguageModule._set_attention_backend gives ATTN_ENV for each --attention-backend,
+# in the order a matching backend is suggested.
+BACKEND_ENV: dict[str, dict[str, str]] = {
+    name: dict(zip(ATTN_ENV, values, strict=True))
+    for name, values in (
+        ("auto", ("1", "1", "1")),
+        ("fused", ("0", "1", "0")),
+        ("flash", ("1", "0", "0")),
+        ("unfused", ("0", "0", "1")),
+        ("local", ("0", "0", "0")),  # last: it also needs --spec local
+    )
+}
+
+
+def _has_te_attention(args: Any) -> bool:
+    if getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine":
+        return False
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    return pattern is None or ATTENTION_SYMBOL in pattern
+
+
+def _nondeterministic_algos_allowed(environ: Mapping[str, str]) -> bool:
+    """Megatron's reading: ``int(os.getenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")) != 0``."""
+    value = environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")
+    try:
+        return int(value) != 0
+    except ValueError:
+        return True
+
+
+def _backend_name(args: Any) -> str:
+    backend = getattr(args, "attention_backend", "auto")
+    return str(getattr(backend, "name", backend))
+
+
+def _attention_env_problem(args: Any, env: Mapping[str, str]) -> str | None:
+    backend = _backend_name(args)
+    expected = BACKEND_ENV.get(backend)
+    if expected is None:
+        return None
+    given = {k: env[k] for k in ATTN_ENV if k in env}
+    wrong = {k: v for k, v in given.items() if v != expected[k]}
+    if not wrong:
+        return None
+    matching = [b for b, values in BACKEND_ENV.items() if all(values[k] == v for k, v in given.items())]
+    way = (f"or pass --attention-backend {matching[0]}, which they describe" if matching
+           else "no --attention-backend matches them all")
+    return (
+        f"{', '.join(f'{k}={v}' for k, v in given.items())} in the environment "
+        f"contradict{'s' if len(given) == 1 else ''} --attention-backend {backend}: Megatron sets "
+        f"{', '.join(ATTN_ENV)} itself from --attention-backend and refuses to build the model "
+        f"when a value already set disagrees. Unset {' and '.join(wrong)} and choose the backend "
+        f"with --attention-backend ({way})."
+    )
+
+
+def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Every TE combination in ``args`` that cannot run as asked, each a sentence naming the fix."""
+    env = os.environ if environ is None else environ
+    problems = []
+    if (
+        getattr(args, "deterministic_mode", False)
+        and _has_te_attention(args)
+        and _nondeterministic_algos_allowed(env)
+    ):
+        value = env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+        problems.append(
+            "--deterministic-mode with Transformer Engine attention needs "
+            "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 in the environment (it is "
+            f"{'unset' if value is None else repr(value)}): TEDotProductAttention refuses to be "
+            "built otherwise. Export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0."
+        )
+    attention_env = _attention_env_problem(args, env)
+    if attention_env is not None:
+        problems.append(attention_env)
+    if (
+        getattr(args, "moe_grouped_gemm", False)
+        and getattr(args, "num_experts", None)
+        and getattr(args, "transformer_impl", None) == "local"
+    ):
+        problems.append(
+            "--moe-grouped-gemm has no effect with --transformer-impl local: grouped-GEMM experts "
+            "(TEGroupedMLP) exist only in the Transformer Engine specs, and the local specs build "
+            "SequentialMLP experts. Drop --moe-grouped-gemm, or use --transformer-impl "
+            "transformer_engine."
+        )
+    if (
+        getattr(args, "megatron_fsdp_max_pool_double_buffer", False)
+        and getattr(args, "fp8_param_gather", False)
+        and getattr(args, "fp8", None)
+        and getattr(args, "fp8_recipe", None) == "blockwise"
+    ):
+        problems.append(
+            "--megatron-fsdp-max-pool-double-buffer cannot hold blockwise-FP8 parameters "
+            "(--fp8-param-gather with --fp8-recipe blockwise): after each optimizer step their "
+            "re-quantization fetches the weight buckets of many FSDP units at once, more than the "
+            "pool's buffer groups. Use another --fp8-recipe, drop --fp8-param-gather, or use "
+            "--fsdp-double-buffer without the max-pool."
+        )
+    return problems
+
+
+def validate_te_args(args: Any) -> None:
+    """Raise ValueError listing every problem :func:`te_arg_problems` finds in ``args``."""
+    problems = te_arg_problems(args)
+    if problems:
+        raise ValueError(
+            "Transformer Engine arguments that cannot run on this tree:\n  - "
+            + "\n  - ".join(problems)
+        )
