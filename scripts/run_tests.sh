@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README; .ci/run calls it): set up the environment from scratch if needed,
-# then check the patch series, lint (ruff), type-check hfsdp/ (mypy) and run the CPU unit tests.
+# then check the patch series, lint (ruff), type-check hfsdp/ and the overlay (mypy) and run the
+# CPU unit tests.
 # GPU tests skip here; run them with tests/gpu/*.sh on GPU machines.
 set -eo pipefail
 cd "$(dirname "$0")/.."
@@ -11,8 +12,11 @@ scripts/patchset check
 scripts/patchset status
 echo "run_tests: ruff (rules in pyproject.toml)"
 "$HFSDP_PY" -m ruff check .
-echo "run_tests: mypy hfsdp"
-"$HFSDP_PY" -m mypy
+echo "run_tests: mypy hfsdp + the overlay"
+# The overlay is checked as the materialized megatron/ modules it becomes: their import names, and
+# the code the tests below import (`patchset status` above says whether it matches patches/overlay/).
+# shellcheck disable=SC2046  # one path a line, none with spaces (patchset lint)
+"$HFSDP_PY" -m mypy hfsdp $(scripts/patchset overlay)
 echo "run_tests: pytest tests/unit_tests"
 set +e
 "$HFSDP_PY" -m pytest tests/unit_tests -p no:cacheprovider "$@"
