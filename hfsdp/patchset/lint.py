@@ -25,6 +25,8 @@ ORIGIN_CATEGORIES = ("upstream", "backport", "vendor", "other")
 _URL = r"https?://\S+"
 _FORWARDED = re.compile(rf"^(no|not-needed|yes|{_URL})$")
 _BUG = re.compile(rf"^(none|{_URL})$")
+# A change, not a report: what fixed a bug upstream belongs in Applied-Upstream or the description.
+_CHANGE_URL = re.compile(r"/(pull|pulls|merge_requests|commit|commits)/")
 _APPLIED = re.compile(rf"^(no|(\d+\.\d+(\.\d+)?|{_URL}|commit:\S+)(,\s*({_URL}|commit:\S+))*)$")
 _ORIGIN = re.compile(rf"^(?:(?P<cat>[a-z]+),\s*)?(?P<ref>{_URL}|commit:\S+|\S.*)$")
 SUMMARY_MAX = 80
@@ -64,6 +66,9 @@ def lint_header(patch: Patch) -> list[LintProblem]:
             bad(f"Origin {origin!r}: an upstream/backport origin needs a URL or commit:<id>")
     if f.get("Bug") and not _BUG.match(f["Bug"]):
         bad(f"Bug {f['Bug']!r}: expected a URL or 'none'")
+    elif f.get("Bug") and _CHANGE_URL.search(f["Bug"]):
+        bad(f"Bug {f['Bug']!r} is a change, not a bug report: name the issue the patch fixes (or "
+            "'none'); an upstream fix goes in Applied-Upstream or the description")
     if f.get("Forwarded") and not _FORWARDED.match(f["Forwarded"]):
         bad(f"Forwarded {f['Forwarded']!r}: expected no, not-needed, yes or a URL")
     if f.get("Applied-Upstream") and not _APPLIED.match(f["Applied-Upstream"]):

@@ -116,6 +116,21 @@ def test_lint_reports_header_and_path_problems(fake: Env) -> None:
     assert "modifies megatron/core/ghost.py, which does not exist in the megatron_core-0.18.2.tar.gz sdist" in joined
 
 
+@pytest.mark.parametrize("bug, refused", [
+    ("https://github.com/NVIDIA/Megatron-LM/pull/5222", True),
+    ("https://gitlab.example.com/group/repo/-/merge_requests/7", True),
+    ("https://github.com/NVIDIA/Megatron-LM/commit/55638bc443", True),
+    ("https://github.com/NVIDIA/Megatron-LM/issues/1541", False),
+    ("none", False),
+])
+def test_lint_refuses_a_change_as_bug(fake: Env, bug: str, refused: bool) -> None:
+    header = (f"Description: x\nOrigin: vendor, hfsdp\nBug: {bug}\nForwarded: no\nApplied-Upstream: no\n"
+              "Last-Update: 2026-11-21\n")
+    (fake.project.patches_dir / "alloc.patch").write_text(header + "---\n" + ALLOC_PATCH)
+    messages = [str(p) for p in lint(fake.project)]
+    assert any("is a change, not a bug report" in m for m in messages) == refused, messages
+
+
 def test_lint_missing_description_and_outside_members(fake: Env) -> None:
     header = "Origin: vendor, hfsdp\nBug: none\nForwarded: no\nApplied-Upstream: no\nLast-Update: 2026-11-21\n"
     diff = TRAIN_PATCH.replace("megatron/training/train.py", "setup.py")
