@@ -208,7 +208,7 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
     with tempfile.TemporaryDirectory(prefix="hfsdp-bench-") as workdir:
         if order and not opts.no_prime:
             # The first process on a fresh machine JIT-compiles and autotunes the Triton kernels
-            # (a 2xH200 run took > 100 s vs ~31 s after); without priming, that cost and the
+            # and takes far longer than the runs after it; without priming, that cost and the
             # cache warming that follows land in whichever configuration runs first.
             name = order[0][1]
             t0 = time.time()
@@ -330,7 +330,6 @@ def _main(argv: Sequence[str]) -> int:
         "optional_packages": requirements.installed_versions(),  # the runs inherit this environment
         "wall_s": None if opts.from_logs else round(time.time() - start, 1),
         "deterministic": opts.deterministic,
-        "te_determinism_verified": te_determinism.VERIFIED if opts.deterministic else None,
     }
     os.makedirs(os.path.dirname(os.path.abspath(opts.out_json)), exist_ok=True)
     doc = res.to_json(summaries, runs, meta, agreements)
