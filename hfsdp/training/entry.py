@@ -107,7 +107,7 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     from hfsdp.digest import install_from_env as install_digest_from_env
     from hfsdp.training import data, forward_step, fsdp_units, model_provider, run_report
     from hfsdp.training.requirements import MissingPackage
-    from hfsdp.training.specs import SpecError
+    from hfsdp.training.spec_error import SpecError
     from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
     from megatron.core.enums import ModelType
     from megatron.training import print_rank_0

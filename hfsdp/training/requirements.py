@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfsdp.extras import PACKAGE_EXTRA, install_hint, te_extra
-from hfsdp.training.specs import SpecError
+from hfsdp.training.spec_error import SpecError
 
 MAMBA_SYMBOL = "M"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.MAMBA
 TE_CORE_DISTS = {12: "transformer-engine-cu12", 13: "transformer-engine-cu13"}
