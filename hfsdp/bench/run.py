@@ -23,7 +23,7 @@ from typing import Any
 
 from hfsdp import extras, te_determinism
 from hfsdp.bench import configs as cfgs
-from hfsdp.bench import kept, pretrain_launch
+from hfsdp.bench import pretrain_launch, run_logs
 from hfsdp.bench import results as res
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
@@ -186,7 +186,7 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     try:
         if rc != 0:
             raise pretrain_launch.RunFailed(f"rc={rc}")
-        run = kept.read_run(config, repeat, stem, flags, opts)
+        run = run_logs.read_run(config, repeat, stem, flags, opts)
         failed = None
     except pretrain_launch.RunFailed as exc:
         failed = str(exc)
@@ -195,7 +195,7 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
         return None, f"{exc}; log tail:\n{tail}"
     finally:
         if opts.keep_logs:
-            kept.keep_run(stem, opts.keep_logs, failed)
+            run_logs.keep_run(stem, opts.keep_logs, failed)
     return run, f"{stem}.log"
 
 
@@ -300,7 +300,7 @@ def _main(argv: Sequence[str]) -> int:
     start = time.time()
     primed: dict[str, Any] = {}
     if opts.from_logs:
-        runs, failures = kept.runs_from_logs(opts.from_logs, order, flags, opts)
+        runs, failures = run_logs.runs_from_logs(opts.from_logs, order, flags, opts)
     else:
         runs, failures, primed = run_all(order, flags, opts, start)
     summaries = res.summarize(runs, planned=planned)

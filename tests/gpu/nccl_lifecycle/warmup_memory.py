@@ -103,7 +103,7 @@ def child(mode: str, warmup: bool, result_path: str) -> None:
 
 
 def main() -> None:
-    _launch.assert_safety_env()
+    _launch.assert_nvls_guard()
     out = _launch.out_dir()
     runs = {}
     for mode in ("measure", "oom"):

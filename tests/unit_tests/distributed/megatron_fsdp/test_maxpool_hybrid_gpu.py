@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from hfsdp.launch import torchrun as launch
+from hfsdp.nvls_guard import NVLS_SAFE_ENV, assert_guard
 from hfsdp.proc import run_group
-from hfsdp.safety import NVLS_SAFE_ENV, assert_guard
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
@@ -57,7 +57,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 HAVE_CUDA = torch.cuda.is_available()
 HAVE_MAMBA = importlib.util.find_spec("mamba_ssm") is not None
-NVLS_GUARDS = NVLS_SAFE_ENV  # our GPU tests keep NVLink multicast off (hfsdp/safety.py)
+NVLS_GUARDS = NVLS_SAFE_ENV  # our GPU tests keep NVLink multicast off (hfsdp/nvls_guard.py)
 
 needs_two_gpus = pytest.mark.skipif(
     not (HAVE_CUDA and WORLD_SIZE == 2 and torch.cuda.device_count() >= 1 and HAVE_MAMBA),
