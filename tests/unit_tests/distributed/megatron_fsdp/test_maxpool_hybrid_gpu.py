@@ -841,7 +841,7 @@ def _fallback_keys() -> list[str]:
 # CPU dry run: the models above build and have the expected unit census
 # --------------------------------------------------------------------------------------------
 @pytest.mark.skipif(HAVE_CUDA, reason="CPU dry run; the GPU tests build these models for real")
-@pytest.mark.skipif(not HAVE_MAMBA, reason="mamba_ssm not installed")
+@pytest.mark.mamba
 @pytest.mark.parametrize(
     "case,expected",
     [
