@@ -2,12 +2,9 @@
 
 [Note: deterministic TE runs]
 Read off TE 2.20.2 (its PyTorch package and the common library's GEMM and fused-attention
-code), Megatron 0.18.2 as materialized here, mamba_ssm 2.3.2.post1 and causal-conv1d 1.7.0, then
-VERIFIED ON A GPU (1 x H100, TE 2.20.2, torch 2.11.0+cu130, 2026-11-24) with the functional
-cases' kernel choice (pinned Triton): the TE cases run in separate processes, and each max-pool
-or graphed case had the lm loss of its eager no-double-buffer twin at all 20 steps;
-docs/transformer-engine.md records it. Not verified: the benchmark's shared-choice variant
-(``TRITON_CACHE_AUTOTUNING``), and other GPU kinds. One place for them: the functional cases
+code), Megatron 0.18.2 as materialized here, mamba_ssm 2.3.2.post1 and causal-conv1d 1.7.0.
+What GPU runs under them have shown, and what they have not covered yet, is recorded in
+docs/transformer-engine.md and docs/results.md, not here. One place for them: the functional cases
 take them with ``DETERMINISM: transformer_engine`` in model_config.yaml
 (hfsdp/functional/recipe.py) and the benchmark with ``--deterministic`` (hfsdp/bench/run.py).
 Each setting says why it is needed; ``NOT_SET`` says what was looked at and deliberately left
@@ -27,7 +24,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 PROFILE = "transformer_engine"  # the name recipes give after DETERMINISM:
-VERIFIED = True  # the dated GPU result in docs/transformer-engine.md ("Verified so far")
 
 TritonChoice = Literal["pin", "cache"]
 
@@ -126,9 +122,7 @@ def argv() -> list[str]:
 
 def describe() -> str:
     """Every setting with its reason (the benchmark prints it under ``--deterministic``)."""
-    status = ("verified on a GPU with the pinned Triton choice" if VERIFIED
-              else "derived from code reading, NOT yet verified on a GPU")
-    lines = [f"Deterministic Transformer Engine runs ({status}):"]
+    lines = ["Deterministic Transformer Engine runs:"]
     for s in (*ENV, *TRITON.values(), *FLAGS):
         lines.append(f"- {s.name}={s.value}: {s.why}" if s.value is not True else f"- {s.name}: {s.why}")
     lines.append("Deliberately not set:")

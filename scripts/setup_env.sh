@@ -7,7 +7,11 @@
 #   HFSDP_TORCH_SPEC='torch==X'  torch to install when the venv has none (default below)
 #   HFSDP_WITH_MAMBA=1           also install mamba_ssm's Triton-only build (as on the GPU machines),
 #                                so Mamba layers can be constructed in CPU tests; HFSDP_MAMBA_WHEEL
-#                                names a prebuilt wheel, else .gpu-wheels/mamba_ssm-*.whl or a local build
+#                                names a prebuilt wheel, else .gpu-wheels/mamba_ssm-*.whl or a local build.
+#                                If mamba_ssm then does not import the way Megatron imports it, this
+#                                fails (exit 2): the Mamba tests must run, not skip.
+#   HFSDP_WITH_MAMBA=0           (default here; scripts/run_tests.sh defaults to 1) leave mamba_ssm
+#                                alone; the tests that need it then skip, naming this opt-out
 set -eo pipefail
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -44,29 +48,50 @@ if ! "$HFSDP_PY" -c 'import torch' >/dev/null 2>&1; then
 fi
 echo "setup_env: pip install -e .[test]"
 "$HFSDP_PY" -m pip install -q --disable-pip-version-check -e "$_root[test]"
-if [ "${HFSDP_WITH_MAMBA:-0}" = 1 ] && ! "$HFSDP_PY" -c 'import mamba_ssm' >/dev/null 2>&1; then
-  _pip() { "$HFSDP_PY" -m pip install -q --disable-pip-version-check "$@"; }
+# Exit status 0 when mamba_ssm imports the way Megatron's Mamba mixer imports it; else 1, and why
+# on stderr (hfsdp/training/requirements.py).
+_mamba_problem() {
+  (cd "$_root" && "$HFSDP_PY" -c 'import sys; from hfsdp.training.requirements import import_problem
+sys.exit(import_problem("mamba_ssm"))')
+}
+# Build (or take) mamba_ssm's Triton-only wheel and install it; status 1 at the first step that fails.
+_install_mamba() {
+  local whl wdir site
   # A prebuilt wheel in .gpu-wheels/ (the GPU set-up's folder) is used; without one (the usual
   # case) the build below makes it.
-  _whl=${HFSDP_MAMBA_WHEEL:-$(ls "$_root"/.gpu-wheels/mamba_ssm-*.whl 2>/dev/null | head -1 || true)}
-  _pip huggingface_hub transformers setuptools wheel ninja packaging
-  if [ -z "$_whl" ]; then
-    _wdir=$(mktemp -d)
+  whl=${HFSDP_MAMBA_WHEEL:-$(ls "$_root"/.gpu-wheels/mamba_ssm-*.whl 2>/dev/null | head -1 || true)}
+  _pip huggingface_hub transformers setuptools wheel ninja packaging || return 1
+  if [ -z "$whl" ]; then
+    wdir=$(mktemp -d)
     echo "setup_env: building mamba-ssm (Triton kernels only, no CUDA extensions)"
     MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE "$HFSDP_PY" -m pip wheel -q --no-deps \
-      --no-build-isolation "mamba-ssm==2.3.2.post1" -w "$_wdir" && _whl=$(ls "$_wdir"/mamba_ssm-*.whl)
+      --no-build-isolation "mamba-ssm==2.3.2.post1" -w "$wdir" || return 1
+    whl=$(ls "$wdir"/mamba_ssm-*.whl) || return 1
   fi
-  if [ -n "$_whl" ]; then
-    echo "setup_env: installing $(basename "$_whl")"
-    _pip --no-deps "$_whl"
-    # mamba_ssm imports its selective-scan CUDA extension eagerly; the Mamba2 Triton path never
-    # calls it (same stand-in as the GPU machines' bootstrap).
-    _site=$("$HFSDP_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    [ -f "$_site/selective_scan_cuda.py" ] || echo "# stand-in: mamba_ssm's CUDA-only selective scan (unused by the Triton path)" > "$_site/selective_scan_cuda.py"
-  else
-    echo "setup_env: could not build mamba-ssm; Mamba CPU tests will skip" >&2
-  fi
-fi
+  echo "setup_env: installing $(basename "$whl")"
+  _pip --no-deps "$whl" || return 1
+  # mamba_ssm imports its selective-scan CUDA extension eagerly; the Mamba2 Triton path never
+  # calls it (same stand-in as the GPU machines' bootstrap).
+  site=$("$HFSDP_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
+  [ -f "$site/selective_scan_cuda.py" ] || echo "# stand-in: mamba_ssm's CUDA-only selective scan (unused by the Triton path)" > "$site/selective_scan_cuda.py"
+}
+_pip() { "$HFSDP_PY" -m pip install -q --disable-pip-version-check "$@"; }
+case "${HFSDP_WITH_MAMBA:-0}" in
+  0) ;;
+  1)
+    _mamba_problem 2>/dev/null || _install_mamba || echo "setup_env: installing mamba-ssm failed (above)" >&2
+    if ! _why=$(_mamba_problem 2>&1); then
+      echo "setup_env: HFSDP_WITH_MAMBA=1, and mamba_ssm does not import the way Megatron imports it: $_why" >&2
+      echo "  -> fix what failed above, or give a built wheel with HFSDP_MAMBA_WHEEL=/path/to/mamba_ssm-*.whl;" >&2
+      echo "     or opt out with HFSDP_WITH_MAMBA=0 (the Mamba tests then skip)" >&2
+      exit 2
+    fi
+    ;;
+  *)
+    echo "setup_env: HFSDP_WITH_MAMBA must be 0 or 1, got '$HFSDP_WITH_MAMBA'" >&2
+    exit 2
+    ;;
+esac
 "$HFSDP_PY" - <<'PY'
 import importlib.metadata as md
 import torch

@@ -101,8 +101,8 @@ DEFAULT_CONFIGS = ("no_db", "maxpool", "no_db_graph", "maxpool_graph")
 # TE vs local, eager vs graphed, no-db vs max-pool in one invocation (needs Transformer Engine).
 TE_COMPARISON = (*DEFAULT_CONFIGS, "te_no_db", "te_maxpool", "te_no_db_graph", "te_maxpool_graph")
 
-# "Fills most of an H200": 5.9B-param hybrid (24 layers, hidden 4096, 16 experts), seq 4096.
-# Measured at DP=2 on H200 (2026-11-22): no_db peak reserved 91,990 MiB of 143,771 (64 %).
+# "Fills most of an H200": 5.9B-param hybrid (24 layers, hidden 4096, 16 experts), seq 4096, at
+# DP=2 (its peak memory is in docs/results.md).
 FILL_GPU_OVERRIDES = (
     "--hybrid-layer-pattern", "M*E" * 8, "--hidden-size", "4096", "--num-attention-heads", "32",
     "--ffn-hidden-size", "16384", "--moe-ffn-hidden-size", "4096", "--num-experts", "16",
@@ -120,9 +120,8 @@ FILL80_OVERRIDES = (
 # micro-batch. Parameters, gradients and optimizer state (18 bytes a parameter, 52.9 GB) rather
 # than sequence-length activations fill the GPU, so compute per step stays small and many small
 # expert kernels dominate: the regime of fine-grained MoE at small per-GPU batch, built so that
-# the host rather than the GPU limits an eager step (1 x H100, expandable segments: eager 4.09 s
-# per step, graphed max-pool 0.54 s; peak reserved 56,478 MiB eager, 56,634 graphed). fill80 is
-# the compute-bound counterpart.
+# the host rather than the GPU limits an eager step (its step times and memory, eager and
+# graphed, are in docs/results.md). fill80 is the compute-bound counterpart.
 FILL80_EXPERTS_OVERRIDES = ("--hybrid-layer-pattern", "M*E" * 16, "--num-experts", "80")
 PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES, "fill80": FILL80_OVERRIDES,
            "fill80_experts": FILL80_EXPERTS_OVERRIDES}

@@ -23,7 +23,7 @@ from typing import Any
 
 from hfsdp import extras, te_determinism
 from hfsdp.bench import configs as cfgs
-from hfsdp.bench import kept, pretrain_launch
+from hfsdp.bench import pretrain_launch, run_logs
 from hfsdp.bench import results as res
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
@@ -186,7 +186,7 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     try:
         if rc != 0:
             raise pretrain_launch.RunFailed(f"rc={rc}")
-        run = kept.read_run(config, repeat, stem, flags, opts)
+        run = run_logs.read_run(config, repeat, stem, flags, opts)
         failed = None
     except pretrain_launch.RunFailed as exc:
         failed = str(exc)
@@ -195,7 +195,7 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
         return None, f"{exc}; log tail:\n{tail}"
     finally:
         if opts.keep_logs:
-            kept.keep_run(stem, opts.keep_logs, failed)
+            run_logs.keep_run(stem, opts.keep_logs, failed)
     return run, f"{stem}.log"
 
 
@@ -208,7 +208,7 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
     with tempfile.TemporaryDirectory(prefix="hfsdp-bench-") as workdir:
         if order and not opts.no_prime:
             # The first process on a fresh machine JIT-compiles and autotunes the Triton kernels
-            # (a 2xH200 run took > 100 s vs ~31 s after); without priming, that cost and the
+            # and takes far longer than the runs after it; without priming, that cost and the
             # cache warming that follows land in whichever configuration runs first.
             name = order[0][1]
             t0 = time.time()
@@ -300,7 +300,7 @@ def _main(argv: Sequence[str]) -> int:
     start = time.time()
     primed: dict[str, Any] = {}
     if opts.from_logs:
-        runs, failures = kept.runs_from_logs(opts.from_logs, order, flags, opts)
+        runs, failures = run_logs.runs_from_logs(opts.from_logs, order, flags, opts)
     else:
         runs, failures, primed = run_all(order, flags, opts, start)
     summaries = res.summarize(runs, planned=planned)
@@ -330,7 +330,6 @@ def _main(argv: Sequence[str]) -> int:
         "optional_packages": requirements.installed_versions(),  # the runs inherit this environment
         "wall_s": None if opts.from_logs else round(time.time() - start, 1),
         "deterministic": opts.deterministic,
-        "te_determinism_verified": te_determinism.VERIFIED if opts.deterministic else None,
     }
     os.makedirs(os.path.dirname(os.path.abspath(opts.out_json)), exist_ok=True)
     doc = res.to_json(summaries, runs, meta, agreements)

@@ -4,7 +4,7 @@
 pass the caller's environment to the jobs they start unchanged. Cluster settings such as
 ``NCCL_NVLS_ENABLE`` are the user's to choose: export them, or name them with ``--env KEY=VALUE``
 (repeatable; the job's value wins over the caller's). Only our own GPU test scripts under
-``tests/gpu`` pin the NVLink-multicast switches (:mod:`hfsdp.safety`).
+``tests/gpu`` pin the NVLink-multicast switches (:mod:`hfsdp.nvls_guard`).
 
 Standard library only.
 """

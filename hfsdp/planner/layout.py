@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -160,16 +160,3 @@ def bucket_specs(layout: Layout, allocator: str, *, main_grads_dtype: torch.dtyp
             itemsize=dtypes_mod.planned_itemsize(dtype), unpadded_numel=row.unpadded_numel,
         ))
     return specs
-
-
-def unit_dtype_sizes(layout: Layout) -> dict[int, dict[str, list[int]]]:
-    """unit id -> param dtype -> padded bucket sizes (in bucket order)."""
-    out: dict[int, dict[str, list[int]]] = {}
-    for row in layout.buckets:
-        if row.unit_id is not None:
-            out.setdefault(row.unit_id, {}).setdefault(row.dtype, []).append(row.numel)
-    return out
-
-
-def non_unit_buckets(layout: Layout) -> Iterable[BucketRow]:
-    return (b for b in layout.buckets if b.unit_id is None)

@@ -1,8 +1,14 @@
-"""A throw-away one-node Slurm cluster (root, no systemd) for CI; see design/slurm-notes.md.
+"""A throw-away one-node Slurm cluster for CI: our generated sbatch jobs run under a real scheduler
+(tests/unit_tests/slurm/test_slurm_cluster.py, opt-in with ``HFSDP_SLURM_CI=1``).
 
-Debian's ``slurm-wlm`` + ``munge`` (installed with apt when missing), config/state/logs in a temp
-directory, ``slurmctld``/``slurmd`` started with ``-f <conf>`` as root, stopped by their pid files.
-Accounting is off, so results come from ``scontrol`` and job output files.
+It runs where a CI job runs: as root in a container, with no systemd and no cgroup control.
+Debian's ``slurm-wlm`` + ``munge`` (installed with apt when missing); config, state and logs in a
+temp directory; ``munged`` started by hand (as the ``munge`` user) when ``munge -n | unmunge``
+does not already work, with a fresh key if none is there; ``slurmctld``/``slurmd`` started with
+``-f <conf>`` as root and stopped by their pid files. The configuration asks for nothing a
+container lacks: processes tracked by ``proctrack/linuxproc`` (no cgroups), no task plugin, one
+node whose CPUs are this machine's, free ports picked at start. Accounting is off, so results
+come from ``scontrol`` and job output files.
 """
 
 from __future__ import annotations

@@ -103,11 +103,11 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     ensure_fork()
     from hfsdp.determinism import ENV as PIN_ENV
     from hfsdp.determinism import pin_triton_autotune_from_env
-    from hfsdp.digest import ENV as DIGEST_ENV
-    from hfsdp.digest import install_from_env as install_digest_from_env
+    from hfsdp.step_digest import ENV as DIGEST_ENV
+    from hfsdp.step_digest import install_from_env as install_digest_from_env
     from hfsdp.training import data, forward_step, fsdp_units, model_provider, run_report
     from hfsdp.training.requirements import MissingPackage
-    from hfsdp.training.specs import SpecError
+    from hfsdp.training.spec_error import SpecError
     from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
     from megatron.core.enums import ModelType
     from megatron.training import print_rank_0

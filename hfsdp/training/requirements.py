@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfsdp.extras import PACKAGE_EXTRA, install_hint, te_extra
-from hfsdp.training.specs import SpecError
+from hfsdp.training.spec_error import SpecError
 
 MAMBA_SYMBOL = "M"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.MAMBA
 TE_CORE_DISTS = {12: "transformer-engine-cu12", 13: "transformer-engine-cu13"}
@@ -122,17 +122,23 @@ def needs(args: Namespace) -> list[Need]:
 
 def importable(package: str) -> bool:
     """Whether ``package`` is usable the way Megatron uses it (see the module docstring)."""
+    return import_problem(package) is None
+
+
+def import_problem(package: str) -> str | None:
+    """Why ``package`` is not usable the way Megatron uses it (the first import that fails), or None."""
     if package == "transformer_engine":
         try:
-            return _te_torch_extension_present()
-        except (ImportError, ValueError):
-            return False
-    try:
-        for module in IMPORTS[package]:
+            found = _te_torch_extension_present()
+        except (ImportError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None if found else f"{' or its torch extension '.join(TE_MODULES)} not found"
+    for module in IMPORTS[package]:
+        try:
             importlib.import_module(module)
-    except Exception:  # a build for another torch/CUDA/Triton fails in many ways, not only ImportError
-        return False
-    return True
+        except Exception as exc:  # a build for another torch/CUDA/Triton fails in many ways, not only ImportError
+            return f"import {module}: {type(exc).__name__}: {exc}"
+    return None
 
 
 def _te_torch_extension_present() -> bool:

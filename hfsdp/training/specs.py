@@ -14,6 +14,9 @@ import importlib
 from argparse import Namespace
 from typing import Any, Literal
 
+from hfsdp.training import requirements
+from hfsdp.training.spec_error import SpecError
+
 Family = Literal["gpt", "moe", "hybrid"]
 FAMILIES: tuple[str, ...] = ("gpt", "moe", "hybrid")
 
@@ -23,10 +26,6 @@ HYBRID_LOCAL_SPEC = (
     "megatron.core.models.hybrid.hybrid_local_layer_specs",
     "hybrid_local_stack_spec",
 )
-
-
-class SpecError(RuntimeError):
-    """A requested model family or layer spec cannot be built in this environment."""
 
 
 def resolve_family(args: Namespace, forced: str | None = None) -> Family:
@@ -57,12 +56,9 @@ def use_transformer_engine(args: Namespace) -> bool:
     """Whether args ask for TE specs; raises :class:`SpecError` if TE is asked for but missing."""
     impl = getattr(args, "transformer_impl", "transformer_engine")
     if impl == "transformer_engine":
-        # requirements imports SpecError from here, so it is imported at call time.
-        from hfsdp.training.requirements import importable, missing_error, needs, torch_cuda_version
-
-        if not importable("transformer_engine"):
-            need = next(n for n in needs(args) if n.package == "transformer_engine")
-            raise missing_error(need, torch_cuda_version())
+        if not requirements.importable("transformer_engine"):
+            need = next(n for n in requirements.needs(args) if n.package == "transformer_engine")
+            raise requirements.missing_error(need, requirements.torch_cuda_version())
         return True
     if impl == "local":
         return False

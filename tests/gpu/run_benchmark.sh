@@ -8,7 +8,7 @@
 #    -> $OUT/prof-<preset>.tgz (timelines, op tables, memory and cProfile summaries)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
+python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
 # Deterministic Triton kernel choice across the fresh processes of one invocation.
 export TRITON_CACHE_AUTOTUNING=1
 preset=${1:-default}; shift || true

@@ -13,7 +13,7 @@
 # configurations and GPU counts (tests/gpu/run_lanes.sh does).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
+python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
 record=()
 [ "${1:-}" = "--record" ] && { record=(--record); shift; }
 presets=("$@"); [ ${#presets[@]} -eq 0 ] && presets=(default)

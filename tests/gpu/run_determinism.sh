@@ -8,7 +8,7 @@
 # only in fixedpool/maxpool points at the double-buffer path (next step: TORCH_CUDA_SANITIZER=1).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
+python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
 export NCCL_ALGO=Ring CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONHASHSEED=0
 # Same Triton (Mamba) kernel configs in every process: hfsdp/determinism.py.
 export HFSDP_TRITON_PIN_AUTOTUNE=1

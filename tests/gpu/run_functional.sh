@@ -13,7 +13,7 @@
 # Everything lands in $OUT/functional.tgz (logs, metrics, goldens) plus $OUT/functional_summary.txt.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
+python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
 mode=()
 case "${1:-}" in
   --record|--record-missing) mode=("$1"); shift ;;

@@ -12,7 +12,7 @@
 # tests/unit_tests/distributed/megatron_fsdp/test_fused_mamba_fixedpool_gpu.py for what is asserted.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
+python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
 [ -n "${HFSDP_GPU_ENV_READY:-}" ] || . tests/gpu/setup_gpu_env.sh \
   || { echo "run_fused_mamba_fixedpool: tests/gpu/setup_gpu_env.sh failed" >&2; exit 2; }
 export MEGATRON_PATCHSET_FIND_LINKS=${MEGATRON_PATCHSET_FIND_LINKS:-$PWD/.gpu-wheels}

@@ -19,7 +19,7 @@
   || { echo "run_lanes: GPU set-up failed" >&2; exit 2; }
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
+python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
 export NPROC=${NPROC:-1} REPEATS=${REPEATS:-3} OUT=${OUT:-/tmp/hfsdp_lanes}
 if [ "$REPEATS" -lt 3 ]; then
   echo "run_lanes: REPEATS=$REPEATS; step-time comparisons need at least 3 repeats" >&2

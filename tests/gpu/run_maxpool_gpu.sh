@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 export OUT MAXPOOL_GPU_RESULTS="$OUT/maxpool_gpu.json"
 rm -f "$MAXPOOL_GPU_RESULTS" "$OUT/maxpool_fixedpool_outcome.json"
 
-python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
+python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
 
 NPROC=${NPROC:-2}
 TEST=tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py

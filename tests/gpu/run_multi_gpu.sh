@@ -13,7 +13,7 @@
 # NVLink multicast stays off: this script sets and asserts the guards for every step.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
+python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nproc=${1:-$ngpu}
 if [ "$ngpu" -lt 2 ] || [ "$nproc" -lt 2 ]; then

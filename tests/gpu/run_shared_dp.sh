@@ -21,7 +21,7 @@
 # checkpoints) and $OUT/shared_dp_summary.txt. STAGE_TIMEOUT (default 560 s) bounds each stage.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python -m hfsdp.safety || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
+python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
 [ -n "${HFSDP_GPU_ENV_READY:-}" ] || . tests/gpu/setup_gpu_env.sh \
   || { echo "run_shared_dp: tests/gpu/setup_gpu_env.sh failed" >&2; exit 2; }
 out=${OUT:-/tmp/hfsdp_shared_dp_out}; mkdir -p "$out"

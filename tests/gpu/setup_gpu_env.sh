@@ -28,7 +28,7 @@ if [ -d "$_hfsdp_site/mamba_ssm" ] && ! python3 -c 'import selective_scan_cuda' 
   echo "# stand-in for mamba_ssm's CUDA-only selective scan (the Mamba2 Triton path never calls it)" \
     > "$_hfsdp_site/selective_scan_cuda.py"
 fi
-python -m hfsdp.safety || return 1  # our GPU tests keep NVLink multicast off
+python -m hfsdp.nvls_guard || return 1  # our GPU tests keep NVLink multicast off
 python - <<'PY' || return 1
 import sys
 import torch

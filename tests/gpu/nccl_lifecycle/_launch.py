@@ -15,15 +15,15 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO_ROOT))  # run as a script from tests/gpu/nccl_lifecycle
 
 from hfsdp.launch import torchrun as launch  # noqa: E402
+from hfsdp.nvls_guard import assert_guard  # noqa: E402
 from hfsdp.proc import run_group  # noqa: E402
-from hfsdp.safety import assert_guard  # noqa: E402
 
 # Stacks, then SIGTERM, then SIGKILL fit inside a job's timeout: run_all.sh's outer limits add up
 # the child timeouts, so a hang must not take longer than its timeout.
 STACK_GRACE_S, TERM_GRACE_S = 3.0, 5.0
 
 
-def assert_safety_env() -> None:
+def assert_nvls_guard() -> None:
     """These machines must keep NVLink multicast off (run_all.sh exports and checks the values)."""
     assert_guard()
 

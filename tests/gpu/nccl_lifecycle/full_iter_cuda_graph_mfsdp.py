@@ -165,7 +165,7 @@ def run_variant(out: Path, name: str, timeout_s: float) -> tuple[dict, list]:
 
 
 def main() -> None:
-    _launch.assert_safety_env()
+    _launch.assert_nvls_guard()
     out = _launch.out_dir()
     job, ranks = run_variant(out, "released", CHILD_TIMEOUT_S)
     kept, kept_ranks = run_variant(out, "graphs_kept", KEPT_TIMEOUT_S)

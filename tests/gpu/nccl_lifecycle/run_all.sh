@@ -6,7 +6,7 @@
 set -u
 : "${OUT:=/tmp/nccl_lifecycle_out}"; export OUT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python -m hfsdp.safety || exit 2  # NVLink multicast must be off before any GPU work
+python -m hfsdp.nvls_guard || exit 2  # NVLink multicast must be off before any GPU work
 dir=$(dirname "$0")
 rc=0
 summary=()

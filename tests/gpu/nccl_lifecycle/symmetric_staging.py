@@ -40,7 +40,7 @@ TIMED_STEPS = 6
 
 
 def child(mode: str, result_path: str) -> None:
-    _launch.assert_safety_env()
+    _launch.assert_nvls_guard()
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -91,7 +91,7 @@ def child(mode: str, result_path: str) -> None:
         res["abort"] = "NCCL_NVLS_ENABLE changed after building ParamAndGradBuffer"
         finish(4)
         return
-    _launch.assert_safety_env()
+    _launch.assert_nvls_guard()
     pgb = model.param_and_grad_buffer
     staging = pgb.maxpool_staging
     res["allocators"] = {a: type(getattr(pgb, a, None)).__name__
@@ -144,7 +144,7 @@ def child(mode: str, result_path: str) -> None:
 
 
 def main() -> None:
-    _launch.assert_safety_env()
+    _launch.assert_nvls_guard()
     out = _launch.out_dir()
     path = out / "symmetric_staging"
     results = {"config": {"hidden": HIDDEN, "blocks": BLOCKS, "warmup": WARMUP_STEPS,

@@ -64,7 +64,7 @@ def child(variant: str, stamp_path: str) -> None:
 
 
 def main() -> None:
-    _launch.assert_safety_env()
+    _launch.assert_nvls_guard()
     out = _launch.out_dir()
     runs = {}
     for variant in ("none", "teardown"):

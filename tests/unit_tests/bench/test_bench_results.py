@@ -150,7 +150,7 @@ def test_loss_agreement_on_the_recorded_gpu_runs():
     import pathlib
 
     here = pathlib.Path(__file__)
-    # The 2026-11-22 benchmark at commit 23949bc (docs/results.md): two double-buffered runs
+    # The benchmark at commit 23949bc (docs/results.md): two double-buffered runs
     # diverged mid-run.
     assert _diverged(here.parent / "data" / "benchmark-results-2026-11-22-23949bc.json") == {
         ("fixedpool", 0): 4, ("maxpool", 1): 7}

@@ -172,7 +172,7 @@ def test_deterministic_gives_every_run_the_te_settings(te_launch, tmp_path):
         assert flags[flags.index("--attention-backend") + 1] == "flash"  # flags after -- win
         assert env == {**te_determinism.env("cache"), "NCCL_ALGO": "Tree"}  # --env wins
     meta = json.loads((tmp_path / "r.json").read_text())["meta"]
-    assert meta["deterministic"] is True and meta["te_determinism_verified"] is te_determinism.VERIFIED
+    assert meta["deterministic"] is True
     # Whether TE is installed changes local-spec runs too (optimizer): the JSON says what was there.
     assert set(meta["optional_packages"]) == {"transformer-engine", "apex", "mamba-ssm", "causal-conv1d"}
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from hfsdp.bench import kept
 from hfsdp.bench import pretrain_launch as P
 from hfsdp.bench import run as B
+from hfsdp.bench import run_logs
 from hfsdp.proc import GroupResult
 from hfsdp.training import run_report
 from hfsdp.usererror import UserError
@@ -203,10 +203,10 @@ def test_a_kept_run_that_failed_stays_failed_for_from_logs(monkeypatch, tmp_path
     marker = tmp_path / "kept" / "no_db-0.failed"
     assert marker.read_text() == "rc=-11\n"
     with pytest.raises(UserError, match="no_db#0: failed when it ran: rc=-11"):
-        kept.runs_from_logs(str(tmp_path / "kept"), [(0, "no_db")], MODEL, opts)
+        run_logs.runs_from_logs(str(tmp_path / "kept"), [(0, "no_db")], MODEL, opts)
     _fake_pretrain(monkeypatch, tmp_path, captured=False, returncode=0)
     run, _ = B.launch(B.cfgs.CONFIGS["no_db"], 0, MODEL, opts, str(work))
     assert run is not None and not marker.exists()
-    runs, failures = kept.runs_from_logs(str(tmp_path / "kept"), [(0, "no_db")], MODEL, opts)
+    runs, failures = run_logs.runs_from_logs(str(tmp_path / "kept"), [(0, "no_db")], MODEL, opts)
     assert [r.config for r in runs] == ["no_db"] and failures == {}
     assert (runs[0].torch, runs[0].device) == ("2.11.0+cu130", "NVIDIA H100 80GB HBM3")

@@ -17,7 +17,7 @@ import pytest
 
 from hfsdp.functional import run_case
 from hfsdp.launch.env import job_env, parse_assignments
-from hfsdp.safety import NVLS_SAFE_ENV, guard_violations
+from hfsdp.nvls_guard import NVLS_SAFE_ENV, guard_violations
 from hfsdp.slurm import sbatch
 from hfsdp.usererror import UserError
 
@@ -104,10 +104,11 @@ def test_submit_env_option_reaches_the_script(tmp_path):
 
 
 def test_product_launchers_do_not_import_the_gpu_test_guard():
-    """hfsdp.safety belongs to tests/gpu; no product module may use it to force the guard."""
-    imports = re.compile(r"^\s*(from hfsdp\.safety |from hfsdp import .*\bsafety\b|import hfsdp\.safety)", re.M)
+    """hfsdp.nvls_guard belongs to tests/gpu; no product module may use it to force the guard."""
+    imports = re.compile(r"^\s*(from hfsdp\.nvls_guard |from hfsdp import .*\bnvls_guard\b|import hfsdp\.nvls_guard)",
+                         re.M)
     users = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "hfsdp").rglob("*.py")
-                   if p.name != "safety.py" and imports.search(p.read_text()))
+                   if p.name != "nvls_guard.py" and imports.search(p.read_text()))
     assert users == []
     for name in ("run_case.py", "sbatch.py", "run.py"):
         for path in (REPO_ROOT / "hfsdp").rglob(name):
@@ -123,16 +124,16 @@ def test_our_gpu_scripts_set_and_check_the_guard(script):
     text = script.read_text()
     exports = " ".join(f"{k}={v}" for k, v in NVLS_SAFE_ENV.items())
     assert f"export {exports}" in text, f"{script.name} does not export {exports}"
-    assert text.index(f"export {exports}") < text.index("python -m hfsdp.safety"), "checked before it is set"
-    assert "python -m hfsdp.safety" in text, f"{script.name} does not check the guard"
+    assert text.index(f"export {exports}") < text.index("python -m hfsdp.nvls_guard"), "checked before it is set"
+    assert "python -m hfsdp.nvls_guard" in text, f"{script.name} does not check the guard"
 
 
 def test_the_guard_check_refuses_and_passes():
     env = {k: v for k, v in os.environ.items() if k not in NVLS_SAFE_ENV}
-    bad = subprocess.run([sys.executable, "-m", "hfsdp.safety"], cwd=REPO_ROOT, env={**env, "NCCL_NVLS_ENABLE": "1"},
-                         capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "hfsdp.nvls_guard"], cwd=REPO_ROOT,
+                         env={**env, "NCCL_NVLS_ENABLE": "1"}, capture_output=True, text=True)
     assert bad.returncode == 2 and "NCCL_NVLS_ENABLE" in bad.stderr
-    good = subprocess.run([sys.executable, "-m", "hfsdp.safety"], cwd=REPO_ROOT, env={**env, **NVLS_SAFE_ENV},
+    good = subprocess.run([sys.executable, "-m", "hfsdp.nvls_guard"], cwd=REPO_ROOT, env={**env, **NVLS_SAFE_ENV},
                           capture_output=True, text=True)
     assert good.returncode == 0, good.stderr
     assert guard_violations({**env, **NVLS_SAFE_ENV}) == {}

@@ -6,15 +6,15 @@ built anywhere, and the construction-time guards. Forward passes need CUDA (Mamb
 Triton, attention asks for CUDA buffers) and are covered by the GPU test
 tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py.
 
-Mamba cases need mamba_ssm importable (the mixer refuses to build without it); they are
-skipped otherwise. On a CUDA-less box, construction of MambaMixer is redirected to CPU by
+Mamba cases need mamba_ssm importable (the mixer refuses to build without it); they are marked
+``mamba`` (tests/unit_tests/conftest.py: without mamba_ssm they fail, or skip under
+HFSDP_WITH_MAMBA=0). On a CUDA-less box, construction of MambaMixer is redirected to CPU by
 patching ``torch.cuda.current_device`` and the mixer's CUDA RNG tracker fork, nothing else.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import socket
 from collections.abc import Iterator
 from unittest import mock
@@ -35,9 +35,6 @@ from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
-
-HAVE_MAMBA_SSM = importlib.util.find_spec("mamba_ssm") is not None
-needs_mamba = pytest.mark.skipif(not HAVE_MAMBA_SSM, reason="mamba_ssm not installed")
 
 # Exact class per pattern symbol (type(layer) is ..., not isinstance: MLPLayer and
 # MoETransformerLayer are TransformerLayer subclasses, so isinstance would not catch a swap).
@@ -157,7 +154,7 @@ def test_build_attention_moe_mlp_without_te(one_rank_parallel_state, pattern: st
     assert len(moe.experts.local_experts) == 2
 
 
-@needs_mamba
+@pytest.mark.mamba
 @pytest.mark.parametrize("pattern", ["M*E-", "M*EM*E"])
 def test_build_full_hybrid_without_te(one_rank_parallel_state, pattern: str) -> None:
     model = _build(pattern)
@@ -181,7 +178,7 @@ def test_build_full_hybrid_without_te(one_rank_parallel_state, pattern: str) -> 
     assert units == list(model.decoder.layers)
 
 
-@needs_mamba
+@pytest.mark.mamba
 def test_mamba_mem_eff_path_without_causal_conv1d_is_rejected(one_rank_parallel_state) -> None:
     if not mamba_needs_causal_conv1d(_config(use_mamba_mem_eff_path=True)):
         pytest.skip("causal_conv1d is installed; the fused path is usable")

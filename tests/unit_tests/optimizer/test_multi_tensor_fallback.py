@@ -108,6 +108,7 @@ def test_scale_rejects_lists_of_different_lengths():
         fallback.scale(1, None, [a, a[:1]], 2.0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_l2_norm_copies_to_the_host_once_on_a_gpu():
     lists = [_tensors(tuple(range(1, 400, 4)), device="cuda")]
@@ -129,6 +130,7 @@ def test_l2_norm_copies_to_the_host_once_on_a_gpu():
     assert new <= 3 < len(lists[0]) <= old, f"synchronizing calls: {new} now, {old} per element before"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_scale_in_place_same_bits_on_a_gpu(dtype):
@@ -140,6 +142,7 @@ def test_scale_in_place_same_bits_on_a_gpu(dtype):
         _same_bits(g, w)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_host_norms_on_two_devices_match_torch_tensor():
     norms = [[torch.norm(t) for t in _tensors((5, 40))] + [torch.norm(t) for t in _tensors((3,), device="cuda")]]

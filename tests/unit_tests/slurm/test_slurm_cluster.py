@@ -30,7 +30,7 @@ def _skip_reason() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")]
 
 
 def test_sbatch_jobs_pass_and_fail_on_real_slurm(tmp_path: Path) -> None:

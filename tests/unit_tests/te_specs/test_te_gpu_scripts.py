@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hfsdp.safety import NVLS_SAFE_ENV
+from hfsdp.nvls_guard import NVLS_SAFE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CASES = REPO_ROOT / "tests/functional_tests/test_cases"

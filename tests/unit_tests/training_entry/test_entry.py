@@ -104,9 +104,8 @@ def test_model_provider_builds_on_cpu(family: str, extra: list[str], layer_check
     assert "BUILT" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.mamba  # MambaMixer needs mamba_ssm even on CPU
 def test_hybrid_provider_builds_on_cpu() -> None:
-    if not _megatron_has("mamba_ssm"):
-        pytest.skip("mamba_ssm is not installed (MambaMixer needs it even on CPU)")
     argv = TINY + ["--hybrid-layer-pattern", "M*-", "--mamba-head-dim", "16", "--mamba-num-groups", "1",
                    "--disable-mamba-mem-eff-path"]
     proc = _py(f"""

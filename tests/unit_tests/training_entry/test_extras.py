@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from hfsdp import extras
+from hfsdp.training.requirements import TE_CORE_DISTS, te_variant_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -39,9 +41,25 @@ def normal(reqs: Iterable[str]) -> list[str]:
 def test_every_extra_is_pinned_to_one_version() -> None:
     for name, reqs in extras.EXTRAS.items():
         assert reqs and all(r.count("==") == 1 for r in reqs), (name, reqs)
-    assert extras.EXTRAS["te"] == [f"transformer-engine[pytorch,core-cu13]=={extras.TE_VERSION}"]
-    assert extras.EXTRAS["te-cu12"] == [f"transformer-engine[pytorch,core-cu12]=={extras.TE_VERSION}"]
-    assert set(extras.PACKAGE_EXTRA.values()) <= set(extras.EXTRAS)
+
+
+@pytest.mark.parametrize("major", sorted(TE_CORE_DISTS))
+def test_the_te_extra_for_a_torch_installs_the_core_of_its_cuda_major(major: int) -> None:
+    """The extra te_extra picks for torch's CUDA major brings the core wheel that
+    te_variant_problem accepts for it, at the one pinned TE version."""
+    (req,) = (Requirement(r) for r in extras.EXTRAS[extras.te_extra(f"{major}.0")])
+    assert req.name == "transformer-engine" and str(req.specifier) == f"=={extras.TE_VERSION}", req
+    cores = {e for e in req.extras if e.startswith("core-")}
+    assert cores == {f"core-cu{major}"} and TE_CORE_DISTS[major] == f"transformer-engine-cu{major}", req
+    assert te_variant_problem(f"{major}.0", {TE_CORE_DISTS[major]: extras.TE_VERSION}.get) is None
+
+
+@pytest.mark.parametrize("package", sorted(extras.PACKAGE_EXTRA))
+def test_the_extra_named_for_a_package_installs_it(package: str) -> None:
+    """A missing-package error's install hint must install that package."""
+    extra = extras.PACKAGE_EXTRA[package] if package != "transformer_engine" else extras.te_extra(None)
+    names = {canonicalize_name(Requirement(r).name) for r in extras.EXTRAS[extra]}
+    assert canonicalize_name(package) in names, (package, extra, names)
 
 
 @pytest.mark.parametrize("extra", sorted(extras.EXTRAS))

@@ -75,6 +75,7 @@ def check_recorded(rec: dict[str, Any]) -> None:
     assert sorted(rec["ranks"]) == ["rank0.json", "rank1.json"], f"rank records {sorted(rec['ranks'])}:\n{tail}"
 
 
+@pytest.mark.gpu
 @base.needs_two_gpus
 @needs_conv1d
 @pytest.mark.parametrize("spec", ["local", pytest.param("te", marks=needs_te)])
@@ -105,6 +106,7 @@ def pristine_tree(dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.gpu
 @base.needs_two_gpus
 @needs_conv1d
 @needs_te

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from hfsdp.launch import torchrun as launch
+from hfsdp.nvls_guard import NVLS_SAFE_ENV, assert_guard
 from hfsdp.proc import run_group
-from hfsdp.safety import NVLS_SAFE_ENV, assert_guard
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
@@ -57,7 +57,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 HAVE_CUDA = torch.cuda.is_available()
 HAVE_MAMBA = importlib.util.find_spec("mamba_ssm") is not None
-NVLS_GUARDS = NVLS_SAFE_ENV  # our GPU tests keep NVLink multicast off (hfsdp/safety.py)
+NVLS_GUARDS = NVLS_SAFE_ENV  # our GPU tests keep NVLink multicast off (hfsdp/nvls_guard.py)
 
 needs_two_gpus = pytest.mark.skipif(
     not (HAVE_CUDA and WORLD_SIZE == 2 and torch.cuda.device_count() >= 1 and HAVE_MAMBA),
@@ -400,6 +400,7 @@ def teardown_run(run: Run | None) -> None:
 # --------------------------------------------------------------------------------------------
 # (a) bitwise parity, (b) stable pool bytes, (c) no new home misses
 # --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
 @needs_two_gpus
 def test_maxpool_bitwise_losses_and_stable_pool(dist_env) -> None:
     case = HybridCase()
@@ -489,6 +490,7 @@ def activation_bytes_estimate(case: HybridCase) -> int:
     return len(case.pattern) * per_layer + attn + head
 
 
+@pytest.mark.gpu
 @needs_two_gpus
 def test_maxpool_peak_memory_within_analytic_bound(dist_env) -> None:
     case = MEMORY_CASE
@@ -557,6 +559,7 @@ def test_maxpool_peak_memory_within_analytic_bound(dist_env) -> None:
 # --------------------------------------------------------------------------------------------
 # (e) prefetch gating: non-unit gathers stay non-unit
 # --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
 @needs_two_gpus
 def test_non_unit_forward_gathers_only_its_own_buckets(dist_env) -> None:
     case = HybridCase(steps=2)
@@ -625,6 +628,7 @@ def test_non_unit_forward_gathers_only_its_own_buckets(dist_env) -> None:
 # --------------------------------------------------------------------------------------------
 # (f) upstream's failing scenario with max-pool
 # --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
 @needs_two_gpus
 def test_upstream_attention_mamba_repro_with_maxpool(dist_env) -> None:
     case = UPSTREAM_CASE
@@ -647,6 +651,7 @@ FIXEDPOOL_JSON = os.path.join(os.environ.get("OUT") or "/tmp", "maxpool_fixedpoo
 FIXEDPOOL_TIMEOUT_S = 240
 
 
+@pytest.mark.gpu
 @needs_two_gpus
 @pytest.mark.parametrize("variant", ["fork", "emulate-0.18.2-backup"])
 def test_upstream_repro_with_fixedpool_outcome_recorded(dist_env, variant: str) -> None:
@@ -841,7 +846,7 @@ def _fallback_keys() -> list[str]:
 # CPU dry run: the models above build and have the expected unit census
 # --------------------------------------------------------------------------------------------
 @pytest.mark.skipif(HAVE_CUDA, reason="CPU dry run; the GPU tests build these models for real")
-@pytest.mark.skipif(not HAVE_MAMBA, reason="mamba_ssm not installed")
+@pytest.mark.mamba
 @pytest.mark.parametrize(
     "case,expected",
     [

@@ -1,19 +1,19 @@
-"""CPU tests of HFSDP_DIGEST_STEPS (hfsdp/digest.py): which records, when, and their values."""
+"""CPU tests of HFSDP_DIGEST_STEPS (hfsdp/step_digest.py): which records, when, and their values."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hfsdp import digest
+from hfsdp import step_digest
 
 
 def test_parse_steps():
-    assert digest.parse_steps("11,12") == {11, 12}
-    assert digest.parse_steps("11-13, 20") == {11, 12, 13, 20}
+    assert step_digest.parse_steps("11,12") == {11, 12}
+    assert step_digest.parse_steps("11-13, 20") == {11, 12, 13, 20}
     for bad in ("x", "13-11", "-1", ","):
-        with pytest.raises(ValueError, match=digest.ENV):
-            digest.parse_steps(bad)
+        with pytest.raises(ValueError, match=step_digest.ENV):
+            step_digest.parse_steps(bad)
 
 
 def _run(steps, rank=0, n_steps=3, microbatches=2):
@@ -23,8 +23,8 @@ def _run(steps, rank=0, n_steps=3, microbatches=2):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     lines: list[str] = []
     state = {"step": 0}
-    d = digest.Digest(frozenset(steps), lambda: state["step"], rank, emit=lines.append)
-    handles = digest.install_hooks(d)
+    d = step_digest.Digest(frozenset(steps), lambda: state["step"], rank, emit=lines.append)
+    handles = step_digest.install_hooks(d)
     try:
         for step in range(1, n_steps + 1):
             state["step"] = step
@@ -68,7 +68,7 @@ def test_other_ranks_record_optimizer_state_only():
 
 
 def test_install_from_env_is_off_by_default():
-    assert digest.install_from_env({}) is None
+    assert step_digest.install_from_env({}) is None
 
 
 def test_install_from_env_maps_megatron_iterations_to_logged_steps(monkeypatch):
@@ -76,7 +76,7 @@ def test_install_from_env_maps_megatron_iterations_to_logged_steps(monkeypatch):
 
     import megatron.training
 
-    d = digest.install_from_env({digest.ENV: "2", "RANK": "0"})
+    d = step_digest.install_from_env({step_digest.ENV: "2", "RANK": "0"})
     try:
         assert d is not None and d.steps == {2} and len(d.handles) == 3
         # Before training (no curr_iteration) is step 0; curr_iteration counts completed steps.

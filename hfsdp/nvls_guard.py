@@ -1,7 +1,7 @@
 """The NVLink-multicast guard of our own GPU test scripts (``tests/gpu``), and nothing else.
 
 The machines our GPU tests run on must keep NVLS / multicast off. The scripts under
-``tests/gpu`` export these values and check them with ``python -m hfsdp.safety`` before any
+``tests/gpu`` export these values and check them with ``python -m hfsdp.nvls_guard`` before any
 GPU work; the Python test harnesses call :func:`assert_guard`. The product's launchers do not
 import this module: they pass the user's environment through ([Note: launch environment] in
 hfsdp/launch/env.py), so on a shared machine set the guard yourself (README, "Shared machines").
