@@ -1,17 +1,22 @@
-"""No import cycles among hfsdp's modules, counting imports inside functions.
+"""No import cycles among hfsdp's modules, or through the overlay, counting imports inside functions.
 
 A cycle that only an import inside a function keeps from failing at import time still ties two
 modules together: neither can be read, tested or moved without the other. The graph is built from
 the source with ``ast`` (every ``import`` / ``from ... import`` anywhere in a module, relative
-imports resolved); an edge goes to the most specific hfsdp module an import names. Package
-``__init__`` files are import-free here, so the package a module lives in adds no edge.
+imports resolved); an edge goes to the most specific module of the package an import names.
+Package ``__init__`` files are import-free in hfsdp, so the package a module lives in adds no edge.
+
+The overlay (patches/overlay/) is checked as the materialized megatron/ it becomes, with upstream
+around it: every import of or into an overlay module counts wherever it stands (only our files and
+our hooks write those), upstream's other imports count at module level. Upstream's own imports
+inside functions are upstream's business, and often break upstream cycles on purpose.
 """
 
 from __future__ import annotations
 
 import ast
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -50,21 +55,49 @@ def owning_module(name: str, modules: Mapping[str, Path]) -> str | None:
     return name
 
 
-def import_graph(package_dir: Path) -> Graph:
-    """Module -> the modules of the same package it imports, anywhere in its source."""
+# (importer, imported, whether the import runs when the importer is imported) -> counted?
+EdgeRule = Callable[[str, str, bool], bool]
+
+
+def imports_in_functions(tree: ast.AST) -> set[int]:
+    """ids of the import nodes that stand inside a function (run when it is called)."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inside.update(id(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return inside
+
+
+def import_graph(package_dir: Path, counts: EdgeRule | None = None) -> Graph:
+    """Module -> the modules of the same package it imports, anywhere in its source (``counts``,
+    if given, says which of those imports make an edge)."""
     root = package_dir.parent
     modules = {module_name(p, root): p for p in sorted(package_dir.rglob("*.py"))}
     graph: Graph = {}
     for module, path in modules.items():
         targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        deferred = imports_in_functions(tree)
+        for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 for name in imported_names(module, path.name == "__init__.py", node):
                     target = owning_module(name, modules)
-                    if target is not None and target != module:
+                    if target is None or target == module:
+                        continue
+                    if counts is None or counts(module, target, id(node) not in deferred):
                         targets.add(target)
         graph[module] = targets
     return graph
+
+
+def overlay_rule(overlay: set[str]) -> EdgeRule:
+    """Every import of or into an overlay module; other imports only at module level."""
+    return lambda importer, imported, eager: eager or importer in overlay or imported in overlay
+
+
+def overlay_modules(overlay_dir: Path) -> set[str]:
+    """The module names the overlay's Python files get once materialized."""
+    return {module_name(p, overlay_dir) for p in overlay_dir.rglob("*.py")}
 
 
 def strongly_connected(graph: Graph) -> list[list[str]]:
@@ -133,6 +166,38 @@ def test_hfsdp_has_no_import_cycles() -> None:
     found = cycles(graph)
     assert not found, ("import cycles (move the shared piece into the module that owns it): "
                        + "; ".join(found))
+
+
+def test_the_overlay_makes_no_import_cycle() -> None:
+    overlay = overlay_modules(REPO_ROOT / "patches" / "overlay")
+    megatron = REPO_ROOT / "megatron"
+    assert overlay, "found no overlay modules"
+    assert (megatron / ".patchset-stamp.json").is_file(), (
+        f"{megatron} is not materialized; run `scripts/patchset materialize`")
+    materialized = {module_name(p, REPO_ROOT) for p in megatron.rglob("*.py")}
+    missing = sorted(overlay - materialized)
+    assert not missing, f"overlay modules missing from the materialized tree (stale?): {missing}"
+    graph = import_graph(megatron, overlay_rule(overlay))
+    # The builder sees a hook: ParamAndGradBuffer imports the max-pool allocators.
+    pgb = "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"
+    assert "megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator" in graph[pgb], (
+        "the import graph lost the max-pool hook's edge")
+    found = [c for c in strongly_connected(graph) if overlay & set(c)]
+    assert not found, ("import cycles through the overlay (the hook imports the overlay, never the "
+                       "other way round): " + "; ".join(" -> ".join(shortest_cycle(graph, c)) for c in found))
+
+
+@pytest.mark.parametrize("files, overlay, expected", [
+    # upstream's own deferred import does not count; one into an overlay module does
+    ({"__init__.py": "", "up.py": "import pkg.low\n", "low.py": "def f():\n    import pkg.up\n"}, set(), []),
+    ({"__init__.py": "", "up.py": "import pkg.ours\n", "ours.py": "def f():\n    import pkg.up\n"},
+     {"pkg.ours"}, ["pkg.ours -> pkg.up -> pkg.ours"]),
+    ({"__init__.py": "", "up.py": "def f():\n    from . import ours\n", "ours.py": "import pkg.up\n"},
+     {"pkg.ours"}, ["pkg.ours -> pkg.up -> pkg.ours"]),
+])
+def test_overlay_rule_counts_our_imports_wherever_they_stand(
+        tmp_path: Path, files: dict[str, str], overlay: set[str], expected: list[str]) -> None:
+    assert cycles(import_graph(_package(tmp_path, files), overlay_rule(overlay))) == expected
 
 
 def _package(root: Path, files: Mapping[str, str]) -> Path:
