@@ -47,6 +47,21 @@ TRAIN_FLAGS = ("--megatron-fsdp-main-params-dtype", "fp32", "--megatron-fsdp-mai
                "fp32", "--lr-warmup-iters", "3", "--weight-decay", "0.1", "--clip-grad", "1.0")
 
 
+# Megatron turns on one_logger (an NVIDIA-internal metrics package) unless told otherwise, and
+# without the package every run prints a warning whose link only NVIDIA staff can open. The runs
+# pass --no-one-logger unless the package is installed or the caller chose.
+NO_ONE_LOGGER = "--no-one-logger"
+
+
+def one_logger_flags(flags: Sequence[str]) -> list[str]:
+    """``--no-one-logger`` when one_logger is not installed and ``flags`` do not have it yet."""
+    import importlib.util
+
+    if NO_ONE_LOGGER in flags or importlib.util.find_spec("one_logger") is not None:
+        return []
+    return [NO_ONE_LOGGER]
+
+
 def capture_problems(flags: Sequence[str], nproc: int) -> list[str]:
     """Why ``flags`` + full-iteration graphs cannot be captured (Megatron's own parse, CPU)."""
     import argparse
@@ -229,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("main_job: no CUDA GPU here; training needs one (scripts/run_main.sh runs the "
               "CPU part instead).", file=sys.stderr)
         return 2
-    base = [*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *TRAIN_FLAGS, *extra]
+    base = [*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *TRAIN_FLAGS, *one_logger_flags(extra), *extra]
     steps = int(os.environ.get("TRAIN_ITERS", "30"))
     problems = capture_problems(base, nproc)
     graphed = not problems and steps > SETTLE_STEPS

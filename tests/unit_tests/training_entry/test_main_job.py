@@ -204,3 +204,25 @@ def test_rehearse_compares_twin_and_maxpool(monkeypatch, tmp_path):
     assert env["NCCL_ALGO"] == "Ring" and env["HFSDP_TRITON_PIN_AUTOTUNE"] == "1"
     assert (result.identical_steps, result.pool_bytes, result.planned_pool_bytes, result.home_misses) == (8, 64, 64, 0)
     assert result.peak_allocated == (101, 111)
+
+
+def test_runs_turn_one_logger_off_unless_it_is_installed(monkeypatch, fake_train):
+    """Without one_logger Megatron warns with a link outside users cannot open: the runs pass
+    --no-one-logger; with the package installed, or the flag given, nothing is added."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def installed(present):
+        def find_spec(name, *a):
+            return (object() if present else None) if name == "one_logger" else real(name, *a)
+
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+    installed(False)
+    assert M.one_logger_flags([]) == [M.NO_ONE_LOGGER]
+    assert M.one_logger_flags([M.NO_ONE_LOGGER]) == []
+    assert M.main([]) == 0
+    assert all(r["flags"].count(M.NO_ONE_LOGGER) == 1 for r in fake_train)
+    installed(True)
+    assert M.one_logger_flags([]) == []
