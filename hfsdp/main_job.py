@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -91,8 +92,14 @@ def capture_problems(flags: Sequence[str], nproc: int) -> list[str]:
     # for this parse only, where the caller has not, so the job's own environment stays as it was.
     launch = {k: v for k, v in (("WORLD_SIZE", str(nproc)), ("RANK", "0")) if k not in os.environ}
     parser = margs.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    with mock.patch.dict(os.environ, launch), contextlib.redirect_stderr(io.StringIO()):
-        args = parser.parse_args([*flags, *GRAPH_FLAGS])
+    said = io.StringIO()
+    try:
+        with mock.patch.dict(os.environ, launch), contextlib.redirect_stderr(said):
+            args = parser.parse_args([*flags, *GRAPH_FLAGS])
+    except SystemExit as exc:  # argparse refused the flags; its reason is the last line it wrote
+        why = (said.getvalue().strip().splitlines() or ["no reason given"])[-1].split(": error: ", 1)[-1]
+        raise UserError(f"Megatron's parser refuses the job's flags: {why}",
+                        "fix the extra flags; `python pretrain_hybrid.py --help` lists every flag") from exc
     args.world_size = nproc  # Megatron's parse_args sets it from WORLD_SIZE; the bare parser does not
     return cuda_graph_arg_problems(args, run_env(os.environ, nproc, flags))
 
@@ -106,11 +113,16 @@ def capture_verdict(problems: Sequence[str]) -> list[str]:
             "max-pool double buffer under a full-iteration CUDA graph."]
 
 
-def write_capture_problems(path: str, extra: Sequence[str] = ()) -> None:
+def write_capture_problems(path: str, extra: Sequence[str] = ()) -> int:
     """Why the main job's model (plus ``extra``) cannot be captured on one GPU, as JSON in ``path``
-    (an empty list: it can); the CPU branch runs this in a process of its own (:func:`capture_step`)."""
-    problems = capture_problems([*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *extra], 1)
-    Path(path).write_text(json.dumps(problems) + "\n")
+    (an empty list: it can); the CPU branch runs this in a process of its own (:func:`capture_step`).
+    Flags Megatron refuses are one sentence and exit status 2."""
+
+    def write() -> None:
+        problems = capture_problems([*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *extra], 1)
+        Path(path).write_text(json.dumps(problems) + "\n")
+
+    return run_cli("main_job", write)
 
 
 def median_step_ms(log_path: str, first_step: int) -> float | None:
@@ -427,10 +439,17 @@ def run_logged(title: str, cmd: Sequence[str], log: TextIO) -> tuple[int, list[s
     return ended.returncode, lines
 
 
+USER_ERROR = re.compile(r"^\S+: error: ")  # hfsdp/usererror.py: "<prog>: error: <cause>", then "  -> <fix>"
+
+
 def failed_lines(what: str, rc: int, lines: Sequence[str], log_path: Path) -> list[str]:
-    """A failed step on the console: its exit status, the end of its output, where the rest is."""
-    return [f"{what} failed (exit status {rc}); the last lines of its output ({shown(log_path)} has all):",
-            *(f"  | {line}" for line in lines[-FAILED_TAIL_LINES:])]
+    """A failed step on the console: its exit status, then the sentence a tool of ours gave for
+    refused input (:mod:`hfsdp.usererror`), else the end of its output; where the rest is."""
+    said = next((i for i, line in enumerate(lines) if USER_ERROR.match(line)), None)
+    shown_lines = lines[said:said + 2] if said is not None else lines[-FAILED_TAIL_LINES:]
+    which = "its error" if said is not None else "the last lines of its output"
+    return [f"{what} failed (exit status {rc}); {which} ({shown(log_path)} has all):",
+            *(f"  | {line}" for line in shown_lines)]
 
 
 def _mib(n: int) -> str:
@@ -510,7 +529,7 @@ def capture_step(extra: Sequence[str], job: Path, log: TextIO, log_path: Path) -
     """The CUDA-graph capture check (Megatron's own argument checks, no GPU); prints the verdict."""
     found = job / "capture_problems.json"
     code = ("import sys; from hfsdp.main_job import write_capture_problems; "
-            "write_capture_problems(sys.argv[1], sys.argv[2:])")
+            "sys.exit(write_capture_problems(sys.argv[1], sys.argv[2:]))")
     rc, lines = run_logged("CUDA-graph capture check", [sys.executable, "-c", code, str(found), *extra], log)
     if rc != 0 or not found.is_file():
         print("\n".join(failed_lines("the capture check", rc, lines, log_path)))

@@ -296,14 +296,28 @@ def test_smoke_summary_reports_steps_and_loss(tmp_path):
     assert M.smoke_summary({"status": "FAIL", "runs": []}, 3) == ["FAIL: 0 of 3 steps on 2 ranks, no lm loss logged."]
 
 
-def test_a_failed_cpu_step_shows_the_end_of_its_output(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(M, "run_logged", lambda title, cmd, log: (2, [f"line {i}" for i in range(40)]
-                                                                   + ["fsdp_memory_planner: error: bad flags"]))
-    with open(tmp_path / "main_job.log", "w") as log:
-        assert not M.plan_step(tmp_path, log, tmp_path / "main_job.log")
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("the memory planner failed (exit status 2); the last lines of its output")
-    assert out[-1] == "  | fsdp_memory_planner: error: bad flags" and len(out) == M.FAILED_TAIL_LINES + 1
+def test_a_failed_cpu_step_shows_its_error_or_the_end_of_its_output(monkeypatch, tmp_path, capsys):
+    """A tool's one-sentence error is what the console shows of a failed step; without one, the
+    last lines of its output (a traceback's end)."""
+    noise = [f"line {i}" for i in range(40)]
+    error = ["fsdp_memory_planner: error: --hidden-size 1000 is not a multiple", "  -> fix the flags"]
+    log_path = tmp_path / "main_job.log"
+    for output, shown in ((noise + error + ["  (set HFSDP_DEBUG=1 for a traceback)"], error),
+                          (noise, noise[-M.FAILED_TAIL_LINES:])):
+        monkeypatch.setattr(M, "run_logged", lambda title, cmd, log, output=output: (2, output))
+        with open(log_path, "w") as log:
+            assert not M.plan_step(tmp_path, log, log_path)
+        first, *rest = capsys.readouterr().out.splitlines()
+        assert first.startswith("the memory planner failed (exit status 2);") and str(log_path) in first
+        assert rest == [f"  | {line}" for line in shown]
+
+
+def test_flags_megatron_refuses_are_one_sentence(fake_train, tmp_path, capsys):
+    with pytest.raises(M.UserError, match="Megatron's parser refuses the job's flags: unrecognized arguments: --bogus"):
+        M.capture_problems(["--bogus"], 1)
+    assert M.main(["--bogus"]) == 2 and not fake_train
+    assert "main_job: error: Megatron's parser refuses" in capsys.readouterr().err
+    assert M.write_capture_problems(str(tmp_path / "problems.json"), ["--bogus"]) == 2
 
 
 def test_fork_report_is_two_lines_when_healthy_and_the_whole_status_when_not(tmp_path):
