@@ -15,22 +15,35 @@ hfsdp/launch/torchrun.py): the max-pool run, graphed where it can be, against it
 double buffering, both deterministic. It prints the pool against the plan, the home misses and
 whether the losses are bit-identical; it says nothing about speed.
 
+Each run's whole output (Megatron's arguments, warnings, every log line) goes to a log file in a
+new folder under ``out/main_job/`` (:func:`job_folder`); the console shows the steps, the results
+and, for a run that fails, the end of its output. On a machine without CUDA GPUs
+``scripts/run_main.sh`` calls :func:`cpu_main` instead: the memory planner, the CUDA-graph capture
+check and the CPU smoke, each summed up in a few lines, their whole output in one log file.
+
 Environment: ``TRAIN_ITERS`` (graphed run, default 30), ``EAGER_ITERS`` (comparison, default
 10, 0 skips it), ``REHEARSAL_ITERS`` (DP=2 rehearsal, default 8, 0 skips it), ``NPROC``
 (default: all GPUs). The runs get the caller's environment, plus
 ``TRITON_CACHE_AUTOTUNING=1`` when it is unset (see ``SHARED_AUTOTUNE_ENV``) and, on one GPU,
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when neither it nor ``PYTORCH_ALLOC_CONF``
-is set (see ``ALLOC_CONF_ENV``).
+is set (see ``ALLOC_CONF_ENV``). ``HFSDP_MAIN_JOB_OUT`` puts the job's folder elsewhere.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shlex
 import statistics
 import sys
 import tempfile
+import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
 
 from hfsdp import te_determinism
 from hfsdp.bench import pretrain_launch
@@ -38,6 +51,9 @@ from hfsdp.bench.configs import GRAPH_FLAGS, GRAPH_WARMUP_STEPS, MAXPOOL_FLAG
 from hfsdp.functional import logparse
 from hfsdp.launch import fit, torchrun
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
+from hfsdp.usererror import UserError, run_cli
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 MAXPOOL_FLAGS = ("--fsdp-double-buffer", MAXPOOL_FLAG)
 MIB = 2**20
@@ -45,6 +61,21 @@ MIB = 2**20
 SETTLE_STEPS = GRAPH_WARMUP_STEPS + 2
 TRAIN_FLAGS = ("--megatron-fsdp-main-params-dtype", "fp32", "--megatron-fsdp-main-grads-dtype",
                "fp32", "--lr-warmup-iters", "3", "--weight-decay", "0.1", "--clip-grad", "1.0")
+
+
+# Megatron turns on one_logger (an NVIDIA-internal metrics package) unless told otherwise, and
+# without the package every run prints a warning whose link only NVIDIA staff can open. The runs
+# pass --no-one-logger unless the package is installed or the caller chose.
+NO_ONE_LOGGER = "--no-one-logger"
+
+
+def one_logger_flags(flags: Sequence[str]) -> list[str]:
+    """``--no-one-logger`` when one_logger is not installed and ``flags`` do not have it yet."""
+    import importlib.util
+
+    if NO_ONE_LOGGER in flags or importlib.util.find_spec("one_logger") is not None:
+        return []
+    return [NO_ONE_LOGGER]
 
 
 def capture_problems(flags: Sequence[str], nproc: int) -> list[str]:
@@ -61,22 +92,37 @@ def capture_problems(flags: Sequence[str], nproc: int) -> list[str]:
     # for this parse only, where the caller has not, so the job's own environment stays as it was.
     launch = {k: v for k, v in (("WORLD_SIZE", str(nproc)), ("RANK", "0")) if k not in os.environ}
     parser = margs.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    with mock.patch.dict(os.environ, launch), contextlib.redirect_stderr(io.StringIO()):
-        args = parser.parse_args([*flags, *GRAPH_FLAGS])
+    said = io.StringIO()
+    try:
+        with mock.patch.dict(os.environ, launch), contextlib.redirect_stderr(said):
+            args = parser.parse_args([*flags, *GRAPH_FLAGS])
+    except SystemExit as exc:  # argparse refused the flags; its reason is the last line it wrote
+        why = (said.getvalue().strip().splitlines() or ["no reason given"])[-1].split(": error: ", 1)[-1]
+        raise UserError(f"Megatron's parser refuses the job's flags: {why}",
+                        "fix the extra flags; `python pretrain_hybrid.py --help` lists every flag") from exc
     args.world_size = nproc  # Megatron's parse_args sets it from WORLD_SIZE; the bare parser does not
     return cuda_graph_arg_problems(args, run_env(os.environ, nproc, flags))
 
 
-def print_capture_check(extra: Sequence[str] = (), nproc: int = 1) -> bool:
-    """Say whether the main job's model would train under a full-iteration CUDA graph."""
-    problems = capture_problems([*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *extra], nproc)
+def capture_verdict(problems: Sequence[str]) -> list[str]:
+    """Whether the main job's model would train under a full-iteration CUDA graph, in words."""
     if problems:
-        print("the main job's model cannot be captured; on a GPU it would train eagerly:\n  - "
-              + "\n  - ".join(problems))
-    else:
-        print("the main job's model passes the CUDA-graph capture checks: on a GPU it trains "
-              "with the max-pool double buffer under a full-iteration CUDA graph")
-    return not problems
+        return ["the main job's model cannot be captured, so on a GPU it would train eagerly:",
+                *(f"  - {p}" for p in problems)]
+    return ["the main job's model passes the CUDA-graph capture checks: on a GPU it trains with the "
+            "max-pool double buffer under a full-iteration CUDA graph."]
+
+
+def write_capture_problems(path: str, extra: Sequence[str] = ()) -> int:
+    """Why the main job's model (plus ``extra``) cannot be captured on one GPU, as JSON in ``path``
+    (an empty list: it can); the CPU branch runs this in a process of its own (:func:`capture_step`).
+    Flags Megatron refuses are one sentence and exit status 2."""
+
+    def write() -> None:
+        problems = capture_problems([*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *extra], 1)
+        Path(path).write_text(json.dumps(problems) + "\n")
+
+    return run_cli("main_job", write)
 
 
 def median_step_ms(log_path: str, first_step: int) -> float | None:
@@ -117,25 +163,35 @@ def run_env(environ: Mapping[str, str] | None = None, nproc: int = 1,
 
 def train(flags: Sequence[str], nproc: int, steps: int, log_path: str, ranks_per_gpu: int = 1,
           extra_env: Mapping[str, str] | None = None) -> int:
-    """One ``pretrain`` run; its output goes to the terminal and to ``log_path``.
+    """One ``pretrain`` run: its whole output goes to ``log_path``, its step lines to the terminal
+    too, and when it fails the last lines of its output.
 
     Started as a process group (:func:`hfsdp.proc.run_group`), so no worker outlives the run.
     ``extra_env`` is added where the caller's environment leaves a variable unset.
     """
+    from collections import deque
+
     from hfsdp.proc import run_group
 
     cmd = pretrain_launch.command(flags, nproc, steps, ranks_per_gpu)
-    print("+ " + " ".join(cmd), flush=True)
     env = run_env(os.environ, nproc, flags)
     for key, value in (extra_env or {}).items():
         env.setdefault(key, value)
-    with open(log_path, "w") as log:
+    print(f"  log: {shown(Path(log_path))} (the run's whole output, its command first)", flush=True)
+    tail: deque[str] = deque(maxlen=FAILED_TAIL_LINES)
+    with open(log_path, "w", buffering=1) as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
 
-        def tee(line: str) -> None:
-            sys.stdout.write(line)
+        def keep(line: str) -> None:
             log.write(line)
+            tail.append(line.rstrip("\n"))
+            if logparse.is_step_line(line):
+                sys.stdout.write(line)
+                sys.stdout.flush()
 
-        ended = run_group(cmd, on_line=tee, env=env)
+        ended = run_group(cmd, on_line=keep, env=env)
+    if ended.returncode != 0:
+        print("\n".join(failed_lines("the run", ended.returncode, list(tail), Path(log_path))), flush=True)
     if ended.stragglers:
         print(f"main_job: ended {len(ended.stragglers)} worker(s) left behind by the run",
               file=sys.stderr)
@@ -201,7 +257,7 @@ def rehearse(base: Sequence[str], steps: int, graphed: bool, workdir: str) -> Re
         log, report = os.path.join(workdir, f"dp2-{name}.log"), os.path.join(workdir, f"dp2-{name}.json")
         env = {**deterministic, run_report.ENV: report}
         if train(flags, REHEARSAL_NPROC, steps, log, REHEARSAL_NPROC, env) != 0:
-            out.failed = f"the {name} run failed; see its output above"
+            out.failed = f"the {name} run failed; the end of its output is above, {shown(Path(log))} holds all of it"
             return out
         try:
             reports[name] = run_report.read(report, REHEARSAL_NPROC)
@@ -221,6 +277,11 @@ def rehearse(base: Sequence[str], steps: int, graphed: bool, workdir: str) -> Re
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The main job on this machine's GPUs (see the module docstring); its exit status."""
+    return run_cli("main_job", lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     import torch
 
     extra = list(sys.argv[1:] if argv is None else argv)
@@ -229,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("main_job: no CUDA GPU here; training needs one (scripts/run_main.sh runs the "
               "CPU part instead).", file=sys.stderr)
         return 2
-    base = [*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *TRAIN_FLAGS, *extra]
+    base = [*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *TRAIN_FLAGS, *one_logger_flags(extra), *extra]
     steps = int(os.environ.get("TRAIN_ITERS", "30"))
     problems = capture_problems(base, nproc)
     graphed = not problems and steps > SETTLE_STEPS
@@ -239,33 +300,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif not graphed:
         print(f"main_job: TRAIN_ITERS={steps} leaves no step after the CUDA-graph capture "
               f"(it needs more than {SETTLE_STEPS}); training eagerly.")
-    with tempfile.TemporaryDirectory(prefix="hfsdp-main-") as tmp:
-        label = "max-pool + full-iteration CUDA graph" if graphed else "max-pool, eager"
-        print(f"== main_job: training on {nproc} GPU(s): {label} ==", flush=True)
-        main_log = os.path.join(tmp, "main.log")
-        rc = train([*base, *(GRAPH_FLAGS if graphed else ())], nproc, steps, main_log)
-        if rc != 0:
-            print(f"main_job: training failed (exit {rc}); see the output above.", file=sys.stderr)
-            return rc
-        first = SETTLE_STEPS + 1 if graphed else 3
-        ms = median_step_ms(main_log, first)
-        eager_iters = int(os.environ.get("EAGER_ITERS", "10"))
-        eager_ms = None
-        if graphed and eager_iters > 3:
-            print(f"== main_job: the same model eager, {eager_iters} steps, for comparison ==",
-                  flush=True)
-            eager_log = os.path.join(tmp, "eager.log")
-            if train(base, nproc, eager_iters, eager_log) == 0:
-                eager_ms = median_step_ms(eager_log, 3)
-        idle = fit.data_parallel_size(base, nproc) == 1
-        rehearsal_iters = int(os.environ.get("REHEARSAL_ITERS", "8"))
-        rehearsal = None
-        if idle and rehearsal_iters > 0:
-            rehearsal_graphed = not capture_problems(base, REHEARSAL_NPROC) and rehearsal_iters > SETTLE_STEPS
-            print(f"== main_job: data-parallel size 2 on this GPU (2 ranks share it), {rehearsal_iters} steps: "
-                  "max-pool " + ("graphed" if rehearsal_graphed else "eager")
-                  + " vs no double buffer, deterministic ==", flush=True)
-            rehearsal = rehearse(base, rehearsal_iters, rehearsal_graphed, tmp)
+    job = job_folder("gpu")
+    print(f"main_job: each run's whole output goes to a log file in {shown(job)}; here, its steps.", flush=True)
+    label = "max-pool + full-iteration CUDA graph" if graphed else "max-pool, eager"
+    print(f"== main_job: training on {nproc} GPU(s): {label} ==", flush=True)
+    main_log = os.path.join(job, "main.log")
+    rc = train([*base, *(GRAPH_FLAGS if graphed else ())], nproc, steps, main_log)
+    if rc != 0:
+        print(f"main_job: training failed (exit status {rc}); {shown(Path(main_log))} holds its whole output.",
+              file=sys.stderr)
+        return rc
+    first = SETTLE_STEPS + 1 if graphed else 3
+    ms = median_step_ms(main_log, first)
+    eager_iters = int(os.environ.get("EAGER_ITERS", "10"))
+    eager_ms = None
+    if graphed and eager_iters > 3:
+        print(f"== main_job: the same model eager, {eager_iters} steps, for comparison ==",
+              flush=True)
+        eager_log = os.path.join(job, "eager.log")
+        if train(base, nproc, eager_iters, eager_log) == 0:
+            eager_ms = median_step_ms(eager_log, 3)
+    idle = fit.data_parallel_size(base, nproc) == 1
+    rehearsal_iters = int(os.environ.get("REHEARSAL_ITERS", "8"))
+    rehearsal = None
+    if idle and rehearsal_iters > 0:
+        rehearsal_graphed = not capture_problems(base, REHEARSAL_NPROC) and rehearsal_iters > SETTLE_STEPS
+        print(f"== main_job: data-parallel size 2 on this GPU (2 ranks share it), {rehearsal_iters} steps: "
+              "max-pool " + ("graphed" if rehearsal_graphed else "eager")
+              + " vs no double buffer, deterministic ==", flush=True)
+        rehearsal = rehearse(base, rehearsal_iters, rehearsal_graphed, str(job))
     print("== main_job: result ==")
     if ms is not None:
         print(f"{label}: median step {ms:.1f} ms (steps {first}-{steps}, {nproc} GPU(s))")
@@ -277,9 +340,260 @@ def main(argv: Sequence[str] | None = None) -> int:
               "the double buffer in the runs above" + ("; the DP=2 rehearsal exercised it" if rehearsal else ""))
     if rehearsal is not None:
         print("\n".join(rehearsal.lines()))
-        if rehearsal.failed or rehearsal.identical_steps != rehearsal.steps or rehearsal.home_misses:
-            return 1
+    print(f"The runs' whole output: {shown(job)}")
+    if rehearsal is not None and (rehearsal.failed or rehearsal.identical_steps != rehearsal.steps
+                                  or rehearsal.home_misses):
+        return 1
     return 0
+
+
+# -- The job's log folder and the fork -----------------------------------------------------------
+
+OUT_ENV = "HFSDP_MAIN_JOB_OUT"
+OUT_FIX = f"set {OUT_ENV} to a folder you can write (the job makes a new folder inside it)"
+
+
+def job_folder(kind: str, environ: Mapping[str, str] | None = None) -> Path:
+    """A new folder for this job's logs under ``$HFSDP_MAIN_JOB_OUT`` (default ``out/main_job``).
+
+    Its name is new (``<kind>-<date>-<time>-<random>``), so nothing that exists is overwritten,
+    and nothing deletes it: the logs stay for the user to read.
+    """
+    root = Path((os.environ if environ is None else environ).get(OUT_ENV) or REPO_ROOT / "out" / "main_job")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-", dir=root))
+    except OSError as exc:
+        raise UserError(f"cannot make the job's log folder in {root} ({exc.strerror or exc})", OUT_FIX) from exc
+
+
+def shown(path: Path) -> str:
+    """``path`` as the user should read it: relative to the working folder when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def fork_report(root: Path = REPO_ROOT) -> tuple[int, list[str]]:
+    """(exit status of ``scripts/patchset status``, what to print): two lines when the fork is
+    materialized, stamped and unedited, else the tool's own full report with its advice."""
+    import contextlib
+    import io
+
+    from hfsdp.patchset import cli as patchset_cli
+    from hfsdp.patchset.materialize import tree_status
+    from hfsdp.patchset.project import Project
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        rc = patchset_cli.main(["--root", str(root), "status"])
+    if rc != 0:
+        return rc, text.getvalue().splitlines()
+    project = Project(root)
+    pin, applied = project.pin(), tree_status(project).applied
+    return 0, [f"fork {pin.fork_version}: {pin.distribution} {pin.version} with all {len(applied)} patches "
+               "of patches/series applied.",
+               "Its stamp is up to date and megatron/ has no local edits; `scripts/patchset status` lists "
+               "each patch."]
+
+
+def print_fork(root: Path = REPO_ROOT) -> int:
+    """Print :func:`fork_report`; returns its exit status."""
+    rc, lines = fork_report(root)
+    print("\n".join(lines), flush=True)
+    return rc
+
+
+# -- The main job on a machine without CUDA GPUs -------------------------------------------------
+
+PLAN_DP_SIZE = 2
+SMOKE_CASE = REPO_ROOT / "tests" / "functional_tests" / "test_cases" / "smoke" / "cpu_gloo_smoke"
+SMOKE_NPROC = 2
+FAILED_TAIL_LINES = 15  # of a failed step's output, shown on the console
+NO_GPU_TEXT = f"""\
+Training with Megatron-FSDP needs NVIDIA GPUs (NCCL all-gather/reduce-scatter, CUDA kernels).
+Running what needs no GPU instead:
+  1. the memory planner on the same model at data-parallel size {PLAN_DP_SIZE} (FSDP units, double-buffer plan,
+     what 0.18.2's FixedPool would do),
+  2. the CUDA-graph capture check of the model the GPU run would graph,
+  3. the CPU smoke: our entry and data path, and a {SMOKE_NPROC}-rank gloo training loop under torchrun.
+On a GPU machine this same command trains the model; see README "Set-up: two commands"."""
+
+
+def run_logged(title: str, cmd: Sequence[str], log: TextIO) -> tuple[int, list[str]]:
+    """Run ``cmd`` from the checkout, all its output appended to ``log``; (exit status, its lines)."""
+    from hfsdp.proc import run_group
+
+    log.write(f"\n== {title} ==\n$ {shlex.join(cmd)}\n")
+    log.flush()
+    lines: list[str] = []
+
+    def keep(line: str) -> None:
+        log.write(line)
+        lines.append(line.rstrip("\n"))
+
+    ended = run_group(list(cmd), env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO_ROOT, on_line=keep)
+    log.write(f"[exit status {ended.returncode}]\n")
+    log.flush()
+    return ended.returncode, lines
+
+
+USER_ERROR = re.compile(r"^\S+: error: ")  # hfsdp/usererror.py: "<prog>: error: <cause>", then "  -> <fix>"
+
+
+def failed_lines(what: str, rc: int, lines: Sequence[str], log_path: Path) -> list[str]:
+    """A failed step on the console: its exit status, then the sentence a tool of ours gave for
+    refused input (:mod:`hfsdp.usererror`), else the end of its output; where the rest is."""
+    said = next((i for i, line in enumerate(lines) if USER_ERROR.match(line)), None)
+    shown_lines = lines[said:said + 2] if said is not None else lines[-FAILED_TAIL_LINES:]
+    which = "its error" if said is not None else "the last lines of its output"
+    return [f"{what} failed (exit status {rc}); {which} ({shown(log_path)} has all):",
+            *(f"  | {line}" for line in shown_lines)]
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:,.2f} MiB"
+
+
+ALLOCATOR_WORDS = {"weight": "weights", "grad": "grads"}  # the planner's allocators, in this order
+Allocators = list[tuple[str, Mapping[str, Any]]]
+
+
+def _words(allocator: str) -> str:
+    return ALLOCATOR_WORDS.get(allocator, allocator)
+
+
+def units_line(plan: Mapping[str, Any]) -> str:
+    """The model's parameters, its FSDP units by class, and what lies outside them."""
+    units = plan["units"]
+    classes = Counter(u["cls"] for u in units)
+    outside = plan["total_params"] - sum(u["params"] for u in units)
+    return (f"{plan['total_params']:,} parameters: {len(units)} FSDP units ("
+            + ", ".join(f"{n} x {c}" for c, n in classes.items())
+            + f") and {outside:,} outside them, which are never pooled.")
+
+
+def pool_line(name: str, a: Mapping[str, Any]) -> str:
+    """One allocator's max-pool double buffer against the analytic minimum, and its lane plans."""
+    minimum, pool = a["analytic_minimum_bytes"], a["maxpool_pool_bytes"]
+    dtypes = ", ".join(d.replace("torch.", "") for d in sorted(a["maxpool_arena_numel"]))
+    lanes = "".join(f"; with --megatron-fsdp-max-pool-lanes {n}: {_mib(lp['pool_bytes'])}"
+                    for n, lp in a["lane_plans"].items())
+    return (f"{_words(name)} ({dtypes}): max-pool double buffer {_mib(pool)}, "
+            f"{pool / minimum:.3f} x the analytic minimum of {_mib(minimum)}{lanes}.")
+
+
+def fixed_pool_lines(allocators: Allocators, units: int) -> list[str]:
+    """What 0.18.2's FixedPool would pool: one line, or one per allocator where they differ."""
+    same = len({tuple(a["fixed_pool_pooled_units"]) for _, a in allocators}) == 1
+    lines = []
+    for group in [allocators] if same else [[one] for one in allocators]:
+        kept = group[0][1]["fixed_pool_pooled_units"]
+        whose = "" if same else f" for the {_words(group[0][0])}"
+        spilled = ", ".join(f"{_mib(a['fixed_pool_outlier_bytes'])} of {_words(n)}" for n, a in group)
+        rest = units - len(kept)
+        others = "the other unit gets" if rest == 1 else f"the other {rest} get"
+        lines.append(f"0.18.2's FixedPool would pool only {len(kept)} of the {units} units{whose} "
+                     f"({', '.join(map(str, kept))}); {others} memory outside the pool: {spilled}.")
+    return lines
+
+
+def plan_summary(plan: Mapping[str, Any]) -> list[str]:
+    """The planner's key lines from its JSON plan (hfsdp/planner/report.py ``report_dict``):
+    the units, each allocator's pools against the analytic minimum, and 0.18.2's FixedPool."""
+    order = {name: i for i, name in enumerate(ALLOCATOR_WORDS)}
+    allocators = sorted(plan["allocators"].items(), key=lambda kv: order.get(kv[0], len(order)))
+    return [units_line(plan), *(pool_line(n, a) for n, a in allocators),
+            *fixed_pool_lines(allocators, len(plan["units"]))]
+
+
+def plan_step(job: Path, log: TextIO, log_path: Path) -> bool:
+    """The memory planner on the default model; prints its note and key lines."""
+    plan_json = job / "plan.json"
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "fsdp_memory_planner.py"),
+           "--plan-dp-size", str(PLAN_DP_SIZE), "--plan-json", str(plan_json)]
+    rc, lines = run_logged("memory planner", cmd, log)
+    if rc != 0 or not plan_json.is_file():
+        print("\n".join(failed_lines("the memory planner", rc, lines, log_path)))
+        return False
+    prefix = "fsdp_memory_planner: planning "
+    notes = [line.removeprefix("fsdp_memory_planner: ") for line in lines if line.startswith(prefix)]
+    print("\n".join([*notes[:1], *plan_summary(json.loads(plan_json.read_text())),
+                     f"The planner's whole report (unit table, arenas, lanes) is in the log; "
+                     f"{shown(plan_json)} holds the plan."]))
+    return True
+
+
+def capture_step(extra: Sequence[str], job: Path, log: TextIO, log_path: Path) -> bool:
+    """The CUDA-graph capture check (Megatron's own argument checks, no GPU); prints the verdict."""
+    found = job / "capture_problems.json"
+    code = ("import sys; from hfsdp.main_job import write_capture_problems; "
+            "sys.exit(write_capture_problems(sys.argv[1], sys.argv[2:]))")
+    rc, lines = run_logged("CUDA-graph capture check", [sys.executable, "-c", code, str(found), *extra], log)
+    if rc != 0 or not found.is_file():
+        print("\n".join(failed_lines("the capture check", rc, lines, log_path)))
+        return False
+    verdict = capture_verdict(json.loads(found.read_text()))
+    log.write("\n".join(verdict) + "\n")
+    print("\n".join(verdict))
+    return True
+
+
+def smoke_summary(result: Mapping[str, Any], steps: int) -> list[str]:
+    """The CPU smoke's verdict from the functional driver's ``result.json``: steps and loss."""
+    from hfsdp.functional import logparse
+
+    runs = result.get("runs") or []
+    loss = logparse.parse_file(runs[0]["log"]).get("lm loss", {}) if runs else {}
+    trend = f", lm loss {loss[min(loss)]:.4f} -> {loss[max(loss)]:.4f}" if loss else ", no lm loss logged"
+    return [f"{result['status']}: {len(loss)} of {steps} steps on {SMOKE_NPROC} ranks{trend}.",
+            *(f"  - {why}" for why in result.get("reasons", []))]
+
+
+def smoke_step(job: Path, log: TextIO, log_path: Path) -> bool:
+    """The CPU smoke through the functional driver; prints pass/fail, steps and loss."""
+    from hfsdp.functional.recipe import load_recipe
+    from hfsdp.functional.run_case import output_dir_for
+
+    recipe = load_recipe(SMOKE_CASE)
+    out = job / "smoke"
+    cmd = [sys.executable, "-m", "hfsdp.functional.run_case", str(SMOKE_CASE), "--nproc", str(SMOKE_NPROC),
+           "--output-dir", str(out)]
+    rc, lines = run_logged("CPU smoke", cmd, log)
+    result_path = output_dir_for(recipe, out) / "result.json"
+    if not result_path.is_file():
+        print("\n".join(failed_lines("the CPU smoke", rc, lines, log_path)))
+        return False
+    print("\n".join(smoke_summary(json.loads(result_path.read_text()), recipe.train_iters)))
+    return rc == 0
+
+
+def cpu_main(extra: Sequence[str] = ()) -> int:
+    """The main job on a machine without CUDA GPUs: the planner, the capture check and the CPU
+    smoke, each summed up on the console, all their output in one log file in a new job folder.
+    ``extra`` (the job's pretrain flags) reaches the capture check. 0 when every step passed."""
+    return run_cli("main_job", lambda: _cpu_main(extra))
+
+
+def _cpu_main(extra: Sequence[str]) -> int:
+    job = job_folder("cpu")
+    log_path = job / "main_job.log"
+    print("== run_main: no CUDA GPU on this machine ==")
+    print(NO_GPU_TEXT)
+    print(f"The whole output (Megatron's logs, the planner's full report, warnings) goes to {shown(log_path)}.",
+          flush=True)
+    with open(log_path, "w") as log:
+        print(f"== run_main: memory planner (data-parallel size {PLAN_DP_SIZE}) ==", flush=True)
+        planned = plan_step(job, log, log_path)
+        print("== run_main: CUDA-graph capture check (Megatron's arguments, no GPU) ==", flush=True)
+        checked = capture_step(extra, job, log, log_path)
+        print(f"== run_main: CPU smoke ({SMOKE_NPROC} ranks, gloo) ==", flush=True)
+        smoked = smoke_step(job, log, log_path)
+    ok = planned and checked and smoked
+    print("== run_main: done " + ("(no training: this machine has no CUDA GPU) ==" if ok else "WITH FAILURES =="))
+    print(f"Full output: {shown(log_path)}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ designed-to-fail case: a failing rank must fail the job).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -33,7 +34,12 @@ def main() -> None:
     try:
         from hfsdp.training.entry import parse_args
 
-        args, family = parse_args(sys.argv[1:])
+        argv = sys.argv[1:]
+        if "--no-one-logger" not in argv and importlib.util.find_spec("one_logger") is None:
+            # Megatron turns on one_logger (an NVIDIA-internal package) by default; without it,
+            # its warning links to a page only NVIDIA staff can open.
+            argv.append("--no-one-logger")
+        args, family = parse_args(argv)
         from hfsdp.training.data import build_datasets
         from hfsdp.training.model_provider import model_provider
         from megatron.core import parallel_state

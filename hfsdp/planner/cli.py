@@ -93,13 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    full, note = setup.model_argv(argv)
-    print(f"fsdp_memory_planner: {note}", file=sys.stderr)
-    args = setup.parse(full)
+    args = setup.parse_flags(setup.model_argv(argv))
+    print(f"fsdp_memory_planner: {setup.plan_note(argv, args)}", file=sys.stderr, flush=True)
+    args = setup.validate(args)
     lay, results = plan_from_args(args)
     print("\n".join(report.format_report(lay, results)))
     if args.plan_json:
         with open(args.plan_json, "w") as f:
             json.dump(report.report_dict(lay, results), f, indent=1, sort_keys=True)
-        print(f"wrote {args.plan_json}")
+        print(f"fsdp_memory_planner: wrote the plan as JSON to {args.plan_json}.")
     return 0

@@ -55,16 +55,49 @@ def own_model(user: Sequence[str]) -> bool:
     return any(a in DEPTH_FLAGS or a.startswith(tuple(f + "=" for f in DEPTH_FLAGS)) for a in user)
 
 
-def model_argv(user: Sequence[str]) -> tuple[list[str], str]:
-    """The flags to parse (see the note) and a line saying which model that is."""
-    user = list(user)
+def model_argv(user: Sequence[str]) -> list[str]:
+    """The flags to parse (see the note): the user's alone, or the default model's then the user's."""
+    return list(user) if own_model(user) else [*DEFAULT_MODEL_FLAGS, *user]
+
+
+def flag_names(argv: Sequence[str]) -> list[str]:
+    """The option names in ``argv`` (``--name`` of ``--name value`` and ``--name=value``), in order."""
+    return [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+
+
+def replaced_defaults(user: Sequence[str]) -> list[str]:
+    """The default model's flags that ``user`` gives again: their values replace the default's."""
+    return sorted(set(flag_names(user)) & set(flag_names(DEFAULT_MODEL_FLAGS)))
+
+
+def describe_model(args: argparse.Namespace) -> str:
+    """The model in a few words: its layers, hidden size and experts (what the flags give)."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    parts = [f"hybrid layers {pattern}" if pattern else
+             f"{args.num_layers} layers" if getattr(args, "num_layers", None) else "",
+             f"hidden size {args.hidden_size}" if getattr(args, "hidden_size", None) else "",
+             f"{args.num_experts} experts" if getattr(args, "num_experts", None) else ""]
+    return ", ".join(p for p in parts if p) or "no layers given"
+
+
+def plan_scale(args: argparse.Namespace) -> str:
+    """The data-parallel size planned for, and the ranks in all where model parallelism adds some."""
+    dp = args.plan_dp_size
+    world = dp * args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    return f"data-parallel size {dp}" + (f" ({world} ranks with model parallelism)" if world > dp else "")
+
+
+def plan_note(user: Sequence[str], args: argparse.Namespace) -> str:
+    """Sentences saying which model is planned, at which scale, and how the flags chose it."""
     if own_model(user):
-        return user, "planning the model your flags define (no defaults added: they set its depth)"
-    given = sorted({a.split("=", 1)[0] for a in user if a.split("=", 1)[0] in DEFAULT_MODEL_FLAGS})
-    note = ("planning the default model (hfsdp/planner/setup.py DEFAULT_MODEL_FLAGS)"
-            + (f" with your {', '.join(given)}" if given else "")
-            + f"; give {' or '.join(DEPTH_FLAGS)} to plan a model from your flags alone")
-    return list(DEFAULT_MODEL_FLAGS) + user, note
+        return (f"planning the model your flags define ({describe_model(args)}) for {plan_scale(args)}; "
+                f"no defaults are added, because your flags set its depth.")
+    note = (f"planning the default model ({describe_model(args)}; DEFAULT_MODEL_FLAGS in "
+            f"hfsdp/planner/setup.py) for {plan_scale(args)}.")
+    if given := replaced_defaults(user):
+        one = len(given) == 1
+        note += f" Your {', '.join(given)} replace{'s' if one else ''} the default's value{'' if one else 's'}."
+    return note + f" To plan a model from your flags alone, give {' or '.join(DEPTH_FLAGS)}."
 
 
 _AT_LEAST_ONE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
@@ -144,6 +177,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
     Inconsistent flags raise UserError (see the note).
     """
+    return validate(parse_flags(argv))
+
+
+def parse_flags(argv: Sequence[str]) -> argparse.Namespace:
+    """Megatron's parser plus ``--plan-*``, without validation (argparse's own errors exit 2)."""
     import megatron.training.arguments as margs
 
     # Megatron's parser has hundreds of flags: a usage line listing them all would bury the error.
@@ -152,7 +190,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                                            "[--fsdp-unit-modules LIST] (--help lists all)", allow_abbrev=False)
     parser = margs.add_megatron_arguments(parser)
     parser = add_planner_args(parser)
-    args = parser.parse_args(list(argv))
+    return parser.parse_args(list(argv))
+
+
+def validate(args: argparse.Namespace) -> argparse.Namespace:
+    """Our shape checks, then Megatron's ``validate_args`` and ``TransformerConfig`` (see the note)."""
+    import megatron.training.arguments as margs
+
     check_model(args)
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     tp = args.tensor_model_parallel_size

@@ -16,8 +16,9 @@ def _line(step: int, ms: float) -> str:
 
 
 @pytest.fixture
-def fake_train(monkeypatch):
+def fake_train(monkeypatch, tmp_path):
     runs = []
+    monkeypatch.setenv(M.OUT_ENV, str(tmp_path / "jobs"))
 
     def train(flags, nproc, steps, log_path, ranks_per_gpu=1, extra_env=None):
         graphed = "--cuda-graph-impl" in flags
@@ -66,16 +67,24 @@ def test_failed_training_returns_its_exit_code(monkeypatch, fake_train):
     assert M.main([]) == 7
 
 
-def test_train_tees_output_and_returns_the_exit_code(monkeypatch, tmp_path, capsys):
-    """train() runs the command as a process group, copying every line to the log and the terminal."""
+def test_train_logs_everything_and_shows_the_steps(monkeypatch, tmp_path, capsys):
+    """train() runs the command as a process group: every line goes to the log (after the
+    command), the step lines to the terminal too; a failed run also shows the end of its output."""
     import sys
 
-    script = "import sys; print('iteration 1'); print('iteration 2'); sys.exit(3)"
-    monkeypatch.setattr(M.pretrain_launch, "command", lambda flags, nproc, steps, rpg=1: [sys.executable, "-c", script])
+    step = _line(1, 70.0).strip()
+    script = f"import sys; print({step!r}); print('> arguments dump'); sys.exit(int(sys.argv[1]))"
+    monkeypatch.setattr(M.pretrain_launch, "command",
+                        lambda flags, nproc, steps, rpg=1: [sys.executable, "-c", script, str(flags[0])])
     log = tmp_path / "main.log"
-    assert M.train([], 1, 2, str(log)) == 3
-    assert log.read_text() == "iteration 1\niteration 2\n"
-    assert "iteration 2" in capsys.readouterr().out
+    assert M.train(["0"], 1, 2, str(log)) == 0
+    command, *output = log.read_text().splitlines()
+    assert command.startswith("$ ") and output == [step, "> arguments dump"]
+    out = capsys.readouterr().out
+    assert step in out and "arguments dump" not in out and str(log.name) in out
+    assert M.train(["3"], 1, 2, str(log)) == 3
+    out = capsys.readouterr().out
+    assert "the run failed (exit status 3)" in out and "  | > arguments dump" in out
 
 
 def test_runs_share_triton_autotuning_unless_the_caller_chose(monkeypatch, tmp_path):
@@ -93,12 +102,12 @@ def test_runs_share_triton_autotuning_unless_the_caller_chose(monkeypatch, tmp_p
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     assert M.train([], 1, 2, str(log)) == 0
-    assert json.loads(log.read_text()) == {"TRITON_CACHE_AUTOTUNING": "1", "NCCL_NVLS_ENABLE": "1",
+    assert json.loads(log.read_text().splitlines()[-1]) == {"TRITON_CACHE_AUTOTUNING": "1", "NCCL_NVLS_ENABLE": "1",
                                            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert M.train([], 1, 2, str(log)) == 0
-    assert json.loads(log.read_text()) == {"TRITON_CACHE_AUTOTUNING": "0", "NCCL_NVLS_ENABLE": "1",
+    assert json.loads(log.read_text().splitlines()[-1]) == {"TRITON_CACHE_AUTOTUNING": "0", "NCCL_NVLS_ENABLE": "1",
                                            "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
 
 
@@ -204,3 +213,175 @@ def test_rehearse_compares_twin_and_maxpool(monkeypatch, tmp_path):
     assert env["NCCL_ALGO"] == "Ring" and env["HFSDP_TRITON_PIN_AUTOTUNE"] == "1"
     assert (result.identical_steps, result.pool_bytes, result.planned_pool_bytes, result.home_misses) == (8, 64, 64, 0)
     assert result.peak_allocated == (101, 111)
+
+
+def test_runs_turn_one_logger_off_unless_it_is_installed(monkeypatch, fake_train):
+    """Without one_logger Megatron warns with a link outside users cannot open: the runs pass
+    --no-one-logger; with the package installed, or the flag given, nothing is added."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def installed(present):
+        def find_spec(name, *a):
+            return (object() if present else None) if name == "one_logger" else real(name, *a)
+
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+    installed(False)
+    assert M.one_logger_flags([]) == [M.NO_ONE_LOGGER]
+    assert M.one_logger_flags([M.NO_ONE_LOGGER]) == []
+    assert M.main([]) == 0
+    assert all(r["flags"].count(M.NO_ONE_LOGGER) == 1 for r in fake_train)
+    installed(True)
+    assert M.one_logger_flags([]) == []
+
+
+def test_each_job_keeps_its_logs_in_a_new_folder(fake_train, monkeypatch, tmp_path, capsys):
+    """The runs' logs outlive the job, in a folder of their own: a second job makes another."""
+    monkeypatch.setenv("EAGER_ITERS", "4")
+    assert M.main([]) == 0 and M.main([]) == 0
+    jobs = sorted((tmp_path / "jobs").iterdir())
+    assert len(jobs) == 2 and all(sorted(p.name for p in job.iterdir()) == ["eager.log", "main.log"] for job in jobs)
+    out = capsys.readouterr().out
+    assert all(f"The runs' whole output: {job}" in out for job in jobs)
+
+
+def test_job_folder_is_always_new_and_a_bad_root_is_one_sentence(tmp_path):
+    root = tmp_path / "jobs"
+    root.mkdir()
+    (root / "notes.txt").write_text("mine")
+    first, second = M.job_folder("cpu", {M.OUT_ENV: str(root)}), M.job_folder("cpu", {M.OUT_ENV: str(root)})
+    assert first != second and first.parent == second.parent == root and first.name.startswith("cpu-")
+    assert (root / "notes.txt").read_text() == "mine" and not any(first.iterdir())
+    with pytest.raises(M.UserError) as info:
+        M.job_folder("cpu", {M.OUT_ENV: str(root / "notes.txt")})
+    assert "cannot make the job's log folder" in info.value.cause and M.OUT_ENV in info.value.fix
+
+
+PLAN = {
+    "total_params": 1_000,
+    "units": [{"cls": "MambaLayer", "params": 300}, {"cls": "MoETransformerLayer", "params": 500},
+              {"cls": "MambaLayer", "params": 100}],
+    "allocators": {
+        "grad": {"analytic_minimum_bytes": 2 * M.MIB, "maxpool_pool_bytes": 3 * M.MIB,
+                 "maxpool_arena_numel": {"torch.float32": 1}, "lane_plans": {},
+                 "fixed_pool_pooled_units": [0, 2], "fixed_pool_outlier_units": [1], "fixed_pool_outlier_bytes": M.MIB},
+        "weight": {"analytic_minimum_bytes": M.MIB, "maxpool_pool_bytes": M.MIB,
+                   "maxpool_arena_numel": {"torch.bfloat16": 1}, "lane_plans": {"3": {"pool_bytes": M.MIB // 2}},
+                   "fixed_pool_pooled_units": [0, 2], "fixed_pool_outlier_units": [1],
+                   "fixed_pool_outlier_bytes": M.MIB // 2},
+    },
+}
+
+
+def test_plan_summary_gives_units_pools_and_fixed_pool_in_sentences():
+    assert M.plan_summary(PLAN) == [
+        "1,000 parameters: 3 FSDP units (2 x MambaLayer, 1 x MoETransformerLayer) and 100 outside them, "
+        "which are never pooled.",
+        "weights (bfloat16): max-pool double buffer 1.00 MiB, 1.000 x the analytic minimum of 1.00 MiB; "
+        "with --megatron-fsdp-max-pool-lanes 3: 0.50 MiB.",
+        "grads (float32): max-pool double buffer 3.00 MiB, 1.500 x the analytic minimum of 2.00 MiB.",
+        "0.18.2's FixedPool would pool only 2 of the 3 units (0, 2); the other unit gets memory outside the pool: "
+        "0.50 MiB of weights, 1.00 MiB of grads.",
+    ]
+
+
+def test_smoke_summary_reports_steps_and_loss(tmp_path):
+    log = tmp_path / "run1.log"
+    log.write_text("".join(f" iteration {s:8d}/       3 | lm loss: {5 - s:.6E} |\n" for s in (1, 2)))
+    result = {"status": "FAIL", "reasons": ["run1.log: 2 iterations logged, need 3"], "runs": [{"log": str(log)}]}
+    assert M.smoke_summary(result, 3) == ["FAIL: 2 of 3 steps on 2 ranks, lm loss 4.0000 -> 3.0000.",
+                                          "  - run1.log: 2 iterations logged, need 3"]
+    assert M.smoke_summary({"status": "FAIL", "runs": []}, 3) == ["FAIL: 0 of 3 steps on 2 ranks, no lm loss logged."]
+
+
+def test_a_failed_cpu_step_shows_its_error_or_the_end_of_its_output(monkeypatch, tmp_path, capsys):
+    """A tool's one-sentence error is what the console shows of a failed step; without one, the
+    last lines of its output (a traceback's end)."""
+    noise = [f"line {i}" for i in range(40)]
+    error = ["fsdp_memory_planner: error: --hidden-size 1000 is not a multiple", "  -> fix the flags"]
+    log_path = tmp_path / "main_job.log"
+    for output, shown in ((noise + error + ["  (set HFSDP_DEBUG=1 for a traceback)"], error),
+                          (noise, noise[-M.FAILED_TAIL_LINES:])):
+        monkeypatch.setattr(M, "run_logged", lambda title, cmd, log, output=output: (2, output))
+        with open(log_path, "w") as log:
+            assert not M.plan_step(tmp_path, log, log_path)
+        first, *rest = capsys.readouterr().out.splitlines()
+        assert first.startswith("the memory planner failed (exit status 2);") and str(log_path) in first
+        assert rest == [f"  | {line}" for line in shown]
+
+
+def test_flags_megatron_refuses_are_one_sentence(fake_train, tmp_path, capsys):
+    with pytest.raises(M.UserError, match="Megatron's parser refuses the job's flags: unrecognized arguments: --bogus"):
+        M.capture_problems(["--bogus"], 1)
+    assert M.main(["--bogus"]) == 2 and not fake_train
+    assert "main_job: error: Megatron's parser refuses" in capsys.readouterr().err
+    assert M.write_capture_problems(str(tmp_path / "problems.json"), ["--bogus"]) == 2
+
+
+def test_fork_report_is_two_lines_when_healthy_and_the_whole_status_when_not(tmp_path):
+    import shutil
+
+    from hfsdp.patchset.project import Project
+
+    rc, lines = M.fork_report()
+    pin = Project(M.REPO_ROOT).pin()
+    assert rc == 0 and len(lines) == 2, lines
+    assert lines[0].startswith(f"fork {pin.fork_version}: {pin.distribution} {pin.version} with all ")
+    shutil.copytree(M.REPO_ROOT / "patches", tmp_path / "patches")
+    rc, lines = M.fork_report(tmp_path)
+    assert rc == 1 and any("megatron/ not materialized" in line for line in lines), lines
+
+
+def test_run_main_on_a_cpu_machine_is_a_short_report_with_the_whole_output_in_a_log(tmp_path):
+    """The CPU branch of scripts/run_main.sh, set-up skipped (this interpreter is set up): at most
+    80 lines on the console, the key sentences of each step, and Megatron's output in the log."""
+    import re
+    import subprocess
+    import sys
+
+    from hfsdp.patchset.project import Project
+
+    env = {**os.environ, "HFSDP_SETUP_DONE": "1", "HFSDP_PY": sys.executable, "CUDA_VISIBLE_DEVICES": "",
+           M.OUT_ENV: str(tmp_path / "jobs"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(M.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run(["bash", str(M.REPO_ROOT / "scripts" / "run_main.sh")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-3000:]
+    lines = console.splitlines()
+    assert len(lines) <= 80, console
+    pin = Project(M.REPO_ROOT).pin()
+    for sentence in (f"fork {pin.fork_version}: {pin.distribution} {pin.version} with all ",
+                     "Training with Megatron-FSDP needs NVIDIA GPUs",
+                     "planning the default model (hybrid layers M*EM*EM*EM*E, hidden size 1024, 16 experts;",
+                     "for data-parallel size 2.", "12 FSDP units", "weights (bfloat16): max-pool double buffer",
+                     "grads (float32): max-pool double buffer", "0.18.2's FixedPool would pool only 4 of the 12 units",
+                     "the main job's model passes the CUDA-graph capture checks",
+                     "PASS: 8 of 8 steps on 2 ranks, lm loss ",
+                     "== run_main: done (no training: this machine has no CUDA GPU) =="):
+        assert sentence in console, sentence
+    assert "end of arguments" not in console and "one_logger" not in console and "https://" not in console
+    (log_name,) = re.findall(r"^Full output: (.+)$", console, re.M)
+    log = (M.REPO_ROOT / log_name).read_text()
+    assert log_name.startswith(str(tmp_path / "jobs"))
+    for whole in ("Megatron-FSDP memory plan:", "[weight] 0.18.2 FixedPool", "end of arguments",
+                  " iteration        8/       8 |", "HFSDP-FUNCTIONAL RESULT smoke/cpu_gloo_smoke: PASS"):
+        assert whole in log, whole
+    assert "one_logger package is required" not in log
+
+
+def test_capture_step_writes_the_problems_and_says_them(tmp_path):
+    """The CPU branch's capture check: a model that cannot be captured is named with the reason."""
+    import json
+
+    path = tmp_path / "problems.json"
+    M.write_capture_problems(str(path), ["--moe-token-dispatcher-type", "allgather"])
+    problems = json.loads(path.read_text())
+    assert problems and any("allgather" in p for p in problems)
+    verdict = M.capture_verdict(problems)
+    assert verdict[0] == "the main job's model cannot be captured, so on a GPU it would train eagerly:"
+    assert verdict[1:] == [f"  - {p}" for p in problems]
+    M.write_capture_problems(str(path))
+    assert json.loads(path.read_text()) == []
