@@ -41,7 +41,7 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
     print(f"base:    {pin.distribution} {pin.version} (sha256 {pin.sha256[:16]}...)")
     print(f"fork:    {pin.fork_version}")
     for item in st.leftovers:
-        print(f"litter:  {item.path.name}: left by a killed run; the next writing command will {item.action}")
+        print(f"leftover: {item.path.name}: left by a killed run; the next writing command will {item.action}")
     if not st.exists:
         print("tree:    megatron/ not materialized -> run `scripts/patchset materialize`")
         return 1

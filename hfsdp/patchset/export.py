@@ -18,7 +18,7 @@
    tree.
 
 Then the new ``patches/`` (series and overlay included) is built beside the old one and swapped in
-with the guarded swap (swap.py), against a snapshot of ``patches/`` taken before any of it was read:
+with the guarded swap (guarded_swap.py), against a snapshot of ``patches/`` taken before any of it was read:
 a file saved there while the queue was read and checked undoes the swap instead of being
 overwritten. The same export is byte-identical every time, so review diffs show only real changes.
 """
@@ -35,13 +35,13 @@ from pathlib import Path
 
 from . import gitops
 from .errors import PatchsetError, SeriesError
+from .guarded_swap import TMP_PREFIX, swap_in
 from .overlay import OVERLAY_DIR_NAME, OVERLAY_SUBJECT, Overlay, path_problem, read_overlay, source_name, write_files
 from .project import Project
 from .queue import BASE_TAG, read_state
 from .scan import describe, scan
 from .series import NAME_RULE, Patch, is_patch_name, parse_header, parse_patch, patch_name, render_patch
 from .source import locate_sdist
-from .swap import TMP_PREFIX, swap_in
 from .tree import BASE_SUBJECT, build_queue, extract_base
 
 SERIES_HEADER = (
@@ -321,7 +321,7 @@ def _write_overlay(built: Path, members: tuple[str, ...], overlay: Overlay) -> l
 
 
 def snapshot_patches(project: Project) -> dict:
-    """``patches/`` as the guarded swap compares it (swap.py): take it before anything in it is read, so that a
+    """``patches/`` as the guarded swap compares it (guarded_swap.py): take it before anything in it is read, so that a
     file saved there while the queue is built and checked undoes the swap instead of being overwritten."""
     return scan(project.patches_dir, prefix="patches")
 

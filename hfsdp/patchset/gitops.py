@@ -123,11 +123,6 @@ def tree_of(repo: Path, rev: str) -> str:
     return git(["rev-parse", f"{rev}^{{tree}}"], cwd=repo).stdout.strip()
 
 
-def changed_paths(repo: Path, old: str, new: str) -> list[str]:
-    out = git(["diff", "--name-only", "--no-renames", old, new], cwd=repo).stdout
-    return [line for line in out.splitlines() if line]
-
-
 def name_status(repo: Path, old: str, new: str) -> list[tuple[str, str]]:
     """(status letter, path) of each file that differs between two commits: A added, M modified, D deleted,
     T type changed (no renames; paths exactly as stored, whatever characters they hold)."""

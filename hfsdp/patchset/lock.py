@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import leftovers
 from .errors import PatchsetError
 
 if TYPE_CHECKING:
@@ -58,8 +59,6 @@ def checkout_lock(root: Path, verb: str) -> Iterator[None]:
 @contextlib.contextmanager
 def writing(project: Project, verb: str, log: Callable[[str], None]) -> Iterator[None]:
     """What every writing verb starts with: the lock, then the leftovers of killed writers."""
-    from . import litter
-
     with checkout_lock(project.root, verb):
-        litter.recover(project.root, project.pin().members, log)
+        leftovers.recover(project.root, project.pin().members, log)
         yield

@@ -1,9 +1,9 @@
 """Materialize ``megatron/`` atomically, keep what the tool did not make, and report the tree's state.
 
 Rules: one writer per checkout (lock.py), leftovers of killed writers recovered first
-(litter.py); an up-to-date tree is left alone, its local edits included; a rebuild happens in a
+(leftovers.py); an up-to-date tree is left alone, its local edits included; a rebuild happens in a
 temporary folder beside the target, carries over every kept entry (scan.py's note), and is
-swapped in only if nothing changed in the old tree meanwhile (swap.py's note); a tree with edits,
+swapped in only if nothing changed in the old tree meanwhile (guarded_swap.py's note); a tree with edits,
 or one this tool did not make, is never replaced except with ``--backup``, which keeps it whole.
 
 [Note: a tree behind a symbolic link] ``megatron/`` and the folders of it that hold the stamp's
@@ -27,14 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import litter
 from .errors import REBASE_EDITS_FIX, DirtyTree, ForeignTree, LinkedTree, PatchsetError
+from .guarded_swap import TMP_PREFIX, backup_name, swap_in
+from .leftovers import Leftover, find_leftovers
 from .lock import writing
 from .project import Project
 from .scan import STAMP_NAME, Census, Entry, carry, census, conflicts, describe, hash_files, linked_folders, scan
 from .source import locate_sdist
 from .stamp import CorruptStamp, Stamp, make_stamp, read_stamp, write_stamp_file
-from .swap import TMP_PREFIX, backup_name, swap_in
 from .tree import build_queue
 
 
@@ -55,7 +55,7 @@ class TreeStatus:
     kept: dict[str, Entry] = field(default_factory=dict)  # not made by this tool; a rebuild keeps them
     base_mismatch: str | None = None
     fork_mismatch: str | None = None  # the tree's fork version differs from patches/base.toml's
-    leftovers: list[litter.Litter] = field(default_factory=list)  # of killed writers (litter.py)
+    leftovers: list[Leftover] = field(default_factory=list)  # of killed writers (leftovers.py)
 
 
 def _linked(link: Path, tree: Path | None) -> LinkedTree:
@@ -108,7 +108,7 @@ def tree_status(project: Project) -> TreeStatus:
     patches = project.series()
     overlay = project.overlay()
     names = [p.name for p in patches]
-    leftovers = litter.find(project.root, pin.members)
+    leftovers = find_leftovers(project.root, pin.members)
     if not project.megatron_dir.exists():
         return TreeStatus(False, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers)
     stamp = read_stamp(project.root)
@@ -138,13 +138,6 @@ def tree_status(project: Project) -> TreeStatus:
         status.fork_mismatch = (f"tree stamped {stamp.fork_version}, patches/base.toml says "
                                 f"{pin.fork_version} ([fork] release changed)")
     return status
-
-
-def local_edits(project: Project) -> dict[str, str]:
-    """Files that differ from the stamp: path -> 'modified' | 'added' | 'deleted' ({} if unstamped)."""
-    require_real_tree(project)
-    stamp = read_stamp(project.root)
-    return {} if stamp is None else live_census(project, stamp).edits
 
 
 def _refuse_if_unsafe(project: Project, stamp: Stamp | None, found: Census | None) -> None:

@@ -13,7 +13,7 @@ and edited as a file, not as a diff (and never as a diff of a diff). The rules:
 * in every build the overlay is one commit (subject ``overlay``) right after the base commit,
   before the patch commits ([Note: the queue] in tree.py), so a patch may still touch an overlay
   file mechanically, but ``lint`` refuses it (edit the overlay file instead);
-* the overlay lives under ``patches/`` so that the all-or-nothing swap of ``patches/`` (swap.py)
+* the overlay lives under ``patches/`` so that the all-or-nothing swap of ``patches/`` (guarded_swap.py)
   covers it: ``refresh`` and ``export`` write patches, ``series`` and the overlay in one step.
 
 Standard library only (``pip install -e .`` runs this inside its isolated build environment).

@@ -1,6 +1,6 @@
 """Leftovers of writers that were killed: found by ``status``, cleaned up by the next writer.
 
-Writers leave two kinds of folder in the checkout while they run (swap.py):
+Writers leave two kinds of folder in the checkout while they run (guarded_swap.py):
 ``.patchset-tmp-*`` (a build or a queue in progress: only ever a copy, never the only place of
 anything) and ``.patchset-old-<folder>-*`` (the previous ``megatron/`` or ``patches/``, parked
 for the moment of the swap). Only a writer holding the checkout lock cleans them, so their
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import PatchsetError
+from .guarded_swap import OLD_PREFIX, TMP_PREFIX, backup_name
 from .scan import STAMP_NAME, census, scan
 from .stamp import read_stamp_file
-from .swap import OLD_PREFIX, TMP_PREFIX, backup_name
 
 
 @dataclass(frozen=True)
-class Litter:
+class Leftover:
     path: Path
     action: str  # what the next writing verb does with it
 
@@ -55,27 +55,27 @@ def _parked_megatron_is_redundant(parked: Path, current: Path, members: tuple[st
     return all(now.get(path) == entry for path, entry in old.kept.items())
 
 
-def find(root: Path, members: tuple[str, ...]) -> list[Litter]:
+def find_leftovers(root: Path, members: tuple[str, ...]) -> list[Leftover]:
     """Leftover folders in ``root`` and what the next writer will do with each (read-only)."""
-    out: list[Litter] = []
+    out: list[Leftover] = []
     for path in sorted(root.glob(f"{TMP_PREFIX}*")):
-        out.append(Litter(path, "delete (a copy from a killed run)"))
+        out.append(Leftover(path, "delete (a copy from a killed run)"))
     for path in sorted(root.glob(f"{OLD_PREFIX}*")):
         name = _original(path)
         if name is None:
-            out.append(Litter(path, "leave alone (not recognised)"))
+            out.append(Leftover(path, "leave alone (not recognised)"))
         elif not os.path.lexists(root / name):  # a symlink there, even a dangling one, is not replaced
-            out.append(Litter(path, f"put back as {name}/ (a killed run moved it aside)"))
+            out.append(Leftover(path, f"put back as {name}/ (a killed run moved it aside)"))
         elif name == "megatron" and _parked_megatron_is_redundant(path, root / name, members):
-            out.append(Litter(path, "delete (holds nothing megatron/ lacks)"))
+            out.append(Leftover(path, "delete (holds nothing megatron/ lacks)"))
         else:
-            out.append(Litter(path, f"keep as {name}.bak-<time>"))
+            out.append(Leftover(path, f"keep as {name}.bak-<time>"))
     return out
 
 
 def recover(root: Path, members: tuple[str, ...], log: Callable[[str], None]) -> None:
-    """Carry out :func:`find`'s actions. Call only while holding the checkout lock."""
-    for item in find(root, members):
+    """Carry out :func:`find_leftovers`'s actions. Call only while holding the checkout lock."""
+    for item in find_leftovers(root, members):
         action = item.action
         if action.startswith("delete"):
             shutil.rmtree(item.path) if item.path.is_dir() and not item.path.is_symlink() else item.path.unlink()

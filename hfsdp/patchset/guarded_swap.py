@@ -6,7 +6,7 @@ one into place, and re-read the parked folder. If anything in it differs from th
 build started from (an editor saved a file meanwhile), the swap is undone and the run refused,
 naming the files; otherwise the parked folder is deleted, or kept as a backup. Renames within
 one filesystem are atomic, so a reader sees the old folder or the new one; a run killed between
-the two renames leaves a ``.patchset-old-*`` folder that the next writer restores (litter.py).
+the two renames leaves a ``.patchset-old-*`` folder that the next writer restores (leftovers.py).
 """
 
 from __future__ import annotations
