@@ -131,15 +131,14 @@ def median_step_ms(log_path: str, first_step: int) -> float | None:
     return statistics.median(window) * 1e3 if window else None
 
 
-# Triton autotunes the Mamba kernels in the first step of every process: about 100 s per run on
-# an H100 for the default model, paid again by the eager comparison. With this variable Triton
+# Triton autotunes the Mamba kernels in the first step of every process (minutes for the default
+# model), paid again by the eager comparison. With this variable Triton
 # keeps the timed choice in its on-disk cache, so the second run (and the next main job) reuses
 # it. A value the caller set is kept as it is.
 SHARED_AUTOTUNE_ENV = "TRITON_CACHE_AUTOTUNING"
 # Under a full-iteration graph, cache the eager warm-up left in segments that a live block pins
-# stays reserved beside the graph's pool; expandable segments hand it back page by page. On the
-# default model with TE specs this took graphed peak reserved from 1.094x to 1.016x eager's
-# (docs/cuda-graphs.md, "Memory"). Only on one GPU, where it was measured: with several ranks a
+# stays reserved beside the graph's pool; expandable segments hand it back page by page
+# (docs/cuda-graphs.md, "Memory"; measured in docs/results.md). Only on one GPU: with several ranks a
 # graph holds NCCL collectives, which need NCCL_GRAPH_REGISTER=0 beside expandable segments
 # (megatron/training/cuda_graph_checks.py), and Megatron-FSDP refuses it with --use-nccl-ub on
 # torch < 2.11. An allocator setting the caller made (either variable) is kept whole.

@@ -1,4 +1,4 @@
-"""CPU tests for the Transformer-Engine-free hybrid spec (patch models-hybrid-local-spec).
+"""CPU tests for the Transformer-Engine-free hybrid spec (overlay module hybrid_local_layer_specs.py).
 
 They construct HybridModel from ``hybrid_local_stack_spec`` on a 1-rank gloo group and check
 the layer classes Megatron-FSDP keys its units on (isinstance-based), that no TE module is

@@ -6,8 +6,8 @@ Run (2 ranks: on 2 GPUs, or sharing 1; repo root, patched tree materialized):
         tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py
 or tests/gpu/run_maxpool_gpu.sh (same, plus log + JSON summary under $OUT).
 
-Model: HybridModel built from the TE-free ``hybrid_local_stack_spec`` (patch
-models-hybrid-local-spec); Mamba ('M'), attention ('*') and MoE ('E') layers are the FSDP
+Model: HybridModel built from the TE-free ``hybrid_local_stack_spec`` (overlay module
+hybrid_local_layer_specs.py); Mamba ('M'), attention ('*') and MoE ('E') layers are the FSDP
 units, embedding / final norm / output layer are non-units. bf16 via Float16Module, Megatron-FSDP
 ``optim_grads_params`` through the MCore adapter, Megatron DistributedOptimizer (Adam).
 Mamba runs mamba_ssm's Triton kernels with ``use_mamba_mem_eff_path=False`` (no causal_conv1d).
