@@ -390,10 +390,12 @@ def fork_report(root: Path = REPO_ROOT) -> tuple[int, list[str]]:
     if rc != 0:
         return rc, text.getvalue().splitlines()
     project = Project(root)
-    pin, applied = project.pin(), tree_status(project).applied
-    return 0, [f"fork {pin.fork_version}: {pin.distribution} {pin.version} with all {len(applied)} patches "
-               "of patches/series applied.",
-               "Its stamp is up to date and megatron/ has no local edits; `scripts/patchset status` lists "
+    pin, st = project.pin(), tree_status(project)
+    state = "up to date" if st.up_to_date else "STALE (`scripts/patchset materialize` rebuilds it)"
+    edits = f"{len(st.edits)} local edit(s)" if st.edits else "no local edits"
+    return 0, [f"fork {pin.fork_version}: {pin.distribution} {pin.version} + {st.overlay_files} files of "
+               f"our own (patches/overlay/) + {len(st.applied)} patches (patches/series).",
+               f"Its stamp is {state} and megatron/ has {edits}; `scripts/patchset status` lists "
                "each patch."]
 
 

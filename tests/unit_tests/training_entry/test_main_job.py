@@ -324,11 +324,16 @@ def test_fork_report_is_two_lines_when_healthy_and_the_whole_status_when_not(tmp
     import shutil
 
     from hfsdp.patchset.project import Project
+    from hfsdp.patchset.series import read_series_names
 
     rc, lines = M.fork_report()
     pin = Project(M.REPO_ROOT).pin()
     assert rc == 0 and len(lines) == 2, lines
-    assert lines[0].startswith(f"fork {pin.fork_version}: {pin.distribution} {pin.version} with all ")
+    overlay = len(Project(M.REPO_ROOT).overlay_files())
+    series = read_series_names(M.REPO_ROOT / "patches" / "series")
+    assert lines[0] == (f"fork {pin.fork_version}: {pin.distribution} {pin.version} + {overlay} files of our own "
+                        f"(patches/overlay/) + {len(series)} patches (patches/series)."), lines
+    assert lines[1].startswith("Its stamp is up to date and megatron/ has no local edits;"), lines
     shutil.copytree(M.REPO_ROOT / "patches", tmp_path / "patches")
     rc, lines = M.fork_report(tmp_path)
     assert rc == 1 and any("megatron/ not materialized" in line for line in lines), lines
@@ -353,7 +358,7 @@ def test_run_main_on_a_cpu_machine_is_a_short_report_with_the_whole_output_in_a_
     lines = console.splitlines()
     assert len(lines) <= 80, console
     pin = Project(M.REPO_ROOT).pin()
-    for sentence in (f"fork {pin.fork_version}: {pin.distribution} {pin.version} with all ",
+    for sentence in (f"fork {pin.fork_version}: {pin.distribution} {pin.version} + ",
                      "Training with Megatron-FSDP needs NVIDIA GPUs",
                      "planning the default model (hybrid layers M*EM*EM*EM*E, hidden size 1024, 16 experts;",
                      "for data-parallel size 2.", "12 FSDP units", "weights (bfloat16): max-pool double buffer",
