@@ -16,7 +16,12 @@ class PatchsetError(UserError):
 
 
 class HashMismatch(PatchsetError):
-    """The sdist's sha256 differs from the pin; nothing was extracted."""
+    """The sdist's sha256 differs from the pin; nothing was extracted. ``pin_is_wrong``: the file has the sha256
+    the index publishes for it, so the pin is what differs."""
+
+    def __init__(self, cause: str, fix: str, pin_is_wrong: bool = False) -> None:
+        super().__init__(cause, fix)
+        self.pin_is_wrong = pin_is_wrong
 
 
 class WrongBaseVersion(PatchsetError):

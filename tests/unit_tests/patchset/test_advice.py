@@ -13,7 +13,18 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from patchset_fake import ALLOC_PATCH, TRAIN_PATCH, Env, patch_text, save_during_build
+from patchset_fake import (
+    ALLOC_PATCH,
+    TRAIN_PATCH,
+    Env,
+    make_sdist,
+    package_index,
+    patch_text,
+    point_at_index,
+    save_during_build,
+    set_pin,
+    sha256,
+)
 
 from hfsdp.patchset.cli import main
 
@@ -352,3 +363,53 @@ def test_a_queue_without_overlay_commit(overlaid: Env, tmp_path: Path, capsys) -
     assert run_advice(overlaid, step, capsys, DIR=str(tmp_path / "new")) == 0
     assert main(["--root", str(overlaid.project.root), "export", "--queue", str(tmp_path / "new")]) == 0
     assert (overlaid.project.overlay_dir / ALLOCATOR).is_file()
+
+
+# --- The pinned sdist's sha256.
+
+
+def git_checkout_of(env: Env) -> None:
+    """Make the fake checkout a git repository with everything committed (for `git checkout` advice)."""
+    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+        subprocess.run(["git", *args], cwd=env.project.root, check=True, capture_output=True)
+
+
+def test_a_wrong_pin_is_named_and_the_download_kept(fake: Env, monkeypatch, capsys) -> None:
+    """The index publishes the downloaded file's sha256: the pin is wrong, not the download."""
+    monkeypatch.delenv("MEGATRON_PATCHSET_SDIST")
+    with package_index({fake.sdist.name: fake.sdist.read_bytes()}) as url:
+        point_at_index(fake, url)
+        git_checkout_of(fake)
+        set_pin(fake, "0" * 64)  # a slip in patches/base.toml
+        for _ in range(2):  # the same answer the second time: the download was kept, not fetched again
+            err = error_of(fake, capsys, "materialize")
+            assert "the file is the release, the pin is wrong" in err, err
+            assert commands(err.split("-> ", 1)[1]) == ["git checkout patches/base.toml"]
+        cached = Path(os.environ["MEGATRON_PATCHSET_CACHE"]) / fake.sdist.name
+        assert sha256(cached) == sha256(fake.sdist)
+        assert run_advice(fake, "git checkout patches/base.toml", capsys) == 0
+    monkeypatch.setenv("MEGATRON_PATCHSET_OFFLINE", "1")  # the kept download is all it needs now
+    assert main(["--root", str(fake.project.root), "materialize"]) == 0
+
+
+def test_a_damaged_cached_sdist_is_named_not_the_pin(fake: Env, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("MEGATRON_PATCHSET_SDIST")
+    cached = Path(os.environ["MEGATRON_PATCHSET_CACHE"]) / fake.sdist.name
+    cached.parent.mkdir(parents=True)
+    make_sdist(cached.parent, files={"megatron/core/__init__.py": "DAMAGED = 1\n", "megatron/training/t.py": ""})
+    with package_index({fake.sdist.name: fake.sdist.read_bytes()}) as url:
+        point_at_index(fake, url)
+        err = error_of(fake, capsys, "materialize")
+        assert "the pin is right and this file is damaged" in err and str(cached) in err
+        assert commands(err.split("-> ", 1)[1])[0].startswith("pip download")
+        cached.unlink()  # the way out: delete it, run again
+        assert main(["--root", str(fake.project.root), "materialize"]) == 0
+
+
+def test_a_mismatch_the_index_cannot_judge_says_how_to_tell(fake: Env, tmp_path: Path, monkeypatch, capsys) -> None:
+    other = make_sdist(tmp_path, files={"megatron/core/__init__.py": "OTHER = 1\n", "megatron/training/t.py": ""})
+    monkeypatch.setenv("MEGATRON_PATCHSET_SDIST", str(other))
+    monkeypatch.setenv("MEGATRON_PATCHSET_OFFLINE", "1")
+    err = error_of(fake, capsys, "materialize")
+    assert "cannot be told here: offline" in err
+    assert "if they are equal, the pin in patches/base.toml is wrong" in err and f"delete {other}" in err
