@@ -147,6 +147,8 @@ def _check_patch(repo: Path, patch: Patch, version: str) -> CheckResult:
         gitops.commit_all(repo, patch.stem + "\n")
         return CheckResult(patch.name, "applies", note="declared upstream" if declared else "")
     except PatchDoesNotApply as exc:
+        if exc.line_endings:
+            raise  # not a conflict with the release: the patch file itself is broken
         if declared:
             # A clean-room backport is a rewrite of the upstream change, so it rarely
             # reverse-applies; its header says the release has it. Verify, then drop.

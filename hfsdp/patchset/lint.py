@@ -17,7 +17,7 @@ from .errors import PatchsetError
 from .overlay import Overlay, scan_overlay, source_name
 from .pin import BasePin
 from .project import Project
-from .series import Patch, read_patch, read_series_names
+from .series import Patch, crlf_line, read_patch, read_series_names
 from .source import locate_sdist
 
 REQUIRED = ("Description", "Origin", "Bug", "Forwarded", "Applied-Upstream", "Last-Update")
@@ -130,12 +130,9 @@ def lint_overlay(pin: BasePin, overlay: Overlay, base_files: set[str]) -> list[L
 
 def lint_line_endings(patch: Patch) -> list[LintProblem]:
     """A patch saved with CRLF line endings (its header or diff lines, not the content of a CRLF file)."""
-    structural = ("diff --git ", "index ", "--- ", "+++ ", "@@ ", "new file mode", "deleted file mode")
-    for number, line in enumerate(patch.text.split("\n"), start=1):
-        body = number <= patch.header_text.count("\n")
-        if line.endswith("\r") and (body or line.startswith(structural)):
-            return [LintProblem(patch.name, f"has CRLF line endings (line {number}); save it with LF endings")]
-    return []
+    number = crlf_line(patch.text, patch.header_text.count("\n"))
+    return [] if number is None else [LintProblem(patch.name, f"has CRLF line endings (line {number}); save it "
+                                                              "with LF endings")]
 
 
 def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:

@@ -83,6 +83,8 @@ def _apply_from(repo: Path, patches: list[Patch], state: QueueState, queue: Queu
         try:
             gitops.apply_patch(repo, patch.name, patch.diff)
         except PatchDoesNotApply as exc:
+            if exc.line_endings:
+                raise  # no hand-made fix of its hunks helps; the patch file is fixed instead
             head = gitops.git(["rev-parse", "HEAD"], cwd=repo).stdout.strip()
             state.stopped_at, state.head_at_stop = patch.name, head
             state.pending = [p.name for p in patches[index + 1:]]

@@ -81,6 +81,21 @@ class Patch:
         return out
 
 
+_STRUCTURAL = ("diff --git ", "index ", "--- ", "+++ ", "new file mode", "deleted file mode")
+_BARE_HUNK = re.compile(r"@@ -\d+(,\d+)? \+\d+(,\d+)? @@\r")
+
+
+def crlf_line(text: str, header_lines: int = 0) -> int | None:
+    """The first line (from 1) of a patch text saved with CRLF line endings, or None: one of its first
+    ``header_lines`` lines (the DEP-3 header) or a line of the diff's own syntax ending in CR. The content
+    lines of a file that itself has CRLF endings end in CR rightly, and are not counted."""
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.endswith("\r") and (number <= header_lines or line.startswith(_STRUCTURAL)
+                                    or _BARE_HUNK.fullmatch(line)):
+            return number
+    return None
+
+
 def parse_header(text: str) -> dict[str, str]:
     """Parse DEP-3 ``Key: value`` lines; indented lines continue the previous field."""
     fields: dict[str, str] = {}

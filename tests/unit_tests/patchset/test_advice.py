@@ -413,3 +413,21 @@ def test_a_mismatch_the_index_cannot_judge_says_how_to_tell(fake: Env, tmp_path:
     err = error_of(fake, capsys, "materialize")
     assert "cannot be told here: offline" in err
     assert "if they are equal, the pin in patches/base.toml is wrong" in err and f"delete {other}" in err
+
+
+def test_a_patch_saved_with_crlf_line_endings(fake: Env, tmp_path: Path, capsys) -> None:
+    """A patch converted to CRLF: every verb that applies it names the line endings, not a rebase."""
+    git_checkout_of(fake)
+    alloc = fake.project.patches_dir / "alloc.patch"
+    alloc.write_bytes(alloc.read_bytes().replace(b"\n", b"\r\n"))
+    for verb in (["materialize"], ["check"], ["queue", "--dir", str(tmp_path / "q")]):
+        err = error_of(fake, capsys, *verb)
+        assert "alloc.patch does not apply: it was saved with CRLF (Windows) line endings" in err, (verb, err)
+        assert "queue --dir" not in err, verb
+    assert not (tmp_path / "q").exists() and not fake.project.megatron_dir.exists()
+    steps = commands(err.split("-> ", 1)[1])
+    assert steps == ["git checkout patches/alloc.patch", "scripts/patchset lint"]
+    assert run_advice(fake, steps[1], capsys) == 1
+    assert "alloc.patch: has CRLF line endings (line 1)" in capsys.readouterr().out
+    assert run_advice(fake, steps[0], capsys) == 0
+    assert main(["--root", str(fake.project.root), "materialize"]) == 0
