@@ -194,6 +194,22 @@ def yank_note(pin: BasePin, filename: str, env: Mapping[str, str] | None = None,
             "run it; compare against a release that is not yanked")
 
 
+def require_sdist_file(path: Path, given_by: str, filename: str | None = None) -> None:
+    """Refuse a path given for the sdist (``given_by``: ``--sdist`` or ``MEGATRON_PATCHSET_SDIST``) that is not a
+    file, saying what it is; ``filename``: the pinned sdist's name, if known, to point at it inside a folder."""
+    if path.is_file():
+        return
+    name = filename or "megatron_core-<version>.tar.gz"
+    given = f"{given_by}=" if given_by.isupper() else f"{given_by} "
+    if path.is_dir():
+        inside = path / name
+        held = f"it holds {name}: " if filename and inside.is_file() else ""
+        raise SourceUnavailable(f"{given_by} {path} is a folder, not an sdist file",
+                                f"{held}pass the sdist file itself, e.g. {given}{inside}")
+    what = "is not a regular file" if os.path.lexists(path) else "does not exist"
+    raise SourceUnavailable(f"{given_by} {path} {what}", f"pass the path of the {name} sdist file: {given}PATH")
+
+
 def locate_sdist(
     pin: BasePin,
     explicit: Path | None = None,
@@ -202,12 +218,12 @@ def locate_sdist(
 ) -> Path:
     """Return a verified local path to the pinned sdist, downloading it if allowed."""
     env = dict(os.environ) if env is None else env
-    explicit = explicit or (Path(env["MEGATRON_PATCHSET_SDIST"]) if env.get("MEGATRON_PATCHSET_SDIST") else None)
     if explicit is not None:
-        if not explicit.is_file():
-            raise SourceUnavailable(
-                f"sdist {explicit} does not exist", "fix the path given by --sdist / MEGATRON_PATCHSET_SDIST"
-            )
+        require_sdist_file(explicit, "--sdist", pin.filename)
+    elif env.get("MEGATRON_PATCHSET_SDIST"):
+        explicit = Path(env["MEGATRON_PATCHSET_SDIST"])
+        require_sdist_file(explicit, "MEGATRON_PATCHSET_SDIST", pin.filename)
+    if explicit is not None:
         return verify(pin, explicit, env)
     searched: list[str] = []
     for folder in _wheelhouses(env):

@@ -6,6 +6,8 @@ Driven through the command line (``hfsdp.patchset.cli.main``); the probe table
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from patchset_fake import Env
 
 from hfsdp.patchset.cli import main
@@ -24,3 +26,26 @@ def test_crlf_line_counts_the_patch_syntax_not_the_content_of_a_crlf_file() -> N
     assert crlf_line(of_a_crlf_file.replace("+++ b/megatron/core/w.py\n", "+++ b/megatron/core/w.py\r\n")) == 3
     assert crlf_line("@@ -1 +1 @@\r\n") == 1
     assert crlf_line("Description: x\r\n---\n", header_lines=1) == 1
+
+
+def test_sdist_a_folder_is_called_a_folder(fake: Env, tmp_path: Path, capsys) -> None:
+    capsys.readouterr()
+    assert cli(fake, "--sdist", str(fake.sdist.parent), "materialize") == 2
+    err = capsys.readouterr().err
+    assert f"--sdist {fake.sdist.parent} is a folder, not an sdist file" in err
+    assert f"it holds {fake.sdist.name}: pass the sdist file itself, e.g. --sdist {fake.sdist}" in err
+    assert not fake.project.megatron_dir.exists()
+    assert cli(fake, "--sdist", str(tmp_path / "nowhere.tar.gz"), "check") == 2
+    assert "nowhere.tar.gz does not exist" in capsys.readouterr().err
+
+
+def test_sdist_and_root_are_taken_after_the_verb_too(fake: Env, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("MEGATRON_PATCHSET_SDIST")
+    monkeypatch.setenv("MEGATRON_PATCHSET_OFFLINE", "1")
+    root = str(fake.project.root)
+    assert main(["materialize", "--sdist", str(fake.sdist), "--root", root]) == 0
+    assert main(["status", "--root", root]) == 0
+    capsys.readouterr()
+    assert main(["lint", "--root", root, "--sdist", str(fake.sdist.parent)]) == 2  # checked there as well
+    assert "is a folder, not an sdist file" in capsys.readouterr().err
+    assert main(["--root", root, "queue", "--dir", str(tmp_path / "q"), "--sdist", str(fake.sdist)]) == 0
