@@ -43,6 +43,9 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
     print(f"fork:    {pin.fork_version}")
     for item in st.leftovers:
         print(f"leftover: {item.path.name}: left by a killed run; the next writing command will {item.action}")
+    for name in st.unlisted:
+        print(f"unlisted: patches/{name} is not in patches/series, so it is never applied -> add its name to "
+              "patches/series, or move the file out of patches/")
     if not st.exists:
         print("tree:    megatron/ not materialized -> run `scripts/patchset materialize`")
         return 1
@@ -80,7 +83,7 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
               "(a rebuild carries them over)")
         for line in kept_summary(st.kept):
             print(f"  {line}")
-    return 0 if st.up_to_date and not st.edits and not st.leftovers else 1
+    return 0 if st.up_to_date and not st.edits and not st.leftovers and not st.unlisted else 1
 
 
 def _cmd_check(project: Project, args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from .errors import PatchsetError
 from .overlay import Overlay, scan_overlay, source_name
 from .pin import BasePin
 from .project import Project
-from .series import Patch, crlf_line, read_patch, read_series_names
+from .series import Patch, crlf_line, read_patch, read_series_names, unlisted_patches
 from .source import locate_sdist
 
 REQUIRED = ("Description", "Origin", "Bug", "Forwarded", "Applied-Upstream", "Last-Update")
@@ -140,10 +140,8 @@ def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:
     pin = project.pin()
     names = read_series_names(project.patches_dir / "series")
     problems: list[LintProblem] = []
-    on_disk = sorted(p.name for p in project.patches_dir.glob("*.patch"))
-    for name in on_disk:
-        if name not in names:
-            problems.append(LintProblem(name, "is in patches/ but not listed in patches/series"))
+    for name in unlisted_patches(project.patches_dir, names):
+        problems.append(LintProblem(name, "is in patches/ but not listed in patches/series"))
     patches: list[Patch] = []
     for name in names:
         try:

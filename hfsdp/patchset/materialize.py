@@ -33,6 +33,7 @@ from .leftovers import Leftover, find_leftovers
 from .lock import writing
 from .project import Project
 from .scan import STAMP_NAME, Census, Entry, carry, census, conflicts, describe, hash_files, linked_folders, scan
+from .series import unlisted_patches
 from .source import locate_sdist
 from .stamp import CorruptStamp, Stamp, make_stamp, read_stamp, write_stamp_file
 from .tree import build_queue
@@ -56,6 +57,7 @@ class TreeStatus:
     base_mismatch: str | None = None
     fork_mismatch: str | None = None  # the tree's fork version differs from patches/base.toml's
     leftovers: list[Leftover] = field(default_factory=list)  # of killed writers (leftovers.py)
+    unlisted: list[str] = field(default_factory=list)  # patch files in patches/ that the series does not list
 
 
 def _linked(link: Path, tree: Path | None) -> LinkedTree:
@@ -109,11 +111,14 @@ def tree_status(project: Project) -> TreeStatus:
     overlay = project.overlay()
     names = [p.name for p in patches]
     leftovers = find_leftovers(project.root, pin.members)
+    unlisted = unlisted_patches(project.patches_dir, names)
     if not project.megatron_dir.exists():
-        return TreeStatus(False, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers)
+        return TreeStatus(False, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers,
+                          unlisted=unlisted)
     stamp = read_stamp(project.root)
     if stamp is None:
-        return TreeStatus(True, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers)
+        return TreeStatus(True, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers,
+                          unlisted=unlisted)
     applied = dict(stamp.patches)
     current = dict(Stamp.expected_patches(patches))
     found = live_census(project, stamp)
@@ -130,6 +135,7 @@ def tree_status(project: Project) -> TreeStatus:
         overlay_edits=overlay_edits(found.edits, stamp),
         kept=found.kept,
         leftovers=leftovers,
+        unlisted=unlisted,
     )
     if stamp.base_version != pin.version or stamp.sdist_sha256 != pin.sha256:
         status.base_mismatch = (f"tree built from {stamp.base_version} ({stamp.sdist_sha256[:12]}), "

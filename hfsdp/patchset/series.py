@@ -172,6 +172,11 @@ def read_series_names(series_path: Path) -> list[str]:
     return names
 
 
+def unlisted_patches(patches_dir: Path, names: list[str]) -> list[str]:
+    """Patch files in ``patches_dir`` that the series (``names``) does not list: a patch that is never applied."""
+    return sorted(p.name for p in patches_dir.glob("*.patch") if p.name not in names)
+
+
 def read_series(patches_dir: Path) -> list[Patch]:
     """Load every patch of the series, in order."""
     return [read_patch(patches_dir / name, name) for name in read_series_names(patches_dir / "series")]

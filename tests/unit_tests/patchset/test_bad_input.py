@@ -49,3 +49,15 @@ def test_sdist_and_root_are_taken_after_the_verb_too(fake: Env, tmp_path: Path, 
     assert main(["lint", "--root", root, "--sdist", str(fake.sdist.parent)]) == 2  # checked there as well
     assert "is a folder, not an sdist file" in capsys.readouterr().err
     assert main(["--root", root, "queue", "--dir", str(tmp_path / "q"), "--sdist", str(fake.sdist)]) == 0
+
+
+def test_status_names_a_patch_file_the_series_does_not_list(fake: Env, capsys) -> None:
+    assert cli(fake, "materialize") == 0
+    (fake.project.patches_dir / "forgotten.patch").write_text("Description: never applied\n")
+    capsys.readouterr()
+    assert cli(fake, "status") == 1  # up to date, but a patch of the checkout is not in the tree
+    out = capsys.readouterr().out
+    assert "unlisted: patches/forgotten.patch is not in patches/series, so it is never applied" in out
+    assert "stamp:   up to date" in out
+    (fake.project.patches_dir / "forgotten.patch").unlink()
+    assert cli(fake, "status") == 0
