@@ -6,8 +6,10 @@ Driven through the command line (``hfsdp.patchset.cli.main``); the probe table
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 from patchset_fake import Env
 
 from hfsdp.patchset.cli import main
@@ -61,3 +63,24 @@ def test_status_names_a_patch_file_the_series_does_not_list(fake: Env, capsys) -
     assert "stamp:   up to date" in out
     (fake.project.patches_dir / "forgotten.patch").unlink()
     assert cli(fake, "status") == 0
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("schema", True), ("schema", 3.0), ("schema", "3"), ("base_version", ""), ("sdist_sha256", "abc"),
+    ("files", {"megatron/../../outside.py": "0" * 64}), ("files", {"/etc/passwd": "0" * 64}),
+    ("files", {"megatron/core/__init__.py": 1}), ("patches", [{"name": "alloc.patch", "sha256": 7}]),
+    ("overlay", [{"path": "../escape.py", "sha256": "0" * 64}]),
+])
+def test_a_stamp_value_of_another_type_is_not_one_this_tool_wrote(fake: Env, field: str, value: object,
+                                                                   capsys) -> None:
+    """Only what this tool writes is read: true is not schema 1, 3.0 not 3; no path outside megatron/ (diff and
+    refresh write and delete the paths a stamp names)."""
+    assert cli(fake, "materialize") == 0
+    stamp = fake.project.megatron_dir / ".patchset-stamp.json"
+    data = json.loads(stamp.read_text())
+    data[field] = value
+    stamp.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert cli(fake, "status") == 2
+    err = capsys.readouterr().err
+    assert "is not one this tool wrote" in err and "Traceback" not in err
