@@ -38,7 +38,7 @@ from .errors import PatchsetError, SeriesError
 from .guarded_swap import TMP_PREFIX, swap_in
 from .overlay import OVERLAY_DIR_NAME, OVERLAY_SUBJECT, Overlay, path_problem, read_overlay, source_name, write_files
 from .project import Project
-from .queue import BASE_TAG, read_state
+from .queue import BASE_TAG, read_state, require_queue_folder
 from .scan import describe, scan
 from .series import NAME_RULE, Patch, is_patch_name, parse_header, parse_patch, patch_name, render_patch
 from .source import locate_sdist
@@ -73,9 +73,7 @@ class ExportPlan:
 
 def _queue_base(repo: Path) -> str:
     """The queue's root commit (its pristine upstream tree)."""
-    if not (repo / ".git").is_dir():
-        raise PatchsetError(f"{repo} is not a patch queue (no git repository there)",
-                            "make one with `scripts/patchset queue --dir DIR` (DIR: a new folder)")
+    require_queue_folder(repo, "export --queue")
     roots = gitops.git(["rev-list", "--max-parents=0", "HEAD"], cwd=repo).stdout.split()
     if len(roots) != 1:
         raise PatchsetError(f"queue {repo} has {len(roots)} root commits",

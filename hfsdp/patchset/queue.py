@@ -57,6 +57,17 @@ def state_path(repo: Path) -> Path:
     return repo / ".git" / STATE_FILE
 
 
+def require_queue_folder(dest: Path, option: str) -> None:
+    """Refuse ``dest`` (given with ``option``) unless it is a git repository's folder, saying what it is."""
+    if (dest / ".git").is_dir():
+        return
+    what = ("does not exist" if not os.path.lexists(dest) else "is not a folder" if not dest.is_dir()
+            else "is not a git repository (no .git folder)")
+    raise PatchsetError(f"{option} {dest}: it {what}, so it is not a patch queue",
+                        "pass the folder that `scripts/patchset queue --dir DIR` made (its message names it), or "
+                        "make a queue that way (DIR: a new folder)")
+
+
 def read_state(repo: Path) -> QueueState | None:
     """The queue's state, or None for a queue without one (a clone, or made by an older tool)."""
     path = state_path(repo)
@@ -145,11 +156,15 @@ def make_queue(project: Project, dest: Path, sdist: Path | None = None) -> Queue
 def continue_queue(project: Project, dest: Path) -> Queue:
     """Commit the fixed stopped patch and apply the rest (see the note)."""
     dest = dest.absolute()
-    state = read_state(dest) if (dest / ".git").is_dir() else None
-    if state is None or state.stopped_at is None:
-        raise PatchsetError(f"{dest} is not a queue stopped at a patch; there is nothing to continue",
-                            f"export it with `scripts/patchset export --queue {dest}`, or make a queue with "
-                            "`scripts/patchset queue --dir DIR`")
+    require_queue_folder(dest, "queue --continue --dir")
+    state = read_state(dest)
+    if state is None:
+        raise PatchsetError(f"{dest} is a git repository without the state of a queue made by scripts/patchset, so "
+                            "where it stopped is not known; there is nothing to continue",
+                            "make a queue: `scripts/patchset queue --dir DIR` (DIR: a new folder)")
+    if state.stopped_at is None:
+        raise PatchsetError(f"the queue {dest} is not stopped at a patch: every patch is applied, so there is "
+                            "nothing to continue", f"export it: `scripts/patchset export --queue {dest}`")
     rejects = sorted(str(p.relative_to(dest)) for p in dest.rglob("*.rej") if ".git" not in p.parts)
     if rejects:
         raise PatchsetError(f"{dest} still has rejected hunks: {', '.join(rejects)}",

@@ -431,3 +431,17 @@ def test_a_patch_saved_with_crlf_line_endings(fake: Env, tmp_path: Path, capsys)
     assert "alloc.patch: has CRLF line endings (line 1)" in capsys.readouterr().out
     assert run_advice(fake, steps[0], capsys) == 0
     assert main(["--root", str(fake.project.root), "materialize"]) == 0
+
+
+def test_a_queue_folder_that_does_not_exist(fake: Env, tmp_path: Path, capsys) -> None:
+    """`queue --continue` and `export` on a missing folder: make a queue (not: export the missing folder)."""
+    missing = tmp_path / "nonexistent"
+    for verb in (["queue", "--continue", "--dir", str(missing)], ["export", "--queue", str(missing)]):
+        err = error_of(fake, capsys, *verb)
+        assert f"{missing}: it does not exist, so it is not a patch queue" in err, err
+        (step,) = commands(err.split("-> ", 1)[1])
+        assert step == "scripts/patchset queue --dir DIR"
+    assert run_advice(fake, step, capsys, DIR=str(missing)) == 0
+    err = error_of(fake, capsys, "queue", "--continue", "--dir", str(missing))  # complete: nothing to continue
+    (step,) = commands(err.split("-> ", 1)[1])
+    assert step == f"scripts/patchset export --queue {missing}" and run_advice(fake, step, capsys) == 0
