@@ -21,6 +21,7 @@ from .check import check_against, check_base
 from .diff import local_diff, series_diff
 from .errors import PatchsetError
 from .export import export_queue
+from .leftovers import parked_originals
 from .lint import lint
 from .lock import writing
 from .materialize import kept_summary, materialize, tree_status
@@ -151,6 +152,9 @@ def _cmd_export(project: Project, args: argparse.Namespace) -> int:
     return 0
 
 
+WRITERS = ("materialize", "refresh", "export")  # the verbs that take the lock and recover leftovers first
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patchset", description=__doc__)
     root_help, sdist_help = "project checkout (default: this one)", "use this local sdist (offline installs)"
@@ -212,8 +216,16 @@ def main(argv: list[str] | None = None) -> int:
                 filename = None  # the verb says what is wrong with the pin
             require_sdist_file(args.sdist, "--sdist", filename)
         if not (project.patches_dir / "series").is_file() and not (project.patches_dir / "base.toml").is_file():
-            raise PatchsetError(f"{project.root} is not a checkout of this project (no patches/series or "
-                                "patches/base.toml)", "pass the checkout with --root, or run scripts/patchset from it")
+            parked = [path for path, name in parked_originals(project.root) if name == "patches"]
+            if not parked:
+                raise PatchsetError(f"{project.root} is not a checkout of this project (no patches/series or "
+                                    "patches/base.toml)", "pass the checkout with --root, or run scripts/patchset "
+                                    "from it")
+            if args.command not in WRITERS:  # a writer puts it back first, under the lock (leftovers.py)
+                raise PatchsetError(f"patches/ is missing: a writing command moved it aside to {parked[0].name} "
+                                    "and was killed (or is putting the new one in place right now)",
+                                    "`scripts/patchset materialize` puts it back first (or says which writer is "
+                                    "still running)")
         return args.func(project, args)
 
     return run_cli("patchset", run)

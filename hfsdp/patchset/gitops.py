@@ -97,8 +97,10 @@ def apply_with_rejects(repo: Path, diff: str) -> str:
     return proc.stderr
 
 
-def is_clean(repo: Path) -> bool:
-    return not git(["status", "--porcelain"], cwd=repo).stdout.strip()
+def is_clean(repo: Path, untracked: bool = True) -> bool:
+    """No uncommitted change (``untracked``: untracked files count as changes)."""
+    return not git(["status", "--porcelain", f"--untracked-files={'normal' if untracked else 'no'}"],
+                   cwd=repo).stdout.strip()
 
 
 def diff_commits(repo: Path, old: str, new: str) -> str:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from .errors import REBASE_EDITS_FIX, DirtyTree, ForeignTree, LinkedTree, PatchsetError
 from .guarded_swap import TMP_PREFIX, backup_name, swap_in
-from .leftovers import Leftover, find_leftovers
-from .lock import writing
+from .leftovers import Leftover, any_leftovers, find_leftovers
+from .lock import is_free, writing
 from .project import Project
 from .scan import STAMP_NAME, Census, Entry, carry, census, conflicts, describe, hash_files, linked_folders, scan
 from .series import unlisted_patches
@@ -110,7 +110,7 @@ def tree_status(project: Project) -> TreeStatus:
     patches = project.series()
     overlay = project.overlay()
     names = [p.name for p in patches]
-    leftovers = find_leftovers(project.root, pin.members)
+    leftovers = find_leftovers(project)
     unlisted = unlisted_patches(project.patches_dir, names)
     if not project.megatron_dir.exists():
         return TreeStatus(False, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers,
@@ -171,8 +171,11 @@ def materialize(project: Project, sdist: Path | None = None, backup: bool = Fals
     """Make megatron/ match the pin and the series. Returns True if the tree was rebuilt."""
     if not backup:
         require_real_tree(project)  # --backup renames a link aside (see the note)
-    if not backup and _report_up_to_date(project, log):
-        return False  # nothing to write: no lock needed (a read-only checkout or a busy one is fine)
+        # Nothing to write: no lock needed (a read-only checkout or a busy one is fine), unless a killed run left
+        # something that the lock lets us clean up (leftovers.py).
+        recover = any_leftovers(project.root) and is_free(project.root)
+        if not recover and project.patches_dir.is_dir() and _report_up_to_date(project, log):
+            return False
     with writing(project, "materialize" + (" --backup" if backup else ""), log):
         return _materialize(project, sdist, backup, log)
 

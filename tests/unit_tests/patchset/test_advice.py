@@ -445,3 +445,49 @@ def test_a_queue_folder_that_does_not_exist(fake: Env, tmp_path: Path, capsys) -
     err = error_of(fake, capsys, "queue", "--continue", "--dir", str(missing))  # complete: nothing to continue
     (step,) = commands(err.split("-> ", 1)[1])
     assert step == f"scripts/patchset export --queue {missing}" and run_advice(fake, step, capsys) == 0
+
+
+def test_a_killed_queue_continue_goes_on(fake: Env, tmp_path: Path, capsys) -> None:
+    """`queue --continue` killed while applying a patch (its state says which, and on which commit): the next
+    `--continue` goes on, after the half-applied patch is dropped or HEAD put back as the message says."""
+    import json
+
+    stops = ALLOC_PATCH.replace(" line_20 = 20\n+maxpool", " line_20 = 'changed upstream'\n+maxpool")
+    fake.write_series({"alloc.patch": patch_text("Add maxpool flag", stops),
+                       "train.patch": patch_text("Fork training", TRAIN_PATCH)})
+    queue = tmp_path / "q"
+    err = error_of(fake, capsys, "queue", "--dir", str(queue))
+    alloc = queue / "megatron/core/alloc.py"
+    alloc.write_text(alloc.read_text().replace("line_20 = 20\n", "line_20 = 20\nmaxpool = True\n"))
+    for rej in queue.rglob("*.rej"):
+        rej.unlink()
+    assert main(["--root", str(fake.project.root), "queue", "--continue", "--dir", str(queue)]) == 0
+    state_file = queue / ".git/patchset-queue.json"
+    state = json.loads(state_file.read_text())
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(queue), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    fixed = git("rev-parse", "HEAD~1")  # the fix of alloc.patch; train.patch after it
+    killed = {**state, "pending": ["train.patch"], "resume_at": fixed,
+              "texts": {"train.patch": (fake.project.patches_dir / "train.patch").read_text()}}
+    state_file.write_text(json.dumps(killed))
+    git("reset", "-q", "--hard", fixed)
+    (queue / "megatron/training/train.py").write_text("def train():\n    return 'half'\n")  # killed mid-apply
+    assert error_of(fake, capsys, "export", "--queue", str(queue))  # not before it is finished
+    err = error_of(fake, capsys, "queue", "--continue", "--dir", str(queue))
+    reset, rerun = commands(err.split("-> ", 1)[1])
+    assert reset == f"git -C {queue} reset -q --hard"
+    assert run_advice(fake, reset, capsys) == 0 and run_advice(fake, rerun, capsys) == 0
+    assert "'fork'" in (queue / "megatron/training/train.py").read_text()
+    # Killed again, and HEAD moved since (a reset too far): the message puts it back.
+    state_file.write_text(json.dumps(killed))
+    git("reset", "-q", "--hard", "HEAD~2")
+    err = error_of(fake, capsys, "queue", "--continue", "--dir", str(queue))
+    back, rerun, _ = commands(err.split("-> ", 1)[1])
+    assert back == f"git -C {queue} reset --hard {fixed}"
+    assert run_advice(fake, back, capsys) == 0 and run_advice(fake, rerun, capsys) == 0
+    assert main(["--root", str(fake.project.root), "export", "--queue", str(queue)]) == 0
+    assert "+maxpool = True" in (fake.project.patches_dir / "alloc.patch").read_text()
+    assert "+    return 'fork'" in (fake.project.patches_dir / "train.patch").read_text()
