@@ -12,10 +12,11 @@ Standard library only: it runs inside pip's isolated build environment during
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 
-from hfsdp.usererror import run_cli
+from hfsdp.usererror import debug_enabled, run_cli
 
 from .check import check_against, check_base
 from .diff import local_diff, series_diff
@@ -49,6 +50,10 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
               "patches/series, or move the file out of patches/")
     if not st.exists:
         print("tree:    megatron/ not materialized -> run `scripts/patchset materialize`")
+        return 1
+    if not st.stamped and not project.megatron_dir.is_dir():
+        print("tree:    megatron is a file, not a folder -> `scripts/patchset materialize --backup` keeps it as "
+              "megatron.bak-* and builds the tree")
         return 1
     if not st.stamped:
         print("tree:    megatron/ exists but has no stamp (not made by this tool) -> "
@@ -204,11 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors of the machine, not of this tool: a folder that cannot be written, a full disk. Anything else is a bug
+# and keeps its traceback.
+_ENVIRONMENT = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     project = Project(args.root.resolve()) if args.root else Project.default()
 
-    def run() -> int:
+    def checked() -> int:
         if args.sdist is not None:  # refused even where the verb turns out not to need it
             try:
                 filename: str | None = project.pin().filename
@@ -228,4 +238,22 @@ def main(argv: list[str] | None = None) -> int:
                                     "still running)")
         return args.func(project, args)
 
-    return run_cli("patchset", run)
+    def run() -> int:
+        try:
+            return checked()
+        except OSError as exc:
+            if exc.errno not in _ENVIRONMENT:
+                raise
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise PatchsetError(f"{exc.strerror}{where}; nothing was left half-written",
+                                "make that path writable (or free space), then run the command again; "
+                                "`scripts/patchset status` lists anything a writer left to clean up") from exc
+
+    try:
+        return run_cli("patchset", run)
+    except KeyboardInterrupt:
+        if debug_enabled():
+            raise
+        print("patchset: interrupted; nothing was left half-written\n"
+              "  -> `scripts/patchset status` lists anything the next writing command cleans up", file=sys.stderr)
+        return 130

@@ -121,11 +121,20 @@ def lint_paths(pin: BasePin, patches: list[Patch], base_files: set[str], overlay
     return out
 
 
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9_.+/-]+")
+
+
 def lint_overlay(pin: BasePin, overlay: Overlay, base_files: set[str]) -> list[LintProblem]:
-    """The overlay only adds files: none may be a file of the sdist."""
-    return [LintProblem("overlay", f"{source_name(path)} is a file of the {pin.filename} sdist; the overlay only "
-                                   "adds files: make the change to it a patch and delete the overlay copy")
-            for path in overlay.paths if path in base_files]
+    """The overlay only adds files: none may be a file of the sdist. Its paths need no quoting in a shell:
+    ``scripts/patchset overlay`` prints them one a line for ``mypy hfsdp $(scripts/patchset overlay)``."""
+    problems = [LintProblem("overlay", f"{source_name(path)} is a file of the {pin.filename} sdist; the overlay "
+                                       "only adds files: make the change to it a patch and delete the overlay copy")
+                for path in overlay.paths if path in base_files]
+    problems += [LintProblem("overlay", f"{source_name(path)!r} has a character a shell splits or expands in its "
+                                        "path (`$(scripts/patchset overlay)` would pass it wrong): rename it with "
+                                        "letters, digits, '.', '_', '-' and '+' only")
+                 for path in overlay.paths if _PLAIN_PATH.fullmatch(path) is None]
+    return problems
 
 
 def lint_line_endings(patch: Patch) -> list[LintProblem]:

@@ -149,6 +149,10 @@ def tree_status(project: Project) -> TreeStatus:
 def _refuse_if_unsafe(project: Project, stamp: Stamp | None, found: Census | None) -> None:
     """Raise when replacing megatron/ could lose someone's work (without --backup)."""
     target = project.megatron_dir
+    if not target.is_dir():
+        raise ForeignTree(f"{target} is a file, not a folder: it was not made by this tool, so it may hold your work",
+                          f"move it away (`mv {target} {target}.mine`) and run `scripts/patchset materialize` again, "
+                          "or run `scripts/patchset materialize --backup` (moves it to megatron.bak-* and rebuilds)")
     if stamp is None:
         if any(target.iterdir()):
             raise ForeignTree(

@@ -185,8 +185,14 @@ def _remove_dead_scratch(dest: Path, log: Callable[[str], None]) -> None:
 def make_queue(project: Project, dest: Path, sdist: Path | None = None, log: Callable[[str], None] = print) -> Queue:
     """gbp-pq import: base + one commit per patch at ``dest`` (see the note)."""
     dest = dest.absolute()
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise PatchsetError(f"{dest} exists and is not an empty folder", "pick a new folder for the queue")
+    if os.path.lexists(dest) and (dest.is_symlink() or not dest.is_dir() or any(dest.iterdir())):
+        what = ("a symbolic link" if dest.is_symlink() else "a file" if not dest.is_dir()
+                else "a folder that is not empty")
+        raise PatchsetError(f"--dir {dest} exists and is {what}; the queue goes in a new (or empty) folder",
+                            "pick a new folder for the queue")
+    above = next(p for p in dest.parents if os.path.lexists(p))
+    if not above.is_dir():
+        raise PatchsetError(f"--dir {dest}: {above} is a file, not a folder", "pick a new folder for the queue")
     if project.root.resolve() in dest.resolve().parents:
         raise PatchsetError(f"{dest} is inside the checkout {project.root}",
                             "make the queue outside the checkout, e.g. "
@@ -195,9 +201,13 @@ def make_queue(project: Project, dest: Path, sdist: Path | None = None, log: Cal
     patches = project.series()
     overlay = project.overlay()
     source = locate_sdist(pin, sdist)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_scratch(dest, log)
-    scratch = Path(tempfile.mkdtemp(prefix=_scratch_prefix(dest), dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_scratch(dest, log)
+        scratch = Path(tempfile.mkdtemp(prefix=_scratch_prefix(dest), dir=dest.parent))
+    except OSError as exc:
+        raise PatchsetError(f"--dir {dest}: cannot make a folder beside it ({exc.strerror}: {exc.filename}); "
+                            "nothing was written", "pick a new folder in a place you can write") from exc
     held = os.open(scratch, os.O_RDONLY)  # held until the end: a later run knows this scratch is not left over
     fcntl.flock(held, fcntl.LOCK_EX)
     repo = scratch / "queue"

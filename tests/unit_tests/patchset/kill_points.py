@@ -1,13 +1,14 @@
-"""Run ``scripts/patchset`` and SIGKILL it at its N-th step that changes something on disk.
+"""Run ``scripts/patchset`` and SIGKILL it (or Ctrl-C it) at its N-th step that changes something.
 
 ``python kill_points.py ARGS...`` runs ``hfsdp.patchset.cli.main(ARGS)``. Every call that writes,
 renames, deletes or runs a program (``os.rename``/``replace``/``unlink``/``rmdir``/``mkdir``/``symlink``,
 ``os.fsync``, ``shutil.rmtree``/``copytree``/``copy2``, ``Path.write_text``/``write_bytes``,
-``subprocess.run``) is a step; the process kills itself with SIGKILL right before step
-``PATCHSET_KILL_AT`` (0: never), as ``kill -9`` at that moment would. With ``PATCHSET_KILL_TRACE``
-set, one line per step is written there: its number, what it calls, and on what (to pick kill
-points from). Nothing of the
-tool's own cleanup (``finally``, ``except``) runs after the kill: exactly what a killed run leaves.
+``subprocess.run``) is a step. Right before step ``PATCHSET_KILL_AT`` (0: never) the process kills
+itself with SIGKILL, as ``kill -9`` at that moment would: none of the tool's own cleanup
+(``finally``, ``except``) runs, exactly what a killed run leaves. Right before step
+``PATCHSET_INTERRUPT_AT`` it raises KeyboardInterrupt instead, as Ctrl-C would. With
+``PATCHSET_KILL_TRACE`` set, one line per step is written there: its number, what it calls, and on
+what (to pick kill points from).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 _steps = 0
 _KILL_AT = int(os.environ.get("PATCHSET_KILL_AT", "0"))
+_INTERRUPT_AT = int(os.environ.get("PATCHSET_INTERRUPT_AT", "0"))
 
 
 _TRACE = os.environ.get("PATCHSET_KILL_TRACE")  # a file: one line per step (its call), to see where they are
@@ -40,6 +42,8 @@ def _step(name: str, args: tuple[Any, ...], cwd: object = None) -> None:
     if _steps == _KILL_AT:
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+    if _steps == _INTERRUPT_AT:
+        raise KeyboardInterrupt  # what Ctrl-C raises at that moment
 
 
 def _counted(owner: Any, name: str) -> None:

@@ -84,3 +84,23 @@ def test_a_stamp_value_of_another_type_is_not_one_this_tool_wrote(fake: Env, fie
     assert cli(fake, "status") == 2
     err = capsys.readouterr().err
     assert "is not one this tool wrote" in err and "Traceback" not in err
+
+
+def test_a_full_disk_is_a_sentence_not_a_traceback(fake: Env, monkeypatch, capsys) -> None:
+    """An error of the machine (no space, no permission, a read-only folder) is told as such, naming the path."""
+    import errno
+
+    from hfsdp.patchset import materialize as materialize_mod
+
+    def full(*args: object, **kwargs: object) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device", str(fake.project.root))
+
+    monkeypatch.setattr(materialize_mod.tempfile, "mkdtemp", full)
+    capsys.readouterr()
+    assert cli(fake, "materialize") == 2
+    err = capsys.readouterr().err
+    assert f"No space left on device ({fake.project.root}); nothing was left half-written" in err
+    assert "Traceback" not in err and not fake.project.megatron_dir.exists()
+    monkeypatch.setattr(materialize_mod.tempfile, "mkdtemp", lambda *a, **k: (_ for _ in ()).throw(KeyError("bug")))
+    with pytest.raises(KeyError):  # anything else is a bug, and keeps its traceback
+        cli(fake, "materialize")
