@@ -78,15 +78,43 @@ def require_queue_folder(dest: Path, option: str) -> None:
 
 
 def read_state(repo: Path) -> QueueState | None:
-    """The queue's state, or None for a queue without one (a clone, or made by an older tool)."""
+    """The queue's state, or None for a queue without one (a clone, or made by an older tool). One that is not
+    of the shape this tool writes is refused (never a traceback, never acted on)."""
     path = state_path(repo)
     if not path.is_file():
         return None
     try:
-        return QueueState(**json.loads(path.read_text(encoding="utf-8")))
+        state = QueueState(**json.loads(path.read_text(encoding="utf-8")))
+        if why := _state_problem(state):
+            raise ValueError(why)
+        return state
     except (ValueError, TypeError) as exc:
         raise PatchsetError(f"{path} is not a queue state this tool wrote: {exc}",
                             "make a new queue: `scripts/patchset queue --dir DIR` (DIR: a new folder)") from exc
+
+
+def _state_problem(state: QueueState) -> str | None:
+    """Why ``state`` is not one this tool writes, or None."""
+    def pairs(value: object) -> bool:
+        return isinstance(value, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in value)
+
+    def text(value: object) -> bool:
+        return value is None or isinstance(value, str)
+
+    if not pairs(state.series) or not (state.overlay is None or pairs(state.overlay)):
+        return "'series' and 'overlay' must be lists of [name, sha256]"
+    if not (text(state.stopped_at) and text(state.head_at_stop) and text(state.resume_at)):
+        return "'stopped_at', 'head_at_stop' and 'resume_at' must be text or null"
+    if not (isinstance(state.pending, list) and all(isinstance(n, str) for n in state.pending)
+            and isinstance(state.texts, dict) and all(isinstance(v, str) for v in state.texts.values())):
+        return "'pending' must be a list of patch names and 'texts' map them to text"
+    left = [n for n in [state.stopped_at, *state.pending] if n is not None]
+    if any(n not in state.texts for n in left):
+        return "'texts' lacks a patch it is to apply"
+    if state.pending and state.stopped_at is None and state.resume_at is None:
+        return "patches are left to apply, but neither where it stopped nor where to go on is recorded"
+    return None
 
 
 def _write_state(repo: Path, state: QueueState) -> None:

@@ -186,6 +186,11 @@ PROBES = [
           queue_at("q")),
     Probe("export-file", ("export", "--queue", "{tmp}/f"), 2, "it is not a folder", write("{tmp}/f", "x")),
     Probe("export-no-git", ("export", "--queue", "{tmp}"), 2, "is not a git repository"),
+    *[Probe(f"queue-state-{i}-{verb}", (verb, *rest), 2, "is not a queue state this tool wrote",
+            then(queue_at("q"), write("{tmp}/q/.git/patchset-queue.json", state)))
+      for i, state in enumerate(['{"series": 5}', '{"series": [["a.patch"]]}', '{"series": [], "stopped_at": 5}',
+                                 '{"series": [], "pending": ["x.patch"]}', '[]', '{"series": [], "extra": 1}'])
+      for verb, *rest in (("export", "--queue", "{tmp}/q"), ("queue", "--continue", "--dir", "{tmp}/q"))],
     # 7, 8. A killed run's leftovers.
     Probe("noop-materialize-cleans", ("materialize",), 0, "removed .patchset-tmp-x",
           then(materialized, folder(".patchset-tmp-x/queue"))),
@@ -283,6 +288,8 @@ PROBES = [
     Probe("ctrl-c-queue", ("queue", "--dir", "{tmp}/q"), 130, "patchset: interrupted", process=True, interrupt_at=12),
     *[Probe(f"pipe-{verb[0]}", verb, QUIET, "", materialized, process=True, closed_stdout=True)
       for verb in (("status",), ("overlay",), ("lint",), ("diff", "--series"))],
+    Probe("wrapper-python-missing", ("status",), 2, "PYTHON=/nonexistent is not a Python >= 3.11",
+          env={"PYTHON": "/nonexistent"}, process=True),
     Probe("debug-traceback", ("status",), 2, "Traceback", root="{tmp}", env={"HFSDP_DEBUG": "1"}),
 ]
 
@@ -307,7 +314,8 @@ def _as_program(probe: Probe, root: str, argv: list[str]) -> tuple[int, str, str
         command = [sys.executable, str(HERE / "kill_points.py")]
     else:
         command = [str(REPO / "scripts" / "patchset")]
-        env["PYTHON"] = sys.executable
+        if "PYTHON" not in probe.env:
+            env["PYTHON"] = sys.executable
     proc = subprocess.Popen([*command, "--root", root, *argv], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     if probe.closed_stdout:
