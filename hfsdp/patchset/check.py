@@ -94,7 +94,14 @@ def check_base(project: Project, sdist: Path | None = None) -> int:
 def _newer_pin(pin: BasePin, target: str) -> tuple[BasePin, Path | None]:
     """A pin for another release: ``target`` is a version (downloaded, hash from the index) or an sdist path."""
     path = Path(target)
+    stem = pin.distribution.replace("-", "_")
+    if path.is_dir():
+        raise PatchsetError(f"--against {target} is a folder; it takes a version or an sdist file",
+                            f"pass e.g. 0.19.0, or the {stem}-<version>.tar.gz file inside it")
     if path.is_file():
+        if not re.fullmatch(rf"{re.escape(stem)}-[0-9][^/]*\.tar\.gz", path.name):
+            raise PatchsetError(f"--against {target}: {path.name} is not an sdist of {pin.distribution} (named "
+                                f"{stem}-<version>.tar.gz)", "pass e.g. 0.19.0, or such an sdist file")
         version = re.sub(r"\.tar\.gz$", "", path.name).rsplit("-", 1)[-1]
         other = dataclasses.replace(pin, version=version, filename=path.name, sha256=sha256_file(path), url="")
         check_version(other, path)
@@ -147,6 +154,8 @@ def _check_patch(repo: Path, patch: Patch, version: str) -> CheckResult:
         gitops.commit_all(repo, patch.stem + "\n")
         return CheckResult(patch.name, "applies", note="declared upstream" if declared else "")
     except PatchDoesNotApply as exc:
+        if exc.line_endings:
+            raise  # not a conflict with the release: the patch file itself is broken
         if declared:
             # A clean-room backport is a rewrite of the upstream change, so it rarely
             # reverse-applies; its header says the release has it. Verify, then drop.

@@ -12,15 +12,17 @@ Standard library only: it runs inside pip's isolated build environment during
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 
-from hfsdp.usererror import run_cli
+from hfsdp.usererror import debug_enabled, run_cli
 
 from .check import check_against, check_base
 from .diff import local_diff, series_diff
 from .errors import PatchsetError
 from .export import export_queue
+from .leftovers import parked_originals
 from .lint import lint
 from .lock import writing
 from .materialize import kept_summary, materialize, tree_status
@@ -28,6 +30,7 @@ from .project import Project
 from .queue import continue_queue, make_queue
 from .refresh import refresh
 from .series import patch_name
+from .source import require_sdist_file
 
 
 def _cmd_materialize(project: Project, args: argparse.Namespace) -> int:
@@ -42,8 +45,15 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
     print(f"fork:    {pin.fork_version}")
     for item in st.leftovers:
         print(f"leftover: {item.path.name}: left by a killed run; the next writing command will {item.action}")
+    for name in st.unlisted:
+        print(f"unlisted: patches/{name} is not in patches/series, so it is never applied -> add its name to "
+              "patches/series, or move the file out of patches/")
     if not st.exists:
         print("tree:    megatron/ not materialized -> run `scripts/patchset materialize`")
+        return 1
+    if not st.stamped and not project.megatron_dir.is_dir():
+        print("tree:    megatron is a file, not a folder -> `scripts/patchset materialize --backup` keeps it as "
+              "megatron.bak-* and builds the tree")
         return 1
     if not st.stamped:
         print("tree:    megatron/ exists but has no stamp (not made by this tool) -> "
@@ -79,7 +89,7 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
               "(a rebuild carries them over)")
         for line in kept_summary(st.kept):
             print(f"  {line}")
-    return 0 if st.up_to_date and not st.edits and not st.leftovers else 1
+    return 0 if st.up_to_date and not st.edits and not st.leftovers and not st.unlisted else 1
 
 
 def _cmd_check(project: Project, args: argparse.Namespace) -> int:
@@ -147,40 +157,51 @@ def _cmd_export(project: Project, args: argparse.Namespace) -> int:
     return 0
 
 
+WRITERS = ("materialize", "refresh", "export")  # the verbs that take the lock and recover leftovers first
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patchset", description=__doc__)
-    parser.add_argument("--root", type=Path, default=None, help="project checkout (default: this one)")
-    parser.add_argument("--sdist", type=Path, default=None, help="use this local sdist (offline installs)")
+    root_help, sdist_help = "project checkout (default: this one)", "use this local sdist (offline installs)"
+    parser.add_argument("--root", type=Path, default=None, help=root_help)
+    parser.add_argument("--sdist", type=Path, default=None, help=sdist_help)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("materialize", help="build megatron/ from the pinned sdist + patches/series")
+
+    def verb(name: str, help: str, uses_sdist: bool = True) -> argparse.ArgumentParser:
+        """A verb's parser; --root (and --sdist where the verb reads the sdist) are accepted after it too."""
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--root", type=Path, default=argparse.SUPPRESS, help=root_help)
+        if uses_sdist:
+            p.add_argument("--sdist", type=Path, default=argparse.SUPPRESS, help=sdist_help)
+        return p
+
+    p = verb("materialize", "build megatron/ from the pinned sdist + patches/series")
     p.add_argument("--backup", action="store_true", help="move a foreign or edited tree to megatron.bak-* and rebuild")
     p.set_defaults(func=_cmd_materialize)
-    sub.add_parser("status", help="applied vs series, stale stamp, local edits").set_defaults(func=_cmd_status)
-    p = sub.add_parser("check", help="overlay + series apply with no fuzz; --against VERSION|SDIST finds upstreamed "
-                                     "patches and overlay conflicts")
+    verb("status", "applied vs series, stale stamp, local edits", uses_sdist=False).set_defaults(func=_cmd_status)
+    p = verb("check", "overlay + series apply with no fuzz; --against VERSION|SDIST finds upstreamed patches and "
+                      "overlay conflicts")
     p.add_argument("--against", default=None, metavar="VERSION|SDIST")
     p.set_defaults(func=_cmd_check)
-    p = sub.add_parser("refresh", help="fold edits made in megatron/ back into patches/overlay/ and the patches")
+    p = verb("refresh", "fold edits made in megatron/ back into patches/overlay/ and the patches")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--patch", default=None, help="patch to fold the edits into (default: the one owning the files)")
     group.add_argument("--new", default=None, metavar="NAME", help="add the edits as a new patch at the end")
     p.add_argument("--description", default=None, help="Description line for --new")
     p.set_defaults(func=_cmd_refresh)
-    sub.add_parser("lint", help="DEP-3 headers valid; patches change only sdist files; the overlay only adds files"
-                   ).set_defaults(func=_cmd_lint)
-    sub.add_parser("overlay", help="the overlay's files as megatron/ paths (where they are materialized), one a line"
-                   ).set_defaults(func=_cmd_overlay)
-    p = sub.add_parser("diff", help="local edits in megatron/ as a patch (--series: the overlay, then the series)")
+    verb("lint", "DEP-3 headers valid; patches change only sdist files; the overlay only adds files"
+         ).set_defaults(func=_cmd_lint)
+    verb("overlay", "the overlay's files as megatron/ paths (where they are materialized), one a line",
+         uses_sdist=False).set_defaults(func=_cmd_overlay)
+    p = verb("diff", "local edits in megatron/ as a patch (--series: the overlay, then the series)")
     p.add_argument("--series", action="store_true")
     p.set_defaults(func=_cmd_diff)
-    p = sub.add_parser("queue", help="gbp-pq import: a git repo (base, overlay commit, one commit per patch), "
-                                     "for editing")
+    p = verb("queue", "gbp-pq import: a git repo (base, overlay commit, one commit per patch), for editing")
     p.add_argument("--dir", type=Path, required=True, help="a new folder outside the checkout")
     p.add_argument("--continue", dest="cont", action="store_true",
                    help="after fixing the patch a queue stopped at: commit it and apply the rest")
     p.set_defaults(func=_cmd_queue)
-    p = sub.add_parser("export", help="gbp-pq export: rewrite patches/, series and patches/overlay/ from a queue "
-                                      "(all or nothing)")
+    p = verb("export", "gbp-pq export: rewrite patches/, series and patches/overlay/ from a queue (all or nothing)")
     p.add_argument("--queue", type=Path, required=True)
     p.add_argument("--drop", action="append", default=[], metavar="NAME.patch",
                    help="a patch of the series the queue no longer has, to be removed (repeatable)")
@@ -188,14 +209,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors of the machine, not of this tool: a folder that cannot be written, a full disk. Anything else is a bug
+# and keeps its traceback.
+_ENVIRONMENT = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     project = Project(args.root.resolve()) if args.root else Project.default()
 
-    def run() -> int:
+    def checked() -> int:
+        if args.sdist is not None:  # refused even where the verb turns out not to need it
+            try:
+                filename: str | None = project.pin().filename
+            except PatchsetError:
+                filename = None  # the verb says what is wrong with the pin
+            require_sdist_file(args.sdist, "--sdist", filename)
         if not (project.patches_dir / "series").is_file() and not (project.patches_dir / "base.toml").is_file():
-            raise PatchsetError(f"{project.root} is not a checkout of this project (no patches/series or "
-                                "patches/base.toml)", "pass the checkout with --root, or run scripts/patchset from it")
+            parked = [path for path, name in parked_originals(project.root) if name == "patches"]
+            if not parked:
+                raise PatchsetError(f"{project.root} is not a checkout of this project (no patches/series or "
+                                    "patches/base.toml)", "pass the checkout with --root, or run scripts/patchset "
+                                    "from it")
+            if args.command not in WRITERS:  # a writer puts it back first, under the lock (leftovers.py)
+                raise PatchsetError(f"patches/ is missing: a writing command moved it aside to {parked[0].name} "
+                                    "and was killed (or is putting the new one in place right now)",
+                                    "`scripts/patchset materialize` puts it back first (or says which writer is "
+                                    "still running)")
         return args.func(project, args)
 
-    return run_cli("patchset", run)
+    def run() -> int:
+        try:
+            return checked()
+        except OSError as exc:
+            if exc.errno not in _ENVIRONMENT:
+                raise
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise PatchsetError(f"{exc.strerror}{where}; nothing was left half-written",
+                                "make that path writable (or free space), then run the command again; "
+                                "`scripts/patchset status` lists anything a writer left to clean up") from exc
+
+    try:
+        return run_cli("patchset", run)
+    except KeyboardInterrupt:
+        if debug_enabled():
+            raise
+        print("patchset: interrupted; nothing was left half-written\n"
+              "  -> `scripts/patchset status` lists anything the next writing command cleans up", file=sys.stderr)
+        return 130

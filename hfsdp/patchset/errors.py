@@ -16,7 +16,12 @@ class PatchsetError(UserError):
 
 
 class HashMismatch(PatchsetError):
-    """The sdist's sha256 differs from the pin; nothing was extracted."""
+    """The sdist's sha256 differs from the pin; nothing was extracted. ``pin_is_wrong``: the file has the sha256
+    the index publishes for it, so the pin is what differs."""
+
+    def __init__(self, cause: str, fix: str, pin_is_wrong: bool = False) -> None:
+        super().__init__(cause, fix)
+        self.pin_is_wrong = pin_is_wrong
 
 
 class WrongBaseVersion(PatchsetError):
@@ -28,12 +33,22 @@ class SourceUnavailable(PatchsetError):
 
 
 class PatchDoesNotApply(PatchsetError):
-    """A patch in the series failed to apply; the materialized tree was left untouched."""
+    """A patch in the series failed to apply; the materialized tree was left untouched. ``line_endings``: the
+    patch was saved with CRLF line endings (then no rebase helps: the file is fixed instead)."""
 
-    def __init__(self, patch: str, files: list[str], detail: str) -> None:
+    def __init__(self, patch: str, files: list[str], detail: str, line_endings: bool = False) -> None:
         self.patch = patch
         self.files = files
+        self.line_endings = line_endings
         where = ", ".join(files) if files else "(git did not name a file)"
+        if line_endings:
+            super().__init__(
+                f"patch {patch} does not apply: it was saved with CRLF (Windows) line endings, so no line of it "
+                f"matches (file: {where}). Nothing was changed",
+                f"restore it with LF endings: `git checkout patches/{patch}` (the committed copy), or save it with "
+                "LF line endings in your editor; `scripts/patchset lint` names every such patch",
+            )
+            return
         super().__init__(
             f"patch {patch} does not apply without fuzz (file: {where}).\n{detail.strip()}",
             f"rebase it in a queue: `scripts/patchset queue --dir DIR` (DIR: a new folder) stops at {patch} "

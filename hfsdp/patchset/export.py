@@ -6,7 +6,9 @@
    every commit subject is a unique patch name, except the overlay commit's (``overlay``), which
    comes right after the base ([Note: the queue] in tree.py);
 2. no patch or overlay file changed after the queue was made (the queue's state records the
-   series and the overlay; a pull or an edit since would otherwise be undone);
+   series and the overlay; a pull or an edit since would otherwise be undone), unless ``patches/``
+   already holds exactly what the queue exports (a second export, or one killed after it wrote
+   ``patches/``): then nothing is written;
 3. every patch of the series is in the queue, or named with ``--drop`` (a queue that lacks
    patches once made ``export`` delete them); a queue without an overlay commit is refused while
    ``patches/overlay/`` has files (exporting it would delete them);
@@ -38,7 +40,7 @@ from .errors import PatchsetError, SeriesError
 from .guarded_swap import TMP_PREFIX, swap_in
 from .overlay import OVERLAY_DIR_NAME, OVERLAY_SUBJECT, Overlay, path_problem, read_overlay, source_name, write_files
 from .project import Project
-from .queue import BASE_TAG, read_state
+from .queue import BASE_TAG, read_state, require_queue_folder
 from .scan import describe, scan
 from .series import NAME_RULE, Patch, is_patch_name, parse_header, parse_patch, patch_name, render_patch
 from .source import locate_sdist
@@ -73,9 +75,7 @@ class ExportPlan:
 
 def _queue_base(repo: Path) -> str:
     """The queue's root commit (its pristine upstream tree)."""
-    if not (repo / ".git").is_dir():
-        raise PatchsetError(f"{repo} is not a patch queue (no git repository there)",
-                            "make one with `scripts/patchset queue --dir DIR` (DIR: a new folder)")
+    require_queue_folder(repo, "export --queue")
     roots = gitops.git(["rev-list", "--max-parents=0", "HEAD"], cwd=repo).stdout.split()
     if len(roots) != 1:
         raise PatchsetError(f"queue {repo} has {len(roots)} root commits",
@@ -120,6 +120,15 @@ def _patch_from_commit(repo: Path, commit: str, parent: str, previous: Patch | N
                           f"drop the commit (`git -C {repo} rebase -i {BASE_TAG}`) and pass `--drop {name}.patch` "
                           "if the patch is to go")
     return f"{name}.patch", render_patch(header, diff)
+
+
+def _same_but_date(text: str, other: str) -> bool:
+    """Whether two patch texts differ at most in their Last-Update line (a patch whose diff and header are the
+    queue's keeps its file byte for byte: exporting again, after a first export or a killed one, rewrites
+    nothing)."""
+    def undated(t: str) -> list[str]:
+        return [line for line in t.splitlines() if not line.startswith("Last-Update:")]
+    return undated(text) == undated(other)
 
 
 def _subject(repo: Path, commit: str) -> str:
@@ -219,14 +228,16 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
                             "nothing was written",
                             f"finish it: apply the rejected hunks, delete the *.rej files, "
                             f"`scripts/patchset queue --continue --dir {repo}`; then export again")
+    if state is not None and state.pending:
+        raise PatchsetError(f"queue {repo}: a `queue --continue` was killed before it applied "
+                            f"{', '.join(state.pending)}; nothing was written",
+                            f"finish it: `scripts/patchset queue --continue --dir {repo}`, then export again")
     if gitops.tree_of(repo, base) != _pristine_tree_id(project, sdist):
         raise PatchsetError(
             f"the root commit of {repo} is not the pristine {project.pin().filename} tree; nothing was written",
             "build queues with `scripts/patchset queue --dir DIR` (or from a clone of one)",
         )
     old = {p.name: p for p in project.series()}
-    if state is not None:
-        _refuse_changed_since(project, repo, state.series, state.overlay)
     overlay_commit, patch_commits = split_queue(repo, base)
     overlay = Overlay() if overlay_commit is None else overlay_of_commit(repo, base, overlay_commit,
                                                                            project.pin().members)
@@ -249,7 +260,8 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
             raise SeriesError(f"two queue commits are both named {name}; nothing was written",
                               "give each patch commit a unique subject")
         _refuse_created_files(repo, commit, parent, name, previous)
-        unchanged = keep is not None and previous is not None and keep.get(name) == fresh
+        unchanged = previous is not None and (keep.get(name) == fresh if keep is not None else
+                                              not changed and _same_but_date(text, previous.text))
         texts[name] = previous.text if unchanged and previous is not None else text
         parent = commit
     unknown = sorted(set(drop) - set(old))
@@ -273,8 +285,18 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
     same_series = keep is not None and list(texts) == list(old)
     series = None if same_series else SERIES_HEADER + "".join(f"{n}\n" for n in texts)
     plan = ExportPlan(texts, sorted(drop), gitops.tree_of(repo, "HEAD"), overlay, series)
+    if state is not None and not holds(project, plan):  # patches/ holding it already: a second export, or a
+        _refuse_changed_since(project, repo, state.series, state.overlay)  # killed one that wrote it
     validate(project, plan, sdist)
     return plan
+
+
+def holds(project: Project, plan: ExportPlan) -> bool:
+    """Whether ``patches/`` already holds exactly what ``plan`` writes (then exporting writes nothing)."""
+    now = [(p.name, p.text) for p in project.series()]
+    series = (project.patches_dir / "series").read_text(encoding="utf-8")
+    return (not plan.dropped and list(plan.texts.items()) == now and plan.series in (None, series)
+            and plan.overlay.files == project.overlay().files)
 
 
 def _refuse_overwriting_unlisted(project: Project, new_names: list[str]) -> None:
@@ -356,6 +378,10 @@ def export_queue(project: Project, repo: Path, sdist: Path | None = None, drop: 
     """gbp-pq export (see the note); the caller holds the checkout lock."""
     snapshot = snapshot_patches(project)
     plan = plan_export(project, repo, drop, sdist)
+    if holds(project, plan):
+        log(f"patchset: patches/ already holds what {repo} exports (the overlay, {len(plan.texts)} patches); "
+            "nothing was written")
+        return list(plan.texts)
     write_plan(project, plan, snapshot, f"scripts/patchset export --queue {repo.absolute()}", log)
     log(f"patchset: exported the overlay ({len(plan.overlay.files)} files) and {len(plan.texts)} patches to "
         f"{project.patches_dir}")

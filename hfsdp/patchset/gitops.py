@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 from .errors import PatchDoesNotApply, PatchsetError, ToolMissing
+from .series import crlf_line
 
 _FIXED_DATE = "2000-01-01T00:00:00+0000"
 _ENV = {
@@ -87,7 +88,7 @@ def apply_patch(repo: Path, name: str, diff: str, reverse: bool = False, check_o
     proc = git([*args, "-"], cwd=repo, check=False, input_text=diff)
     if proc.returncode != 0:
         files = sorted({m["a"] or m["b"] for m in _FAILED_FILE.finditer(proc.stderr)})
-        raise PatchDoesNotApply(name, files, proc.stderr)
+        raise PatchDoesNotApply(name, files, proc.stderr, line_endings=crlf_line(diff) is not None)
 
 
 def apply_with_rejects(repo: Path, diff: str) -> str:
@@ -96,8 +97,10 @@ def apply_with_rejects(repo: Path, diff: str) -> str:
     return proc.stderr
 
 
-def is_clean(repo: Path) -> bool:
-    return not git(["status", "--porcelain"], cwd=repo).stdout.strip()
+def is_clean(repo: Path, untracked: bool = True) -> bool:
+    """No uncommitted change (``untracked``: untracked files count as changes)."""
+    return not git(["status", "--porcelain", f"--untracked-files={'normal' if untracked else 'no'}"],
+                   cwd=repo).stdout.strip()
 
 
 def diff_commits(repo: Path, old: str, new: str) -> str:

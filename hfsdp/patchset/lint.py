@@ -17,7 +17,7 @@ from .errors import PatchsetError
 from .overlay import Overlay, scan_overlay, source_name
 from .pin import BasePin
 from .project import Project
-from .series import Patch, read_patch, read_series_names
+from .series import Patch, crlf_line, read_patch, read_series_names, unlisted_patches
 from .source import locate_sdist
 
 REQUIRED = ("Description", "Origin", "Bug", "Forwarded", "Applied-Upstream", "Last-Update")
@@ -121,21 +121,27 @@ def lint_paths(pin: BasePin, patches: list[Patch], base_files: set[str], overlay
     return out
 
 
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9_.+/-]+")
+
+
 def lint_overlay(pin: BasePin, overlay: Overlay, base_files: set[str]) -> list[LintProblem]:
-    """The overlay only adds files: none may be a file of the sdist."""
-    return [LintProblem("overlay", f"{source_name(path)} is a file of the {pin.filename} sdist; the overlay only "
-                                   "adds files: make the change to it a patch and delete the overlay copy")
-            for path in overlay.paths if path in base_files]
+    """The overlay only adds files: none may be a file of the sdist. Its paths need no quoting in a shell:
+    ``scripts/patchset overlay`` prints them one a line for ``mypy hfsdp $(scripts/patchset overlay)``."""
+    problems = [LintProblem("overlay", f"{source_name(path)} is a file of the {pin.filename} sdist; the overlay "
+                                       "only adds files: make the change to it a patch and delete the overlay copy")
+                for path in overlay.paths if path in base_files]
+    problems += [LintProblem("overlay", f"{source_name(path)!r} has a character a shell splits or expands in its "
+                                        "path (`$(scripts/patchset overlay)` would pass it wrong): rename it with "
+                                        "letters, digits, '.', '_', '-' and '+' only")
+                 for path in overlay.paths if _PLAIN_PATH.fullmatch(path) is None]
+    return problems
 
 
 def lint_line_endings(patch: Patch) -> list[LintProblem]:
     """A patch saved with CRLF line endings (its header or diff lines, not the content of a CRLF file)."""
-    structural = ("diff --git ", "index ", "--- ", "+++ ", "@@ ", "new file mode", "deleted file mode")
-    for number, line in enumerate(patch.text.split("\n"), start=1):
-        body = number <= patch.header_text.count("\n")
-        if line.endswith("\r") and (body or line.startswith(structural)):
-            return [LintProblem(patch.name, f"has CRLF line endings (line {number}); save it with LF endings")]
-    return []
+    number = crlf_line(patch.text, patch.header_text.count("\n"))
+    return [] if number is None else [LintProblem(patch.name, f"has CRLF line endings (line {number}); save it "
+                                                              "with LF endings")]
 
 
 def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:
@@ -143,10 +149,8 @@ def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:
     pin = project.pin()
     names = read_series_names(project.patches_dir / "series")
     problems: list[LintProblem] = []
-    on_disk = sorted(p.name for p in project.patches_dir.glob("*.patch"))
-    for name in on_disk:
-        if name not in names:
-            problems.append(LintProblem(name, "is in patches/ but not listed in patches/series"))
+    for name in unlisted_patches(project.patches_dir, names):
+        problems.append(LintProblem(name, "is in patches/ but not listed in patches/series"))
     patches: list[Patch] = []
     for name in names:
         try:

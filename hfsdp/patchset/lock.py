@@ -60,5 +60,20 @@ def checkout_lock(root: Path, verb: str) -> Iterator[None]:
 def writing(project: Project, verb: str, log: Callable[[str], None]) -> Iterator[None]:
     """What every writing verb starts with: the lock, then the leftovers of killed writers."""
     with checkout_lock(project.root, verb):
-        leftovers.recover(project.root, project.pin().members, log)
+        leftovers.recover(project, log)
         yield
+
+
+def is_free(root: Path) -> bool:
+    """Whether a writer could take the checkout's lock now (False also where it cannot be made: read-only)."""
+    try:
+        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)

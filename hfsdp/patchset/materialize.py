@@ -29,10 +29,11 @@ from pathlib import Path
 
 from .errors import REBASE_EDITS_FIX, DirtyTree, ForeignTree, LinkedTree, PatchsetError
 from .guarded_swap import TMP_PREFIX, backup_name, swap_in
-from .leftovers import Leftover, find_leftovers
-from .lock import writing
+from .leftovers import Leftover, any_leftovers, find_leftovers
+from .lock import is_free, writing
 from .project import Project
 from .scan import STAMP_NAME, Census, Entry, carry, census, conflicts, describe, hash_files, linked_folders, scan
+from .series import unlisted_patches
 from .source import locate_sdist
 from .stamp import CorruptStamp, Stamp, make_stamp, read_stamp, write_stamp_file
 from .tree import build_queue
@@ -56,6 +57,7 @@ class TreeStatus:
     base_mismatch: str | None = None
     fork_mismatch: str | None = None  # the tree's fork version differs from patches/base.toml's
     leftovers: list[Leftover] = field(default_factory=list)  # of killed writers (leftovers.py)
+    unlisted: list[str] = field(default_factory=list)  # patch files in patches/ that the series does not list
 
 
 def _linked(link: Path, tree: Path | None) -> LinkedTree:
@@ -108,12 +110,15 @@ def tree_status(project: Project) -> TreeStatus:
     patches = project.series()
     overlay = project.overlay()
     names = [p.name for p in patches]
-    leftovers = find_leftovers(project.root, pin.members)
+    leftovers = find_leftovers(project)
+    unlisted = unlisted_patches(project.patches_dir, names)
     if not project.megatron_dir.exists():
-        return TreeStatus(False, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers)
+        return TreeStatus(False, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers,
+                          unlisted=unlisted)
     stamp = read_stamp(project.root)
     if stamp is None:
-        return TreeStatus(True, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers)
+        return TreeStatus(True, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers,
+                          unlisted=unlisted)
     applied = dict(stamp.patches)
     current = dict(Stamp.expected_patches(patches))
     found = live_census(project, stamp)
@@ -130,6 +135,7 @@ def tree_status(project: Project) -> TreeStatus:
         overlay_edits=overlay_edits(found.edits, stamp),
         kept=found.kept,
         leftovers=leftovers,
+        unlisted=unlisted,
     )
     if stamp.base_version != pin.version or stamp.sdist_sha256 != pin.sha256:
         status.base_mismatch = (f"tree built from {stamp.base_version} ({stamp.sdist_sha256[:12]}), "
@@ -143,6 +149,10 @@ def tree_status(project: Project) -> TreeStatus:
 def _refuse_if_unsafe(project: Project, stamp: Stamp | None, found: Census | None) -> None:
     """Raise when replacing megatron/ could lose someone's work (without --backup)."""
     target = project.megatron_dir
+    if not target.is_dir():
+        raise ForeignTree(f"{target} is a file, not a folder: it was not made by this tool, so it may hold your work",
+                          f"move it away (`mv {target} {target}.mine`) and run `scripts/patchset materialize` again, "
+                          "or run `scripts/patchset materialize --backup` (moves it to megatron.bak-* and rebuilds)")
     if stamp is None:
         if any(target.iterdir()):
             raise ForeignTree(
@@ -165,8 +175,11 @@ def materialize(project: Project, sdist: Path | None = None, backup: bool = Fals
     """Make megatron/ match the pin and the series. Returns True if the tree was rebuilt."""
     if not backup:
         require_real_tree(project)  # --backup renames a link aside (see the note)
-    if not backup and _report_up_to_date(project, log):
-        return False  # nothing to write: no lock needed (a read-only checkout or a busy one is fine)
+        # Nothing to write: no lock needed (a read-only checkout or a busy one is fine), unless a killed run left
+        # something that the lock lets us clean up (leftovers.py).
+        recover = any_leftovers(project.root) and is_free(project.root)
+        if not recover and project.patches_dir.is_dir() and _report_up_to_date(project, log):
+            return False
     with writing(project, "materialize" + (" --backup" if backup else ""), log):
         return _materialize(project, sdist, backup, log)
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import SeriesError
 
@@ -34,37 +37,83 @@ class BasePin:
         return self.filename.removesuffix(".tar.gz")
 
 
+_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")  # a PyPI project name (PEP 508)
+_VERSION = re.compile(r"[0-9][0-9A-Za-z.!+_-]*")  # a release, as it appears in the sdist's file name
+_LABEL = re.compile(r"[a-z][a-z0-9]*")  # a local-version label that PEP 440 keeps as it is
+_URL = re.compile(r"(https?|file)://\S+")
+_FIX = "fix patches/base.toml (or restore it from git)"
+_MISSING = object()
+
+
+def _bad(path: Path, field: str, value: object, want: str) -> SeriesError:
+    shown = "missing" if value is _MISSING else f"{value!r} ({type(value).__name__})"
+    return SeriesError(f"base pin {path}: {field} is {shown}; it must be {want}", _FIX)
+
+
+def _table(path: Path, data: dict, name: str) -> dict:
+    table = data.get(name, _MISSING)
+    if not isinstance(table, dict):
+        raise _bad(path, f"[{name}]", table, "a table")
+    return table
+
+
+def _field(path: Path, table: dict, section: str, key: str, want: str, ok: Callable[[object], bool],
+           default: object = _MISSING) -> Any:
+    value = table.get(key, default)
+    if value is _MISSING or not ok(value):
+        raise _bad(path, f"[{section}] {key}", value, want)
+    return value
+
+
+def _text(pattern: re.Pattern[str] | None = None) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, str) and bool(v) and (pattern is None or pattern.fullmatch(v) is not None)
+
+
+def _member(value: object) -> bool:
+    """A folder of the sdist that is materialized: ``megatron/<something>``, relative, no ``.``/``..``."""
+    if not isinstance(value, str):
+        return False
+    parts = value.split("/")
+    return len(parts) >= 2 and parts[0] == "megatron" and all(p not in ("", ".", "..") for p in parts)
+
+
 def load_pin(path: Path) -> BasePin:
-    """Read and validate ``patches/base.toml``."""
+    """Read and validate ``patches/base.toml``: every field of the type and form this tool relies on."""
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError as exc:
         raise SeriesError(f"base pin {path} is missing", "restore patches/base.toml from git") from exc
+    except IsADirectoryError as exc:
+        raise SeriesError(f"base pin {path} is a folder, not a file", "restore patches/base.toml from git") from exc
+    except UnicodeDecodeError as exc:
+        raise SeriesError(f"base pin {path} is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                          "restore patches/base.toml from git") from exc
     except tomllib.TOMLDecodeError as exc:
         raise SeriesError(f"base pin {path} is not valid TOML: {exc}", "fix the syntax") from exc
-    try:
-        base, fork = data["base"], data["fork"]
-        pin = BasePin(
-            distribution=str(base["distribution"]),
-            version=str(base["version"]),
-            filename=str(base["filename"]),
-            sha256=str(base["sha256"]).lower(),
-            url=str(base["url"]),
-            index_url=str(base.get("index_url", "https://pypi.org/simple")),
-            members=tuple(str(m) for m in base["members"]),
-            fork_name=str(fork["name"]),
-            fork_release=int(fork["release"]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SeriesError(
-            f"base pin {path} lacks or mistypes a field: {exc}",
-            "it needs [base] distribution/version/filename/sha256/url/members and [fork] name/release",
-        ) from exc
-    if len(pin.sha256) != 64 or any(c not in "0123456789abcdef" for c in pin.sha256):
-        raise SeriesError(f"base pin sha256 {pin.sha256!r} is not a sha256 hex digest", "fix patches/base.toml")
-    if not pin.filename.startswith(pin.distribution.replace("-", "_") + "-" + pin.version):
-        raise SeriesError(
-            f"base pin filename {pin.filename!r} does not match {pin.distribution}=={pin.version}",
-            "fix patches/base.toml",
-        )
+    base, fork = _table(path, data, "base"), _table(path, data, "fork")
+    url = "an http(s) or file URL"
+    members = _field(path, base, "base", "members", "a non-empty list of folders of the sdist under megatron/, "
+                     "e.g. [\"megatron/core\", \"megatron/training\"]",
+                     lambda v: isinstance(v, list) and bool(v) and all(_member(m) for m in v)
+                     and len(set(v)) == len(v))
+    pin = BasePin(
+        distribution=_field(path, base, "base", "distribution", "a PyPI project name, e.g. \"megatron-core\"",
+                            _text(_NAME)),
+        version=_field(path, base, "base", "version", "a release as a string, e.g. \"0.18.2\"", _text(_VERSION)),
+        filename=_field(path, base, "base", "filename", "the sdist's file name, e.g. \"megatron_core-0.18.2.tar.gz\"",
+                        _text()),
+        sha256=_field(path, base, "base", "sha256", "the sdist's sha256: 64 hex digits, as a string",
+                      lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-fA-F]{64}", v) is not None).lower(),
+        url=_field(path, base, "base", "url", url, _text(_URL)),
+        index_url=_field(path, base, "base", "index_url", url, _text(_URL), default="https://pypi.org/simple"),
+        members=tuple(members),
+        fork_name=_field(path, fork, "fork", "name", "a lowercase label (letters and digits, starting with a "
+                         "letter), e.g. \"hfsdp\"", _text(_LABEL)),
+        fork_release=_field(path, fork, "fork", "release", "a whole number >= 0, e.g. 2 (not \"2\", 2.0 or true)",
+                            lambda v: type(v) is int and v >= 0),
+    )
+    expected = f"{pin.distribution.replace('-', '_')}-{pin.version}.tar.gz"
+    if pin.filename != expected:
+        raise SeriesError(f"base pin {path}: [base] filename {pin.filename!r} is not the sdist of "
+                          f"{pin.distribution}=={pin.version}, which is named {expected!r}", _FIX)
     return pin

@@ -21,16 +21,20 @@ whose diff the refresh did not change keeps its file byte for byte, and ``series
 lists the same patches: when only overlay files changed, no patch file is rewritten.
 
 The stamp records the files the new overlay and patches build (the queue's), not the live tree, so
-an edit made while refresh ran still shows as an edit. ``patches/`` is written before the stamp: a
-run killed in between leaves a stale stamp plus edits, which ``status`` and ``diff`` show and nothing
-rebuilds over.
+an edit made while refresh ran still shows as an edit. The new stamp is written beside the stamp
+(``.patchset-stamp.next.json``), then ``patches/`` is swapped in, then the new stamp replaces the old
+one: a run killed before the swap leaves ``patches/`` and the stamp as they were (the edits are still
+edits), one killed after it leaves a new stamp that the next writer puts in place (leftovers.py).
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from hfsdp.atomic import write_text_atomic
 
 from . import gitops
 from .errors import REBASE_EDITS_FIX, PatchsetError, SeriesError
@@ -38,10 +42,10 @@ from .export import plan_export, snapshot_patches, today, write_plan
 from .lock import writing
 from .materialize import live_census, overlay_edits, require_real_tree
 from .project import Project
-from .scan import copy_edits, hash_files
+from .scan import NEXT_STAMP_NAME, STAMP_NAME, copy_edits, hash_files
 from .series import Patch, patch_name
 from .source import locate_sdist
-from .stamp import make_stamp, read_stamp, write_stamp_file
+from .stamp import make_stamp, read_stamp
 from .tree import Queue, build_queue
 
 
@@ -111,8 +115,16 @@ def _refresh(project: Project, patch: str | None, new: str | None, description: 
             _commit_upstream(queue, upstream, target, new, description)
         plan = plan_export(project, queue.repo, sdist=sdist, check_state=False, keep=as_built)
         files = hash_files(queue.repo, pin.members)
-    write_plan(project, plan, snapshot, "scripts/patchset refresh", log)
-    write_stamp_file(project.root, make_stamp(pin, plan.patches(project.patches_dir), plan.overlay, files))
+    # The new stamp is written first, beside the stamp; it becomes the stamp once patches/ is in place. A run
+    # killed in between leaves it for the next writer, which finishes or drops it (leftovers.py).
+    pending = project.megatron_dir / NEXT_STAMP_NAME
+    write_text_atomic(pending, make_stamp(pin, plan.patches(project.patches_dir), plan.overlay, files).to_json())
+    try:
+        write_plan(project, plan, snapshot, "scripts/patchset refresh", log)
+    except BaseException:
+        pending.unlink(missing_ok=True)
+        raise
+    os.replace(pending, project.megatron_dir / STAMP_NAME)
     if upstream:
         log(f"patchset: folded {len(upstream)} edited file(s) into {target}")
     return target

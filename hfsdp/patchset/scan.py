@@ -29,6 +29,14 @@ CACHE_DIRS = frozenset({"__pycache__", ".pytest_cache"})
 CACHE_SUFFIXES = (".pyc", ".pyo")
 KEPT_SUFFIXES = (".so", ".o", ".lock")  # built objects and locks: never folded into a patch
 STAMP_NAME = ".patchset-stamp.json"
+NEXT_STAMP_NAME = ".patchset-stamp.next.json"  # refresh's new stamp until its patches/ is in place (refresh.py)
+
+
+def is_stamp_file(name: str) -> bool:
+    """A top-level entry of ``megatron/`` that holds a stamp, or one being written (hfsdp/atomic.py's temporary
+    file, left by a killed run): never an edit or a kept entry (leftovers.py deals with the others)."""
+    return name in (STAMP_NAME, NEXT_STAMP_NAME) or (
+        name.startswith((f".{STAMP_NAME}.", f".{NEXT_STAMP_NAME}.")) and name.endswith(".tmp"))
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,7 @@ def is_cache(rel: PurePosixPath) -> bool:
 
 
 def scan(folder: Path, prefix: str = "megatron") -> dict[str, Entry]:
-    """Every non-cache entry under ``folder`` (its stamp excluded), keyed ``<prefix>/<relative path>``
+    """Every non-cache entry under ``folder`` (its stamp files excluded), keyed ``<prefix>/<relative path>``
     (``megatron/core/x.py`` for the materialized tree, also when it sits parked under another
     name). Symlinks are recorded, never followed."""
     out: dict[str, Entry] = {}
@@ -61,7 +69,7 @@ def scan(folder: Path, prefix: str = "megatron") -> dict[str, Entry]:
             out[name(here)] = Entry("dir")
         for entry in entries:
             path = Path(entry.path)
-            if is_cache(PurePosixPath(name(path))) or (here == folder and entry.name == STAMP_NAME):
+            if is_cache(PurePosixPath(name(path))) or (here == folder and is_stamp_file(entry.name)):
                 continue
             if entry.is_symlink():
                 out[name(path)] = Entry("link", os.readlink(path))

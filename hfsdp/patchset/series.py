@@ -81,6 +81,21 @@ class Patch:
         return out
 
 
+_STRUCTURAL = ("diff --git ", "index ", "--- ", "+++ ", "new file mode", "deleted file mode")
+_BARE_HUNK = re.compile(r"@@ -\d+(,\d+)? \+\d+(,\d+)? @@\r")
+
+
+def crlf_line(text: str, header_lines: int = 0) -> int | None:
+    """The first line (from 1) of a patch text saved with CRLF line endings, or None: one of its first
+    ``header_lines`` lines (the DEP-3 header) or a line of the diff's own syntax ending in CR. The content
+    lines of a file that itself has CRLF endings end in CR rightly, and are not counted."""
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.endswith("\r") and (number <= header_lines or line.startswith(_STRUCTURAL)
+                                    or _BARE_HUNK.fullmatch(line)):
+            return number
+    return None
+
+
 def parse_header(text: str) -> dict[str, str]:
     """Parse DEP-3 ``Key: value`` lines; indented lines continue the previous field."""
     fields: dict[str, str] = {}
@@ -110,6 +125,9 @@ def read_patch(path: Path, name: str | None = None) -> Patch:
             f"patch {path.name} is listed in patches/series but {path} does not exist",
             "restore the file or remove its line from patches/series",
         ) from exc
+    except IsADirectoryError as exc:
+        raise SeriesError(f"patch {path.name} is listed in patches/series but {path} is a folder, not a patch file",
+                          "restore the file or remove its line from patches/series") from exc
     except UnicodeDecodeError as exc:
         raise SeriesError(f"patch {path} is not UTF-8 text ({exc})", "restore it from git") from exc
     return parse_patch(name or path.name, text, path)
@@ -136,14 +154,28 @@ def parse_patch(name: str, text: str, path: Path) -> Patch:
 def read_series_names(series_path: Path) -> list[str]:
     """Patch names in order; ``#`` comments and blank lines are ignored."""
     try:
-        raw = series_path.read_text(encoding="utf-8")
+        raw = series_path.read_bytes().decode("utf-8-sig")  # a byte-order mark some editors add is not a name
     except FileNotFoundError as exc:
         raise SeriesError(f"{series_path} is missing", "restore patches/series from git") from exc
+    except IsADirectoryError as exc:
+        raise SeriesError(f"{series_path} is a folder, not a file", "restore patches/series from git") from exc
+    except UnicodeDecodeError as exc:
+        raise SeriesError(f"{series_path} is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                          "restore patches/series from git, or save it as UTF-8 text") from exc
     names: list[str] = []
     for number, line in enumerate(raw.splitlines(), start=1):
         entry = line.split("#", 1)[0].strip()
         if not entry:
             continue
+        words = entry.split()
+        if len(words) > 1 and is_patch_name(words[0]):
+            extra = " ".join(words[1:])
+            options = all(w.startswith("-") for w in words[1:])
+            why = ("quilt's options are not read: every patch applies with -p1 (a/ and b/ prefixes)" if options
+                   else "one patch name a line")
+            raise SeriesError(f"{series_path}:{number}: {entry!r} has {extra!r} after the patch name; {why}",
+                              f"leave only {words[0]} on that line"
+                              + ("" if options else ", and put each other name on a line of its own"))
         if not is_patch_name(entry):
             comment = f" ('#' starts a comment, which leaves {entry!r})" if "#" in line else ""
             raise SeriesError(
@@ -155,6 +187,11 @@ def read_series_names(series_path: Path) -> list[str]:
             raise SeriesError(f"{series_path}:{number}: {entry} is listed twice", "remove the duplicate line")
         names.append(entry)
     return names
+
+
+def unlisted_patches(patches_dir: Path, names: list[str]) -> list[str]:
+    """Patch files in ``patches_dir`` that the series (``names``) does not list: a patch that is never applied."""
+    return sorted(p.name for p in patches_dir.glob("*.patch") if p.name not in names)
 
 
 def read_series(patches_dir: Path) -> list[Patch]:

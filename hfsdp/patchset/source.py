@@ -86,17 +86,60 @@ def check_version(pin: BasePin, path: Path) -> None:
         )
 
 
-def verify(pin: BasePin, path: Path) -> Path:
+def published_sha256(pin: BasePin, filename: str, env: Mapping[str, str] | None = None,
+                     timeout: float = 15.0) -> tuple[str | None, str]:
+    """(the sha256 the index publishes for ``filename``, or None; why None: offline, no answer, not listed)."""
+    where = pin.index_url.rstrip("/")
+    if is_offline(env):
+        return None, "offline (MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX), so the index was not asked"
+    try:
+        files = index_files(pin, timeout)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return None, f"{where} did not answer ({exc})"
+    entry = next((f for f in files if f.get("filename") == filename), None)
+    hashes = entry.get("hashes") if entry is not None else None
+    digest = hashes.get("sha256") if isinstance(hashes, dict) else None
+    if not isinstance(digest, str):
+        return None, f"{where} lists no sha256 for {filename}"
+    return digest.lower(), ""
+
+
+def _mismatch(pin: BasePin, path: Path, actual: str, env: Mapping[str, str] | None, downloaded: bool) -> HashMismatch:
+    """The refusal of a file whose sha256 is not the pin's, saying which of the two is wrong where the index
+    can tell: a file with the sha256 the index publishes is the release, so the pin is what differs."""
+    published, why = published_sha256(pin, pin.filename, env)
+    where = pin.index_url.rstrip("/")
+    cause = f"sha256 of {path} is {actual}, but patches/base.toml pins {pin.sha256}; nothing was extracted"
+    fetch = f"`pip download --no-deps --no-binary :all: {pin.distribution}=={pin.version}`"
+    if published == actual:
+        return HashMismatch(
+            f"{cause}. {where} publishes {actual} for {pin.filename}: the file is the release, the pin is wrong "
+            "(downloading it again gives the same file)",
+            "correct the sha256 in patches/base.toml: if you did not mean to change it, restore it "
+            "(`git checkout patches/base.toml`); if you are moving the pin, set it to the index's sha256",
+            pin_is_wrong=True)
+    if published == pin.sha256:
+        again = ("run the command again (it downloads a fresh copy)" if downloaded else
+                 f"delete {path} and run the command again (it downloads a fresh copy), or fetch one with {fetch}")
+        return HashMismatch(f"{cause}. {where} publishes the pinned sha256 for {pin.filename}: the pin is right "
+                            "and this file is damaged or not the release", again)
+    if published is not None:
+        return HashMismatch(f"{cause}. {where} publishes {published} for {pin.filename}, which matches neither",
+                            "check patches/base.toml against the index (url, version, sha256) before using any copy")
+    return HashMismatch(
+        f"{cause}. Which one is wrong cannot be told here: {why}",
+        f"compare {actual} with the sha256 that {where}/{pin.distribution}/ publishes for {pin.filename}: if they "
+        "are equal, the pin in patches/base.toml is wrong (restore it: `git checkout patches/base.toml`); if not, "
+        + ("the download was damaged: run the command again" if downloaded else
+           f"this copy is damaged: delete {path} and run the command again, or fetch one with {fetch}"))
+
+
+def verify(pin: BasePin, path: Path, env: Mapping[str, str] | None = None, downloaded: bool = False) -> Path:
     """Check name and sha256; return the path. Nothing is extracted before this passes."""
     check_version(pin, path)
     actual = sha256_file(path)
     if actual != pin.sha256:
-        raise HashMismatch(
-            f"sha256 of {path} is {actual}, expected {pin.sha256} (patches/base.toml); "
-            "nothing was extracted",
-            "delete the file and let the tool download it again, or fetch a clean copy with "
-            f"`pip download --no-deps --no-binary :all: {pin.distribution}=={pin.version}`",
-        )
+        raise _mismatch(pin, path, actual, env, downloaded)
     return path
 
 
@@ -151,6 +194,22 @@ def yank_note(pin: BasePin, filename: str, env: Mapping[str, str] | None = None,
             "run it; compare against a release that is not yanked")
 
 
+def require_sdist_file(path: Path, given_by: str, filename: str | None = None) -> None:
+    """Refuse a path given for the sdist (``given_by``: ``--sdist`` or ``MEGATRON_PATCHSET_SDIST``) that is not a
+    file, saying what it is; ``filename``: the pinned sdist's name, if known, to point at it inside a folder."""
+    if path.is_file():
+        return
+    name = filename or "megatron_core-<version>.tar.gz"
+    given = f"{given_by}=" if given_by.isupper() else f"{given_by} "
+    if path.is_dir():
+        inside = path / name
+        held = f"it holds {name}: " if filename and inside.is_file() else ""
+        raise SourceUnavailable(f"{given_by} {path} is a folder, not an sdist file",
+                                f"{held}pass the sdist file itself, e.g. {given}{inside}")
+    what = "is not a regular file" if os.path.lexists(path) else "does not exist"
+    raise SourceUnavailable(f"{given_by} {path} {what}", f"pass the path of the {name} sdist file: {given}PATH")
+
+
 def locate_sdist(
     pin: BasePin,
     explicit: Path | None = None,
@@ -159,23 +218,23 @@ def locate_sdist(
 ) -> Path:
     """Return a verified local path to the pinned sdist, downloading it if allowed."""
     env = dict(os.environ) if env is None else env
-    explicit = explicit or (Path(env["MEGATRON_PATCHSET_SDIST"]) if env.get("MEGATRON_PATCHSET_SDIST") else None)
     if explicit is not None:
-        if not explicit.is_file():
-            raise SourceUnavailable(
-                f"sdist {explicit} does not exist", "fix the path given by --sdist / MEGATRON_PATCHSET_SDIST"
-            )
-        return verify(pin, explicit)
+        require_sdist_file(explicit, "--sdist", pin.filename)
+    elif env.get("MEGATRON_PATCHSET_SDIST"):
+        explicit = Path(env["MEGATRON_PATCHSET_SDIST"])
+        require_sdist_file(explicit, "MEGATRON_PATCHSET_SDIST", pin.filename)
+    if explicit is not None:
+        return verify(pin, explicit, env)
     searched: list[str] = []
     for folder in _wheelhouses(env):
         candidate = folder / pin.filename
         searched.append(str(candidate))
         if candidate.is_file():
-            return verify(pin, candidate)
+            return verify(pin, candidate, env)
     cached = cache_dir(env) / pin.filename
     searched.append(str(cached))
     if cached.is_file():
-        return verify(pin, cached)
+        return verify(pin, cached, env)
     if is_offline(env):
         raise SourceUnavailable(
             f"offline (MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX set) and no {pin.filename} found; "
@@ -184,17 +243,25 @@ def locate_sdist(
             f"{pin.distribution}=={pin.version} -d wheelhouse/`, copy it over, then set "
             "MEGATRON_PATCHSET_SDIST=wheelhouse/" + pin.filename + " (see README, Offline install)",
         )
+    folder = cache_dir(env)
+    if (blocker := next((p for p in (folder, *folder.parents) if os.path.lexists(p)), folder)).is_file():
+        where = "is a file" if blocker == folder else f"is below the file {blocker}"
+        raise SourceUnavailable(f"the download cache {folder} {where}, not a folder, so {pin.filename} cannot be "
+                                "downloaded into it",
+                                "point MEGATRON_PATCHSET_CACHE (or XDG_CACHE_HOME) at a folder, or pass the sdist "
+                                "with --sdist")
     errors: list[str] = []
     for resolve in (lambda: pin.url, lambda: _index_url_for(pin, timeout)):
         try:
             url = resolve()
             if url:
                 _download(url, cached, timeout)
-                return verify(pin, cached)
+                return verify(pin, cached, env, downloaded=True)
         except (urllib.error.URLError, OSError, ValueError, json.JSONDecodeError) as exc:
             errors.append(f"{exc}")
-        except HashMismatch:
-            cached.unlink(missing_ok=True)
+        except HashMismatch as exc:
+            if not exc.pin_is_wrong:  # a damaged download goes; the published file stays (the pin is fixed next)
+                cached.unlink(missing_ok=True)
             raise
     raise SourceUnavailable(
         f"could not download {pin.filename}: {'; '.join(errors) or 'not listed on the index'}",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from hfsdp.atomic import write_text_atomic
 
@@ -114,6 +114,21 @@ def write_stamp_file(tree_root: Path, stamp: Stamp) -> None:
     write_text_atomic(tree_root / "megatron" / STAMP_NAME, stamp.to_json())
 
 
+def is_digest(value: object) -> bool:
+    """A sha256 as this tool writes it: 64 lowercase hex digits."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def is_tree_path(value: object) -> bool:
+    """A path of the tree as this tool writes it: ``megatron/...``, relative, no ``.``/``..`` parts (a stamp
+    naming a path outside the tree is never read: diff and refresh write and delete the paths it names)."""
+    if not isinstance(value, str) or "\0" in value:
+        return False
+    parts = PurePosixPath(value).parts
+    return (len(parts) >= 2 and parts[0] == "megatron" and not PurePosixPath(value).is_absolute()
+            and ".." not in parts and "." not in value.split("/") and "" not in value.split("/"))
+
+
 def _corrupt(path: Path, why: str) -> CorruptStamp:
     return CorruptStamp(
         f"stamp {path} is not one this tool wrote ({why}), so which files are yours cannot be told",
@@ -139,18 +154,21 @@ def read_stamp_file(path: Path, checkout: Path | None = None) -> Stamp | None:
     if not isinstance(data, dict):
         kind = {list: "a list", str: "a string", bool: "true/false", int: "a number", float: "a number"}
         raise _corrupt(path, f"JSON {kind.get(type(data), 'null')}, not an object")
-    if data.get("schema") not in _READABLE_SCHEMAS:
-        raise _corrupt(path, f"schema {data.get('schema')!r}, this tool reads {_READABLE_SCHEMAS}")
+    schema = data.get("schema")
+    if type(schema) is not int or schema not in _READABLE_SCHEMAS:  # not true, not 2.0: the integers it writes
+        raise _corrupt(path, f"schema {schema!r}, this tool reads {_READABLE_SCHEMAS}")
     strings = ("base_version", "sdist_sha256", "fork_version")
-    if not all(isinstance(data.get(k), str) for k in strings):
-        raise _corrupt(path, f"{', '.join(strings)} must be strings")
+    if not all(isinstance(data.get(k), str) and data[k] for k in strings):
+        raise _corrupt(path, f"{', '.join(strings)} must be non-empty strings")
+    if not is_digest(data["sdist_sha256"]):
+        raise _corrupt(path, "'sdist_sha256' must be a sha256 hex digest")
     patches, files, texts = data.get("patches"), data.get("files"), data.get("patch_texts")
     if not isinstance(patches, list) or not all(
-        isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("sha256"), str) for p in patches
+        isinstance(p, dict) and isinstance(p.get("name"), str) and is_digest(p.get("sha256")) for p in patches
     ):
         raise _corrupt(path, "'patches' must be a list of {name, sha256}")
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
-        raise _corrupt(path, "'files' must map paths to sha256 digests")
+    if not isinstance(files, dict) or not all(is_tree_path(k) and is_digest(v) for k, v in files.items()):
+        raise _corrupt(path, "'files' must map megatron/ paths to sha256 digests")
     if texts is not None and (not isinstance(texts, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in texts.items())):
         raise _corrupt(path, "'patch_texts' must map patch names to text")
@@ -172,9 +190,8 @@ def _read_overlay(path: Path, data: dict) -> tuple[tuple[tuple[str, str], ...], 
         return (), {}
     entries, texts = data.get("overlay"), data.get("overlay_texts")
     if not isinstance(entries, list) or not all(
-            isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("sha256"), str)
-            for e in entries):
-        raise _corrupt(path, "'overlay' must be a list of {path, sha256}")
+            isinstance(e, dict) and is_tree_path(e.get("path")) and is_digest(e.get("sha256")) for e in entries):
+        raise _corrupt(path, "'overlay' must be a list of {path, sha256} (megatron/ paths)")
     if not isinstance(texts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in texts.items()):
         raise _corrupt(path, "'overlay_texts' must map overlay paths to text")
     pairs = tuple((e["path"], e["sha256"]) for e in entries)

@@ -6,10 +6,15 @@ fake of megatron-core, so every error path runs in milliseconds without the netw
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.server
 import io
+import json
 import tarfile
 import textwrap
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,3 +196,53 @@ def overlaid(fake: Env) -> Env:
 def tree_digest(root: Path) -> dict[str, str]:
     """Every file under root (stamp included) -> sha256, to prove a tree was left untouched."""
     return {str(p.relative_to(root)): sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@contextlib.contextmanager
+def package_index(files: dict[str, bytes]) -> Iterator[str]:
+    """A local PEP 691 simple index for megatron-core serving ``files`` (name -> bytes) with their sha256;
+    yields its base URL (``<url>/simple``, ``<url>/files/<name>``)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            host = f"http://127.0.0.1:{self.server.server_address[1]}"
+            if self.path == "/simple/megatron-core/":
+                entries = [{"filename": name, "url": f"{host}/files/{name}",
+                            "hashes": {"sha256": hashlib.sha256(data).hexdigest()}} for name, data in files.items()]
+                body = json.dumps({"meta": {"api-version": "1.1"}, "files": entries}).encode()
+            elif self.path.startswith("/files/") and self.path[7:] in files:
+                body = files[self.path[7:]]
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+
+
+def point_at_index(env: Env, url: str) -> None:
+    """Make ``env``'s base.toml download from the index at ``url`` (no local sdist, an empty cache)."""
+    base = env.project.patches_dir / "base.toml"
+    base.write_text(base.read_text().replace("http://127.0.0.1:9/unreachable.tar.gz",
+                                             f"{url}/files/megatron_core-0.18.2.tar.gz")
+                    .replace("http://127.0.0.1:9/simple", f"{url}/simple"))
+
+
+def set_pin(env: Env, sha256_hex: str) -> None:
+    """Replace the sha256 pinned in ``env``'s base.toml."""
+    base = env.project.patches_dir / "base.toml"
+    base.write_text(base.read_text().replace(env.project.pin().sha256, sha256_hex))

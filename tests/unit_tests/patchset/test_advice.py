@@ -13,7 +13,18 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from patchset_fake import ALLOC_PATCH, TRAIN_PATCH, Env, patch_text, save_during_build
+from patchset_fake import (
+    ALLOC_PATCH,
+    TRAIN_PATCH,
+    Env,
+    make_sdist,
+    package_index,
+    patch_text,
+    point_at_index,
+    save_during_build,
+    set_pin,
+    sha256,
+)
 
 from hfsdp.patchset.cli import main
 
@@ -352,3 +363,131 @@ def test_a_queue_without_overlay_commit(overlaid: Env, tmp_path: Path, capsys) -
     assert run_advice(overlaid, step, capsys, DIR=str(tmp_path / "new")) == 0
     assert main(["--root", str(overlaid.project.root), "export", "--queue", str(tmp_path / "new")]) == 0
     assert (overlaid.project.overlay_dir / ALLOCATOR).is_file()
+
+
+# --- The pinned sdist's sha256.
+
+
+def git_checkout_of(env: Env) -> None:
+    """Make the fake checkout a git repository with everything committed (for `git checkout` advice)."""
+    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+        subprocess.run(["git", *args], cwd=env.project.root, check=True, capture_output=True)
+
+
+def test_a_wrong_pin_is_named_and_the_download_kept(fake: Env, monkeypatch, capsys) -> None:
+    """The index publishes the downloaded file's sha256: the pin is wrong, not the download."""
+    monkeypatch.delenv("MEGATRON_PATCHSET_SDIST")
+    with package_index({fake.sdist.name: fake.sdist.read_bytes()}) as url:
+        point_at_index(fake, url)
+        git_checkout_of(fake)
+        set_pin(fake, "0" * 64)  # a slip in patches/base.toml
+        for _ in range(2):  # the same answer the second time: the download was kept, not fetched again
+            err = error_of(fake, capsys, "materialize")
+            assert "the file is the release, the pin is wrong" in err, err
+            assert commands(err.split("-> ", 1)[1]) == ["git checkout patches/base.toml"]
+        cached = Path(os.environ["MEGATRON_PATCHSET_CACHE"]) / fake.sdist.name
+        assert sha256(cached) == sha256(fake.sdist)
+        assert run_advice(fake, "git checkout patches/base.toml", capsys) == 0
+    monkeypatch.setenv("MEGATRON_PATCHSET_OFFLINE", "1")  # the kept download is all it needs now
+    assert main(["--root", str(fake.project.root), "materialize"]) == 0
+
+
+def test_a_damaged_cached_sdist_is_named_not_the_pin(fake: Env, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("MEGATRON_PATCHSET_SDIST")
+    cached = Path(os.environ["MEGATRON_PATCHSET_CACHE"]) / fake.sdist.name
+    cached.parent.mkdir(parents=True)
+    make_sdist(cached.parent, files={"megatron/core/__init__.py": "DAMAGED = 1\n", "megatron/training/t.py": ""})
+    with package_index({fake.sdist.name: fake.sdist.read_bytes()}) as url:
+        point_at_index(fake, url)
+        err = error_of(fake, capsys, "materialize")
+        assert "the pin is right and this file is damaged" in err and str(cached) in err
+        assert commands(err.split("-> ", 1)[1])[0].startswith("pip download")
+        cached.unlink()  # the way out: delete it, run again
+        assert main(["--root", str(fake.project.root), "materialize"]) == 0
+
+
+def test_a_mismatch_the_index_cannot_judge_says_how_to_tell(fake: Env, tmp_path: Path, monkeypatch, capsys) -> None:
+    other = make_sdist(tmp_path, files={"megatron/core/__init__.py": "OTHER = 1\n", "megatron/training/t.py": ""})
+    monkeypatch.setenv("MEGATRON_PATCHSET_SDIST", str(other))
+    monkeypatch.setenv("MEGATRON_PATCHSET_OFFLINE", "1")
+    err = error_of(fake, capsys, "materialize")
+    assert "cannot be told here: offline" in err
+    assert "if they are equal, the pin in patches/base.toml is wrong" in err and f"delete {other}" in err
+
+
+def test_a_patch_saved_with_crlf_line_endings(fake: Env, tmp_path: Path, capsys) -> None:
+    """A patch converted to CRLF: every verb that applies it names the line endings, not a rebase."""
+    git_checkout_of(fake)
+    alloc = fake.project.patches_dir / "alloc.patch"
+    alloc.write_bytes(alloc.read_bytes().replace(b"\n", b"\r\n"))
+    for verb in (["materialize"], ["check"], ["queue", "--dir", str(tmp_path / "q")]):
+        err = error_of(fake, capsys, *verb)
+        assert "alloc.patch does not apply: it was saved with CRLF (Windows) line endings" in err, (verb, err)
+        assert "queue --dir" not in err, verb
+    assert not (tmp_path / "q").exists() and not fake.project.megatron_dir.exists()
+    steps = commands(err.split("-> ", 1)[1])
+    assert steps == ["git checkout patches/alloc.patch", "scripts/patchset lint"]
+    assert run_advice(fake, steps[1], capsys) == 1
+    assert "alloc.patch: has CRLF line endings (line 1)" in capsys.readouterr().out
+    assert run_advice(fake, steps[0], capsys) == 0
+    assert main(["--root", str(fake.project.root), "materialize"]) == 0
+
+
+def test_a_queue_folder_that_does_not_exist(fake: Env, tmp_path: Path, capsys) -> None:
+    """`queue --continue` and `export` on a missing folder: make a queue (not: export the missing folder)."""
+    missing = tmp_path / "nonexistent"
+    for verb in (["queue", "--continue", "--dir", str(missing)], ["export", "--queue", str(missing)]):
+        err = error_of(fake, capsys, *verb)
+        assert f"{missing}: it does not exist, so it is not a patch queue" in err, err
+        (step,) = commands(err.split("-> ", 1)[1])
+        assert step == "scripts/patchset queue --dir DIR"
+    assert run_advice(fake, step, capsys, DIR=str(missing)) == 0
+    err = error_of(fake, capsys, "queue", "--continue", "--dir", str(missing))  # complete: nothing to continue
+    (step,) = commands(err.split("-> ", 1)[1])
+    assert step == f"scripts/patchset export --queue {missing}" and run_advice(fake, step, capsys) == 0
+
+
+def test_a_killed_queue_continue_goes_on(fake: Env, tmp_path: Path, capsys) -> None:
+    """`queue --continue` killed while applying a patch (its state says which, and on which commit): the next
+    `--continue` goes on, after the half-applied patch is dropped or HEAD put back as the message says."""
+    import json
+
+    stops = ALLOC_PATCH.replace(" line_20 = 20\n+maxpool", " line_20 = 'changed upstream'\n+maxpool")
+    fake.write_series({"alloc.patch": patch_text("Add maxpool flag", stops),
+                       "train.patch": patch_text("Fork training", TRAIN_PATCH)})
+    queue = tmp_path / "q"
+    err = error_of(fake, capsys, "queue", "--dir", str(queue))
+    alloc = queue / "megatron/core/alloc.py"
+    alloc.write_text(alloc.read_text().replace("line_20 = 20\n", "line_20 = 20\nmaxpool = True\n"))
+    for rej in queue.rglob("*.rej"):
+        rej.unlink()
+    assert main(["--root", str(fake.project.root), "queue", "--continue", "--dir", str(queue)]) == 0
+    state_file = queue / ".git/patchset-queue.json"
+    state = json.loads(state_file.read_text())
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(queue), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    fixed = git("rev-parse", "HEAD~1")  # the fix of alloc.patch; train.patch after it
+    killed = {**state, "pending": ["train.patch"], "resume_at": fixed,
+              "texts": {"train.patch": (fake.project.patches_dir / "train.patch").read_text()}}
+    state_file.write_text(json.dumps(killed))
+    git("reset", "-q", "--hard", fixed)
+    (queue / "megatron/training/train.py").write_text("def train():\n    return 'half'\n")  # killed mid-apply
+    assert error_of(fake, capsys, "export", "--queue", str(queue))  # not before it is finished
+    err = error_of(fake, capsys, "queue", "--continue", "--dir", str(queue))
+    reset, rerun = commands(err.split("-> ", 1)[1])
+    assert reset == f"git -C {queue} reset -q --hard"
+    assert run_advice(fake, reset, capsys) == 0 and run_advice(fake, rerun, capsys) == 0
+    assert "'fork'" in (queue / "megatron/training/train.py").read_text()
+    # Killed again, and HEAD moved since (a reset too far): the message puts it back.
+    state_file.write_text(json.dumps(killed))
+    git("reset", "-q", "--hard", "HEAD~2")
+    err = error_of(fake, capsys, "queue", "--continue", "--dir", str(queue))
+    back, rerun, _ = commands(err.split("-> ", 1)[1])
+    assert back == f"git -C {queue} reset --hard {fixed}"
+    assert run_advice(fake, back, capsys) == 0 and run_advice(fake, rerun, capsys) == 0
+    assert main(["--root", str(fake.project.root), "export", "--queue", str(queue)]) == 0
+    assert "+maxpool = True" in (fake.project.patches_dir / "alloc.patch").read_text()
+    assert "+    return 'fork'" in (fake.project.patches_dir / "train.patch").read_text()

@@ -425,3 +425,97 @@ def test_verbs_that_do_not_read_the_tree_work_beside_a_symlinked_one(fake: Env, 
                  ["export", "--queue", str(queue)]):
         assert cli(fake, *verb) == 0, verb
     assert tree_digest(real) == before and os.readlink(fake.project.megatron_dir) == "X"
+
+
+def test_an_up_to_date_materialize_cleans_up_after_a_killed_run(fake: Env, capsys) -> None:
+    import fcntl
+    import shutil
+
+    cli(fake, "materialize")
+    root = fake.project.root
+    (root / ".patchset-tmp-abc" / "queue").mkdir(parents=True)  # a build killed mid-way
+    shutil.copytree(fake.project.megatron_dir, root / ".patchset-old-megatron-1-2")  # killed after the swap
+    with open(root / ".patchset.lock", "w") as held:  # while another writer runs, they may be its work: kept
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        capsys.readouterr()
+        assert cli(fake, "materialize") == 0
+        assert "is up to date" in capsys.readouterr().out
+        assert (root / ".patchset-tmp-abc").is_dir() and (root / ".patchset-old-megatron-1-2").is_dir()
+    assert cli(fake, "status") == 1
+    assert cli(fake, "materialize") == 0  # up to date, and the lock is free: it cleans up
+    out = capsys.readouterr().out
+    assert "removed .patchset-tmp-abc" in out and "removed .patchset-old-megatron-1-2" in out
+    assert "is up to date" in out
+    assert not list(root.glob(".patchset-tmp-*")) and not list(root.glob(".patchset-old-*"))
+    assert cli(fake, "status") == 0
+
+
+def test_patches_moved_aside_by_a_killed_run_are_put_back(overlaid: Env, capsys) -> None:
+    root = overlaid.project.root
+    cli(overlaid, "materialize")
+    before = tree_digest(overlaid.project.patches_dir)
+    os.rename(overlaid.project.patches_dir, root / ".patchset-old-patches-1-2")  # killed between the renames
+    capsys.readouterr()
+    for verb in ("status", "lint", "diff"):
+        assert cli(overlaid, verb) == 2
+        err = capsys.readouterr().err
+        assert "patches/ is missing: a writing command moved it aside to .patchset-old-patches-1-2" in err
+        assert "`scripts/patchset materialize` puts it back first" in err
+    assert cli(overlaid, "materialize") == 0
+    assert "restored patches/ from .patchset-old-patches-1-2" in capsys.readouterr().out
+    assert tree_digest(overlaid.project.patches_dir) == before and cli(overlaid, "status") == 0
+
+
+def _killed_refresh(env: Env, after_swap: bool) -> tuple[bytes, dict[str, bytes]]:
+    """A refresh of an edit, killed after writing its new stamp, before (or after) swapping patches/ in: the
+    state it leaves, made by hand. Returns (the edited file's bytes, patches/ as the refresh wrote it)."""
+    cli(env, "materialize")
+    tree = env.project.megatron_dir
+    (tree / "core" / "__init__.py").write_text("VALUE = 9  # mine\n")
+    stamp, old = tree / ".patchset-stamp.json", patches_digest(env)
+    old_stamp, saved = stamp.read_bytes(), {p.name: p.read_bytes() for p in env.project.patches_dir.iterdir()
+                                            if p.is_file()}
+    assert cli(env, "refresh", "--patch", "alloc") == 0
+    new = patches_digest(env)
+    os.rename(stamp, tree / ".patchset-stamp.next.json")
+    stamp.write_bytes(old_stamp)
+    if not after_swap:
+        for name, data in saved.items():
+            (env.project.patches_dir / name).write_bytes(data)
+        assert patches_digest(env) == old
+    return (tree / "core" / "__init__.py").read_bytes(), new if after_swap else old
+
+
+@pytest.mark.parametrize("after_swap", [True, False])
+def test_a_refresh_killed_around_its_swap(fake: Env, after_swap: bool, capsys) -> None:
+    """Killed after patches/ was written: the next writer makes the new stamp the stamp (the edit is in the
+    patch now); killed before: the new stamp goes, the edit is still an edit, and refresh folds it again."""
+    edited, patches = _killed_refresh(fake, after_swap)
+    capsys.readouterr()
+    assert cli(fake, "status") == 1
+    assert ".patchset-stamp.next.json: left by a killed run" in capsys.readouterr().out
+    assert cli(fake, "refresh", "--patch", "alloc") == 0
+    out = capsys.readouterr().out
+    assert ("finished the stamp of a killed refresh" if after_swap else "removed the stamp of a refresh killed") in out
+    assert (fake.project.megatron_dir / "core" / "__init__.py").read_bytes() == edited
+    assert b"+VALUE = 9  # mine" in (fake.project.patches_dir / "alloc.patch").read_bytes()
+    assert after_swap is (patches_digest(fake) == patches)
+    assert cli(fake, "status") == 0 and not list(fake.project.megatron_dir.glob(".patchset-stamp.next*"))
+
+
+def test_exporting_a_queue_twice_writes_nothing_the_second_time(fake: Env, tmp_path: Path, capsys) -> None:
+    """A second export of the same queue (or one after an export killed once it wrote patches/) finds
+    patches/ holding what it exports: nothing is written, not even a new Last-Update."""
+    queue = tmp_path / "q"
+    cli(fake, "queue", "--dir", str(queue))
+    (queue / "megatron/core/__init__.py").write_text("VALUE = 2\n")
+    subprocess.run(["git", "-C", str(queue), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam",
+                    "value-two\n\nDescription: Value two\nOrigin: vendor, hfsdp\nBug: none\nForwarded: no\n"
+                    "Applied-Upstream: no\nLast-Update: 2020-01-01"], check=True)
+    assert cli(fake, "export", "--queue", str(queue)) == 0
+    first = patches_digest(fake)
+    assert b"Last-Update: 2026-" in first["value-two.patch"]  # a new patch: dated by the export
+    capsys.readouterr()
+    assert cli(fake, "export", "--queue", str(queue)) == 0
+    assert "patches/ already holds what" in capsys.readouterr().out
+    assert patches_digest(fake) == first

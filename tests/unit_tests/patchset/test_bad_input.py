@@ -1,0 +1,106 @@
+"""Bad input a new user meets, refused with a sentence that is right about the cause and the way out.
+
+Driven through the command line (``hfsdp.patchset.cli.main``); the probe table
+(test_probe_table.py) runs the same inputs as a user would, through ``scripts/patchset``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from patchset_fake import Env
+
+from hfsdp.patchset.cli import main
+from hfsdp.patchset.series import crlf_line
+
+
+def cli(env: Env, *args: str) -> int:
+    return main(["--root", str(env.project.root), *args])
+
+
+def test_crlf_line_counts_the_patch_syntax_not_the_content_of_a_crlf_file() -> None:
+    of_a_crlf_file = ("diff --git a/megatron/core/w.py b/megatron/core/w.py\n--- a/megatron/core/w.py\n"
+                      "+++ b/megatron/core/w.py\n@@ -1,2 +1,2 @@ def f():\r\n def f():\r\n-    return 1\r\n"
+                      "+    return 2\r\n")
+    assert crlf_line(of_a_crlf_file) is None
+    assert crlf_line(of_a_crlf_file.replace("+++ b/megatron/core/w.py\n", "+++ b/megatron/core/w.py\r\n")) == 3
+    assert crlf_line("@@ -1 +1 @@\r\n") == 1
+    assert crlf_line("Description: x\r\n---\n", header_lines=1) == 1
+
+
+def test_sdist_a_folder_is_called_a_folder(fake: Env, tmp_path: Path, capsys) -> None:
+    capsys.readouterr()
+    assert cli(fake, "--sdist", str(fake.sdist.parent), "materialize") == 2
+    err = capsys.readouterr().err
+    assert f"--sdist {fake.sdist.parent} is a folder, not an sdist file" in err
+    assert f"it holds {fake.sdist.name}: pass the sdist file itself, e.g. --sdist {fake.sdist}" in err
+    assert not fake.project.megatron_dir.exists()
+    assert cli(fake, "--sdist", str(tmp_path / "nowhere.tar.gz"), "check") == 2
+    assert "nowhere.tar.gz does not exist" in capsys.readouterr().err
+
+
+def test_sdist_and_root_are_taken_after_the_verb_too(fake: Env, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("MEGATRON_PATCHSET_SDIST")
+    monkeypatch.setenv("MEGATRON_PATCHSET_OFFLINE", "1")
+    root = str(fake.project.root)
+    assert main(["materialize", "--sdist", str(fake.sdist), "--root", root]) == 0
+    assert main(["status", "--root", root]) == 0
+    capsys.readouterr()
+    assert main(["lint", "--root", root, "--sdist", str(fake.sdist.parent)]) == 2  # checked there as well
+    assert "is a folder, not an sdist file" in capsys.readouterr().err
+    assert main(["--root", root, "queue", "--dir", str(tmp_path / "q"), "--sdist", str(fake.sdist)]) == 0
+
+
+def test_status_names_a_patch_file_the_series_does_not_list(fake: Env, capsys) -> None:
+    assert cli(fake, "materialize") == 0
+    (fake.project.patches_dir / "forgotten.patch").write_text("Description: never applied\n")
+    capsys.readouterr()
+    assert cli(fake, "status") == 1  # up to date, but a patch of the checkout is not in the tree
+    out = capsys.readouterr().out
+    assert "unlisted: patches/forgotten.patch is not in patches/series, so it is never applied" in out
+    assert "stamp:   up to date" in out
+    (fake.project.patches_dir / "forgotten.patch").unlink()
+    assert cli(fake, "status") == 0
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("schema", True), ("schema", 3.0), ("schema", "3"), ("base_version", ""), ("sdist_sha256", "abc"),
+    ("files", {"megatron/../../outside.py": "0" * 64}), ("files", {"/etc/passwd": "0" * 64}),
+    ("files", {"megatron/core/__init__.py": 1}), ("patches", [{"name": "alloc.patch", "sha256": 7}]),
+    ("overlay", [{"path": "../escape.py", "sha256": "0" * 64}]),
+])
+def test_a_stamp_value_of_another_type_is_not_one_this_tool_wrote(fake: Env, field: str, value: object,
+                                                                   capsys) -> None:
+    """Only what this tool writes is read: true is not schema 1, 3.0 not 3; no path outside megatron/ (diff and
+    refresh write and delete the paths a stamp names)."""
+    assert cli(fake, "materialize") == 0
+    stamp = fake.project.megatron_dir / ".patchset-stamp.json"
+    data = json.loads(stamp.read_text())
+    data[field] = value
+    stamp.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert cli(fake, "status") == 2
+    err = capsys.readouterr().err
+    assert "is not one this tool wrote" in err and "Traceback" not in err
+
+
+def test_a_full_disk_is_a_sentence_not_a_traceback(fake: Env, monkeypatch, capsys) -> None:
+    """An error of the machine (no space, no permission, a read-only folder) is told as such, naming the path."""
+    import errno
+
+    from hfsdp.patchset import materialize as materialize_mod
+
+    def full(*args: object, **kwargs: object) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device", str(fake.project.root))
+
+    monkeypatch.setattr(materialize_mod.tempfile, "mkdtemp", full)
+    capsys.readouterr()
+    assert cli(fake, "materialize") == 2
+    err = capsys.readouterr().err
+    assert f"No space left on device ({fake.project.root}); nothing was left half-written" in err
+    assert "Traceback" not in err and not fake.project.megatron_dir.exists()
+    monkeypatch.setattr(materialize_mod.tempfile, "mkdtemp", lambda *a, **k: (_ for _ in ()).throw(KeyError("bug")))
+    with pytest.raises(KeyError):  # anything else is a bug, and keeps its traceback
+        cli(fake, "materialize")
