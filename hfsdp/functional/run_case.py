@@ -235,11 +235,16 @@ def prepare_resume(ckpt_dir: Path, half: int, final: int) -> None:
     (ckpt_dir / "latest_checkpointed_iteration.txt").write_text(str(half))
 
 
-def apply_checks(recipe: Recipe, log: Path, metrics: logparse.Metrics, result: Result) -> None:
+def apply_checks(recipe: Recipe, log: Path, metrics: logparse.Metrics, result: Result,
+                 judges_loss: bool = True) -> None:
+    """The recipe's CHECKS on one run's log. ``judges_loss`` False (a node before the last of a
+    multi-node run, whose ranks log no loss): the forbidden patterns only."""
     text = log.read_text(errors="replace")
     for pattern in recipe.checks.log_absent:
         if re.search(pattern, text):
             result.fail(f"{log.name}: forbidden log pattern {pattern!r} found")
+    if not judges_loss:
+        return
     for pattern in recipe.checks.log_present:
         if not re.search(pattern, text):
             result.fail(f"{log.name}: required log pattern {pattern!r} not found")
@@ -323,7 +328,10 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     metrics = logparse.parse_file(rec1.log)
     if (problem := run_problem(rec1, 1)) is not None:
         result.fail(problem)
-    apply_checks(recipe, Path(rec1.log), metrics, result)
+    # Megatron prints the loss on the last rank only: a node before the last judges its exit
+    # status and the forbidden log patterns, the last node the loss too.
+    last_node = launch.node_rank == launch.nnodes - 1
+    apply_checks(recipe, Path(rec1.log), metrics, result, judges_loss=last_node)
 
     if recipe.test_type == "ckpt-resume" and rec1.returncode == 0:
         final = recipe.train_iters
@@ -356,8 +364,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     result.metrics_path = str(metrics_path)
 
     golden_path = recipe.golden_path(environment, platform)
-    if launch.nnodes > 1 and launch.node_rank != launch.nnodes - 1:
-        # Megatron prints the loss on the last rank only; other nodes report their exit status.
+    if not last_node:
         (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
         return result
     # Cross-case checks come first: a golden is recorded only from a run that passed them all.

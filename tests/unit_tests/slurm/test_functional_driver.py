@@ -402,3 +402,26 @@ def test_compare_to_a_twin_that_crashed_after_training_fails(tmp_path: Path, twi
     assert result.status == status, result.reasons
     if status == "FAIL":
         assert any("is no reference" in r and "exit" in r for r in result.reasons), result.reasons
+
+
+@pytest.mark.parametrize(("node_rank", "log", "status"), [
+    (0, "rank 0: training\n", "PASS"),  # Megatron logs the loss on the last rank only
+    (0, "rank 0: training\nTraceback (most recent call last):\n", "FAIL"),  # log_absent still holds
+    (1, "rank 2: training\n", "FAIL"),  # the last node judges the loss: none logged
+    (1, LOG, "PASS"),
+])
+def test_only_the_last_node_judges_the_loss(tmp_path: Path, node_rank: int, log: str, status: str) -> None:
+    """With torchrun per node, the nodes before the last log no loss; their verdict is their exit
+    status and the log patterns (every node of a multi-node job once FAILed but the last)."""
+    from hfsdp.functional.run_case import run_case
+
+    case = tmp_path / "cases" / "smoke" / "two_nodes"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(
+        "TRAINING_SCRIPT: -m x\nNPROC: 1\nTEST_TYPE: smoke\nREQUIRE_GOLDEN: false\nMETRICS:\n  - lm loss\n"
+        "CHECKS:\n  min_iterations: 3\n  loss_decreases: true\n  log_absent:\n    - Traceback\n"
+        "MODEL_ARGS:\n  --train-iters: 3\n")
+    (tmp_path / "run.log").write_text(log)
+    launch = Launch(nproc=1, nnodes=2, node_rank=node_rank, master_port=29500)
+    result = run_case(case, launch=launch, output_root=tmp_path / "out", evaluate_log=tmp_path / "run.log")
+    assert result.status == status, result.reasons
