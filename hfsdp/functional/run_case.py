@@ -475,9 +475,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             master_addr=ns.master_addr, master_port=port, timeout_s=ns.timeout_s,
             exit_duration_in_mins=ns.exit_duration_in_mins, ranks_per_gpu=ns.ranks_per_gpu,
         )
-        result = run_case(ns.case_dir, launch=launch, record=ns.record, compare_to=ns.compare_to,
-                          output_root=ns.output_dir, environment=ns.environment, platform=ns.platform,
-                          evaluate_log=ns.evaluate_log, env=extra_env)
+        try:
+            with proc.sigterm_ends_runs():
+                result = run_case(ns.case_dir, launch=launch, record=ns.record, compare_to=ns.compare_to,
+                                  output_root=ns.output_dir, environment=ns.environment,
+                                  platform=ns.platform, evaluate_log=ns.evaluate_log, env=extra_env)
+        except proc.Terminated as stop:
+            # A time limit, scancel, or srun ending the step after another node failed: the
+            # run's processes are ended (hfsdp/proc.py); say so and fail.
+            print(f"  - {stop}: the run was ended (its ranks' stacks are above, where they caught the "
+                  "stack signal)")
+            print(f"{RESULT_MARK} {recipe.model}/{recipe.name}: FAIL", flush=True)
+            return 128 + stop.signum
         for reason in result.reasons:
             print(f"  - {reason}")
         print(f"{RESULT_MARK} {result.case}: {result.status}", flush=True)

@@ -425,3 +425,44 @@ def test_only_the_last_node_judges_the_loss(tmp_path: Path, node_rank: int, log:
     launch = Launch(nproc=1, nnodes=2, node_rank=node_rank, master_port=29500)
     result = run_case(case, launch=launch, output_root=tmp_path / "out", evaluate_log=tmp_path / "run.log")
     assert result.status == status, result.reasons
+
+
+def test_sigterm_to_the_driver_ends_its_run_and_fails_the_case(tmp_path: Path) -> None:
+    """A job's time limit, scancel or srun's --kill-on-bad-exit sends the driver SIGTERM. The run
+    (torchrun and its ranks, in their own session) must end with it, and the case FAIL saying why;
+    the driver once died at once and left the ranks running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "rank.pid"
+    trainer = tmp_path / "sleeper.py"
+    trainer.write_text(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
+    case = tmp_path / "cases" / "smoke" / "sleeper"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(
+        f"TRAINING_SCRIPT: {trainer}\nNPROC: 1\nTEST_TYPE: smoke\nREQUIRE_GOLDEN: false\n"
+        "METRICS:\n  - lm loss\nMODEL_ARGS:\n  --train-iters: 3\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    driver = subprocess.Popen([sys.executable, "-m", "hfsdp.functional.run_case", str(case), "--output-dir",
+                               str(tmp_path / "out")], cwd=REPO_ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pidfile.is_file() and pidfile.read_text()) and time.monotonic() < deadline:
+            assert driver.poll() is None, driver.communicate()[0]
+            time.sleep(0.1)
+        rank = int(pidfile.read_text())
+        driver.send_signal(signal.SIGTERM)
+        out, _ = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM" in out and "HFSDP-FUNCTIONAL RESULT smoke/sleeper: FAIL" in out, out
+    gone = time.monotonic() + 5
+    while Path(f"/proc/{rank}").exists() and time.monotonic() < gone:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{rank}").exists(), f"rank {rank} outlived the driver:\n{out}"
