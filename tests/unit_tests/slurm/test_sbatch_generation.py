@@ -240,3 +240,20 @@ def test_one_failing_node_fails_the_case_whatever_the_order(tmp_path: Path) -> N
     out = tmp_path / "job.out"
     out.write_text("1: HFSDP-FUNCTIONAL RESULT smoke/x: FAIL\n0: HFSDP-FUNCTIONAL RESULT smoke/x: PASS\n")
     assert summary.driver_result(str(out)) == "FAIL"
+
+
+def test_local_cluster_conf_has_one_slurmd_per_node_on_loopback(tmp_path: Path) -> None:
+    """Several nodes on one host: each its own port, all this host at 127.0.0.1, per-node paths."""
+    from hfsdp.slurm.local_cluster import LocalCluster
+
+    conf = LocalCluster(tmp_path, nodes=4, partitions={"four": 4, "two": 2})._slurm_conf().splitlines()
+    nodes = [ln for ln in conf if ln.startswith("NodeName=")]
+    assert [ln.split()[0] for ln in nodes] == ["NodeName=n1", "NodeName=n2", "NodeName=n3", "NodeName=n4"]
+    assert all("NodeAddr=127.0.0.1" in ln and "NodeHostname=" in ln for ln in nodes)
+    assert len({ln.split("Port=")[1].split()[0] for ln in nodes}) == 4  # one port per slurmd
+    assert f"SlurmdPidFile={tmp_path}/slurmd-%n.pid" in conf and f"SlurmdSpoolDir={tmp_path}/spool/%n" in conf
+    parts = [ln for ln in conf if ln.startswith("PartitionName=")]
+    assert parts[0].startswith("PartitionName=four Nodes=n1,n2,n3,n4 Default=YES")
+    assert parts[1].startswith("PartitionName=two Nodes=n1,n2 Default=NO")
+    with pytest.raises(ValueError, match="need 1 to 2 nodes"):
+        LocalCluster(tmp_path, nodes=2, partitions={"big": 3})
