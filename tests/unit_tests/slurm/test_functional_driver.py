@@ -466,3 +466,32 @@ def test_sigterm_to_the_driver_ends_its_run_and_fails_the_case(tmp_path: Path) -
     while Path(f"/proc/{rank}").exists() and time.monotonic() < gone:
         time.sleep(0.1)
     assert not Path(f"/proc/{rank}").exists(), f"rank {rank} outlived the driver:\n{out}"
+
+
+# What a node's torchrun agent logged in a 4-node CI job after every rank had passed.
+EXIT_BARRIER_RACE = """\
+E1125 12:31:11.831000 442 torch/distributed/elastic/agent/server/api.py:1008] Error waiting on exit barrier. Elapsed: 0.0275 seconds
+E1125 12:31:11.831000 442 torch/distributed/elastic/agent/server/api.py:1008] Traceback (most recent call last):
+E1125 12:31:11.831000 442 torch/distributed/elastic/agent/server/api.py:1008]   File "torch/distributed/elastic/agent/server/api.py", line 994, in _exit_barrier
+E1125 12:31:11.831000 442 torch/distributed/elastic/agent/server/api.py:1008]     store.wait([last_member_key])
+E1125 12:31:11.831000 442 torch/distributed/elastic/agent/server/api.py:1008] torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?
+"""
+
+
+@pytest.mark.parametrize(("extra", "status"), [
+    (EXIT_BARRIER_RACE, "PASS"),  # torchrun's own race after the ranks finished: not the run's failure
+    (EXIT_BARRIER_RACE + "Traceback (most recent call last):\n  File \"x.py\"\nValueError: rank 3\n", "FAIL"),
+])
+def test_torchruns_exit_barrier_race_is_not_a_forbidden_traceback(tmp_path: Path, extra: str, status: str) -> None:
+    """A 4-node job once FAILed on a node whose ranks all passed: its torchrun agent logged the
+    exit-barrier race (the first node's agent, which holds the store, had left), with a traceback."""
+    from hfsdp.functional.run_case import run_case
+
+    case = tmp_path / "cases" / "smoke" / "race"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(
+        "TRAINING_SCRIPT: -m x\nNPROC: 1\nTEST_TYPE: smoke\nREQUIRE_GOLDEN: false\nMETRICS:\n  - lm loss\n"
+        "CHECKS:\n  min_iterations: 3\n  log_absent:\n    - Traceback\nMODEL_ARGS:\n  --train-iters: 3\n")
+    (tmp_path / "run.log").write_text(LOG + extra)
+    result = run_case(case, output_root=tmp_path / "out", evaluate_log=tmp_path / "run.log")
+    assert result.status == status, result.reasons
