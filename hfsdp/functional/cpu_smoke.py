@@ -33,6 +33,9 @@ def _log_line(iteration: int, total: int, consumed: int, ms: float, loss: float)
 
 
 def main() -> None:
+    from hfsdp.diagnostics import install_stack_dump_signal
+
+    install_stack_dump_signal()  # a stalled run shows where each rank was when its launcher ends it
     os.environ.setdefault("HFSDP_SKIP_FORK_GUARD", "1")  # CPU smoke may use a pristine tree
     gloo_timeout_s = float(os.environ.get("HFSDP_SMOKE_GLOO_TIMEOUT_S", "120"))
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=gloo_timeout_s))
