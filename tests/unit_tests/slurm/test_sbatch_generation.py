@@ -257,3 +257,51 @@ def test_local_cluster_conf_has_one_slurmd_per_node_on_loopback(tmp_path: Path) 
     assert parts[1].startswith("PartitionName=two Nodes=n1,n2 Default=NO")
     with pytest.raises(ValueError, match="need 1 to 2 nodes"):
         LocalCluster(tmp_path, nodes=2, partitions={"big": 3})
+
+
+def test_the_two_node_dp16_example_of_the_docs(tmp_path: Path) -> None:
+    """docs/slurm.md's example, done as it says: a copy of a recipe with batch sizes valid at DP=16,
+    submitted (dry run) on 2 nodes x 8 GPUs."""
+    import shutil
+
+    from hfsdp.functional.recipe import load_recipe
+    from hfsdp.slurm.submit import main
+
+    doc = (REPO_ROOT / "docs/slurm.md").read_text()
+    assert '"--global-batch-size: 32" (2 x 16)' in doc and "--nodes 2 --gpus-per-node 8" in doc
+    case = tmp_path / "my_cases" / "hybrid" / "maxpool_db_dp16"
+    shutil.copytree(CASE, case)
+    for golden in case.glob("golden_values_*.json"):
+        golden.unlink()
+    text = (case / "model_config.yaml").read_text()
+    assert "  --global-batch-size: 8\n" in text and "COMPARE_TO:" in text
+    text = "\n".join(ln for ln in text.replace("  --global-batch-size: 8\n", "  --global-batch-size: 32\n")
+                     .splitlines() if not ln.startswith("COMPARE_TO:")) + "\nREQUIRE_GOLDEN: false\n"
+    (case / "model_config.yaml").write_text(text)
+    recipe = load_recipe(case)
+    gbs, mbs = int(recipe.model_args["--global-batch-size"]), int(recipe.model_args["--micro-batch-size"])
+    assert gbs % (mbs * 16) == 0 and "--tensor-model-parallel-size" not in recipe.model_args
+    logs = tmp_path / "out" / "slurm-dp16"
+    assert main([str(case), "--log-dir", str(logs), "--nodes", "2", "--gpus-per-node", "8", "--time", "30",
+                 "--partition", "batch", "--dry-run"]) == 0
+    script = (logs / "hfsdp-hybrid-maxpool_db_dp16.sbatch").read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --partition=batch", "LIMIT_S=1800"):
+        assert line in script, line
+    run_case = next(ln for ln in script.splitlines() if ln.startswith("RUN_CASE=("))
+    assert "--nproc 8 --nnodes \"$SLURM_JOB_NUM_NODES\"" in run_case, run_case
+
+
+def test_srun_per_rank_stops_when_launch_cmd_refuses_the_case(tmp_path: Path) -> None:
+    """launch_cmd's refusal once vanished in a process substitution, and srun ran an empty command."""
+    fake_py, fake_srun, called = tmp_path / "py", tmp_path / "srun", tmp_path / "srun-called"
+    fake_py.write_text("#!/bin/sh\necho 'launch_cmd: error: no such case' >&2\nexit 2\n")
+    fake_srun.write_text(f"#!/bin/sh\ntouch {called}\n")
+    for f in (fake_py, fake_srun):
+        f.chmod(0o755)
+    text = sbatch.render_sbatch(_spec(tmp_path, launcher="srun", python=str(fake_py)))
+    script = "set -euo pipefail\n" + _block(text, "PY=", "CASE=") + "\n" + _block(text, "CMD_TEXT=", "timeout ")
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "KILL_AFTER_S": "60", "EXIT_MINS": "5"}
+    proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no such case" in proc.stderr, proc
+    assert not called.exists(), "srun ran although launch_cmd refused the case"
