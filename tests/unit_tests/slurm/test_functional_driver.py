@@ -470,11 +470,11 @@ def test_sigterm_to_the_driver_ends_its_run_and_fails_the_case(tmp_path: Path) -
 
 # What a node's torchrun agent logged in a 4-node CI job after every rank had passed.
 EXIT_BARRIER_RACE = """\
-E1125 12:31:11.831000 442 torch/distributed/elastic/agent/server/api.py:1008] Error waiting on exit barrier. Elapsed: 0.0275 seconds
-E1125 12:31:11.831000 442 torch/distributed/elastic/agent/server/api.py:1008] Traceback (most recent call last):
-E1125 12:31:11.831000 442 torch/distributed/elastic/agent/server/api.py:1008]   File "torch/distributed/elastic/agent/server/api.py", line 994, in _exit_barrier
-E1125 12:31:11.831000 442 torch/distributed/elastic/agent/server/api.py:1008]     store.wait([last_member_key])
-E1125 12:31:11.831000 442 torch/distributed/elastic/agent/server/api.py:1008] torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?
+E0101 00:00:01.000000 442 torch/distributed/elastic/agent/server/api.py:1008] Error waiting on exit barrier. Elapsed: 0.0275 seconds
+E0101 00:00:01.000000 442 torch/distributed/elastic/agent/server/api.py:1008] Traceback (most recent call last):
+E0101 00:00:01.000000 442 torch/distributed/elastic/agent/server/api.py:1008]   File "torch/distributed/elastic/agent/server/api.py", line 994, in _exit_barrier
+E0101 00:00:01.000000 442 torch/distributed/elastic/agent/server/api.py:1008]     store.wait([last_member_key])
+E0101 00:00:01.000000 442 torch/distributed/elastic/agent/server/api.py:1008] torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?
 """
 
 
