@@ -1,24 +1,29 @@
-"""Generate sbatch scripts that run functional-test cases.
+"""Generate sbatch scripts that run functional-test cases (docs/slurm.md).
 
-Two launch styles:
+Two launch styles, both under ``srun --label --kill-on-bad-exit=1``:
 
 * ``torchrun`` (default, like Megatron's functional tests): ``srun --ntasks-per-node=1`` starts
-  one driver per node; each runs ``python -m hfsdp.functional.run_case`` which launches torchrun
-  with ``MASTER_ADDR`` = first host of ``SLURM_JOB_NODELIST`` (``scontrol show hostnames``),
-  ``MASTER_PORT`` derived from the job id, and ``--node-rank $SLURM_NODEID``.
-* ``srun`` (like Megatron's examples): one task per GPU running the training script directly,
+  one driver per node (:data:`NODE_SCRIPT`); each runs ``python -m hfsdp.functional.run_case``,
+  which launches torchrun with ``--node-rank $SLURM_NODEID``.
+* ``srun`` (like Megatron's examples): one task per rank running the training script directly,
   with ``RANK=$SLURM_PROCID``, ``LOCAL_RANK=$SLURM_LOCALID``, ``WORLD_SIZE=$SLURM_NTASKS``, then
   one evaluation step. Only for single-run cases (``regular``/``smoke``).
+
+Master: the first node of ``SLURM_JOB_NODELIST`` at the address Slurm has for it (its
+``NodeAddr``, :func:`master_lines`): a node name need not resolve as a host. ``MASTER_PORT`` is
+derived from the job id, so jobs sharing a host differ.
 
 Time limits: the script reads the job's own time limit (``SLURM_JOB_END_TIME - SLURM_JOB_START_TIME``,
 falling back to the generator's ``--time``), passes ``--exit-duration-in-mins`` = limit minus a
 buffer to Megatron so it checkpoints and exits cleanly, and wraps the driver in ``timeout`` so a
-hung collective cannot outlive the job. ``set -o pipefail`` plus ``srun --kill-on-bad-exit=1``
-make any failing rank fail the job with a non-zero exit code.
+hung collective cannot outlive the job; a node stopped so prints :data:`STOPPED_LINE`.
+``set -o pipefail`` plus ``srun --kill-on-bad-exit=1`` make any failing rank fail the job with a
+non-zero exit code.
 
 Environment: sbatch hands the submitting shell's environment to the job (its default,
 ``--export=ALL``); the script exports only what ``JobSpec.env`` (``submit --env KEY=VALUE``)
-names, and ``PYTHONPATH``. Nothing else is forced ([Note: launch environment] in
+names, and ``PYTHONPATH``, and passes the same pairs to the driver or ``launch_cmd`` as ``--env``,
+where they win over the case's ENV_VARS. Nothing else is forced ([Note: launch environment] in
 hfsdp/launch/env.py).
 """
 
