@@ -15,6 +15,11 @@ Killing only the direct child is not enough: torchrun's workers then keep runnin
 GPUs and the output pipe (``subprocess.run(timeout=...)`` does exactly that). The same end
 (steps 3-5) is applied when the leader exits on its own but left processes behind.
 
+A SIGTERM to the launcher itself (a job's time limit, ``scancel``, ``srun`` ending a step after
+another node failed) would kill it and leave the run's own session behind. Inside
+:func:`sigterm_ends_runs` it raises :class:`Terminated` instead, and :func:`run_group` applies
+steps 1-5 to its run before passing it on.
+
 With a timeout, the child also gets ``HFSDP_STACK_DUMP_AFTER_S`` (unless the caller set it):
 ranks dump their stacks on their own a little before the deadline, even where no signal
 reaches them. Nothing else in the caller's environment is changed.
@@ -27,7 +32,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -50,6 +56,31 @@ class GroupResult:
     seconds: float
     signals: list[str] = field(default_factory=list)  # what was sent, in order, e.g. USR1, TERM
     stragglers: list[int] = field(default_factory=list)  # pids still alive after the leader ended
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the launcher (inside :func:`sigterm_ends_runs`). A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` swallows it on the way out."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextmanager
+def sigterm_ends_runs() -> Iterator[None]:
+    """While active (main thread only), SIGTERM raises :class:`Terminated` in the main thread, so
+    a :func:`run_group` in progress ends its whole run before the launcher exits."""
+
+    def stop(signum: int, _frame: object) -> None:
+        signal.signal(signum, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _state(pid: int) -> tuple[str, int, int] | None:
@@ -217,9 +248,14 @@ def run_group(
         reader.start()
     try:
         proc.wait()
-    except BaseException:  # Ctrl-C reaches only us (the group has its own session): end it too
+    except BaseException as exc:  # Ctrl-C or SIGTERM reaches only us (the group has its own session)
         finished.set()
+        watcher.join()
+        if isinstance(exc, Terminated):  # a time limit, say: the stacks show where the run was
+            group.ask_for_stacks(signals, stack_grace_s)
         group.end(signals, term_grace_s)
+        if reader is not None:
+            reader.join(timeout=DRAIN_S)  # the last lines (the stacks) reach on_line
         raise
     finished.set()
     watcher.join()

@@ -8,11 +8,16 @@ a tiny embedding/linear LM over those batches. It prints Megatron-format iterati
 functional driver parses and judges it exactly like a GPU run.
 
 Run under torchrun. ``HFSDP_SMOKE_FAIL_RANK=<r>`` makes rank ``r`` raise at iteration 2 (the
-designed-to-fail case: a failing rank must fail the job).
+designed-to-fail case: a failing rank must fail the job). ``HFSDP_SMOKE_STALL_S=<s>`` makes every
+rank sleep ``s`` seconds before iteration 2, after printing ``smoke: rank R stalls``: a run that
+outlives its time limit, or one whose rank is killed while the others wait. Collectives give up
+after ``HFSDP_SMOKE_GLOO_TIMEOUT_S`` (default 120) seconds, so a rank that waits on a dead peer
+fails rather than hangs.
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import os
 import sys
@@ -28,8 +33,12 @@ def _log_line(iteration: int, total: int, consumed: int, ms: float, loss: float)
 
 
 def main() -> None:
+    from hfsdp.diagnostics import install_stack_dump_signal
+
+    install_stack_dump_signal()  # a stalled run shows where each rank was when its launcher ends it
     os.environ.setdefault("HFSDP_SKIP_FORK_GUARD", "1")  # CPU smoke may use a pristine tree
-    torch.distributed.init_process_group("gloo")
+    gloo_timeout_s = float(os.environ.get("HFSDP_SMOKE_GLOO_TIMEOUT_S", "120"))
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=gloo_timeout_s))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     try:
         from hfsdp.training.entry import parse_args
@@ -59,6 +68,7 @@ def main() -> None:
         lm = torch.nn.Sequential(torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab))
         opt = torch.optim.SGD(lm.parameters(), lr=0.5)
         fail_rank = os.environ.get("HFSDP_SMOKE_FAIL_RANK")
+        stall_s = float(os.environ.get("HFSDP_SMOKE_STALL_S", "0"))
         # A fixed micro-batch per rank: loss must go down if the loop really trains.
         idx = [rank * mbs + j for j in range(mbs)]
         tokens = torch.stack([torch.as_tensor(train[i]["tokens"]) for i in idx]).long()
@@ -67,6 +77,9 @@ def main() -> None:
             start = time.perf_counter()
             if fail_rank is not None and int(fail_rank) == rank and it == 2:
                 raise RuntimeError(f"HFSDP_SMOKE_FAIL_RANK={fail_rank}: designed failure on rank {rank}")
+            if stall_s > 0 and it == 2:
+                print(f"smoke: rank {rank} stalls {stall_s:g} s before iteration 2 (HFSDP_SMOKE_STALL_S)", flush=True)
+                time.sleep(stall_s)
             logits = lm(tokens)
             loss = torch.nn.functional.cross_entropy(logits.view(-1, vocab), labels.view(-1))
             opt.zero_grad()

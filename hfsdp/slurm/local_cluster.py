@@ -1,14 +1,20 @@
-"""A throw-away one-node Slurm cluster for CI: our generated sbatch jobs run under a real scheduler
-(tests/unit_tests/slurm/test_slurm_cluster.py, opt-in with ``HFSDP_SLURM_CI=1``).
+"""A throw-away Slurm cluster of one or more nodes on this one host, for CI: our generated sbatch
+jobs run under a real scheduler (tests/unit_tests/slurm/test_slurm_cluster.py, opt-in with
+``HFSDP_SLURM_CI=1``).
 
 It runs where a CI job runs: as root in a container, with no systemd and no cgroup control.
 Debian's ``slurm-wlm`` + ``munge`` (installed with apt when missing); config, state and logs in a
 temp directory; ``munged`` started by hand (as the ``munge`` user) when ``munge -n | unmunge``
-does not already work, with a fresh key if none is there; ``slurmctld``/``slurmd`` started with
-``-f <conf>`` as root and stopped by their pid files. The configuration asks for nothing a
-container lacks: processes tracked by ``proctrack/linuxproc`` (no cgroups), no task plugin, one
-node whose CPUs are this machine's, free ports picked at start. Accounting is off, so results
-come from ``scontrol`` and job output files.
+does not already work, with a fresh key if none is there; ``slurmctld`` and one ``slurmd`` per
+node started with ``-f <conf>`` as root (``slurmd -N n<k>``: several slurmd daemons share one
+host, one per node name) and stopped by their pid files. Nodes are ``n1`` .. ``n<N>``: each has
+its own ``Port=``, all share ``NodeHostname=<this host>`` and ``NodeAddr=127.0.0.1``, and each
+advertises this machine's CPUs, so the nodes' jobs share the real cores. A node name does not
+resolve as a host, so a job must take a node's address from Slurm (``scontrol show node``), as
+the sbatch scripts do. Spool, pid and log paths carry ``%n`` (the node name). The configuration
+asks for nothing a container lacks: processes tracked by ``proctrack/linuxproc`` (no cgroups), no
+task plugin, no GPUs (no ``Gres``), free ports picked at start. Accounting is off, so results come
+from ``scontrol`` and job output files.
 """
 
 from __future__ import annotations
@@ -81,11 +87,21 @@ def _kill_pidfile(path: Path) -> None:
 
 
 class LocalCluster:
-    """Context manager: ``with LocalCluster(tmp) as c: subprocess.run([...], env=c.env)``."""
+    """Context manager: ``with LocalCluster(tmp, nodes=4) as c: subprocess.run([...], env=c.env)``.
 
-    def __init__(self, workdir: Path) -> None:
+    ``partitions`` maps a partition's name to its node count (its nodes are the first ones);
+    the first partition is the default. Default: one partition ``ci`` of all nodes.
+    """
+
+    def __init__(self, workdir: Path, nodes: int = 1, partitions: Mapping[str, int] | None = None) -> None:
+        if nodes < 1:
+            raise ValueError(f"a cluster needs at least one node, not {nodes}")
         self.workdir = Path(workdir)
         self.host = socket.gethostname().split(".")[0]
+        self.nodes = [f"n{k}" for k in range(1, nodes + 1)]
+        self.partitions = dict(partitions or {"ci": nodes})
+        if bad := {p: n for p, n in self.partitions.items() if not 1 <= n <= nodes}:
+            raise ValueError(f"partitions {bad} need 1 to {nodes} nodes")
         self.conf = self.workdir / "slurm.conf"
         self._started_munged = False
         self.env = with_sbin({**os.environ, "SLURM_CONF": str(self.conf)})
@@ -105,18 +121,31 @@ class LocalCluster:
 
     def start(self) -> None:
         self._start_munge()
-        for sub in ("state", "spool"):
+        for sub in ("state", *(f"spool/{n}" for n in self.nodes)):
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
         self.conf.write_text(self._slurm_conf())
-        for daemon in ("slurmctld", "slurmd"):
-            proc = _run([daemon, "-f", str(self.conf)], env=self.env)
+        for cmd in (["slurmctld"], *(["slurmd", "-N", n] for n in self.nodes)):
+            proc = _run([*cmd, "-f", str(self.conf)], env=self.env)
             if proc.returncode != 0:
-                raise RuntimeError(f"{daemon} failed to start: {proc.stderr}\n{self.logs()}")
+                raise RuntimeError(f"{' '.join(cmd)} failed to start: {proc.stderr}\n{self.logs()}")
         self.wait_idle()
+
+    def pids(self) -> dict[str, int]:
+        """The daemons we started that are still alive, by name: slurmctld, slurmd-n1, ..."""
+        found = {}
+        for name in ("slurmctld", *(f"slurmd-{n}" for n in self.nodes)):
+            try:
+                pid = int((self.workdir / f"{name}.pid").read_text().strip())
+                os.kill(pid, 0)
+            except (OSError, ValueError):
+                continue
+            found[name] = pid
+        return found
 
     def stop(self) -> None:
         """Stop what we started, by pid file; safe to call twice."""
-        _kill_pidfile(self.workdir / "slurmd.pid")
+        for node in self.nodes:
+            _kill_pidfile(self.workdir / f"slurmd-{node}.pid")
         _kill_pidfile(self.workdir / "slurmctld.pid")
         if self._started_munged:
             _kill_pidfile(Path("/run/munge/munged.pid"))
@@ -168,30 +197,35 @@ class LocalCluster:
             "ReturnToService=2",
             "MinJobAge=3600",
             f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
             f"StateSaveLocation={w / 'state'}",
-            f"SlurmdSpoolDir={w / 'spool'}",
+            f"SlurmdSpoolDir={w / 'spool'}/%n",
             f"SlurmctldPidFile={w / 'slurmctld.pid'}",
-            f"SlurmdPidFile={w / 'slurmd.pid'}",
+            f"SlurmdPidFile={w / 'slurmd'}-%n.pid",
             f"SlurmctldLogFile={w / 'slurmctld.log'}",
-            f"SlurmdLogFile={w / 'slurmd.log'}",
-            f"NodeName={self.host} CPUs={os.cpu_count() or 1} State=UNKNOWN",
-            f"PartitionName=ci Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
+            f"SlurmdLogFile={w / 'slurmd'}-%n.log",
+            *(f"NodeName={n} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={_free_port()} "
+              f"CPUs={os.cpu_count() or 1} State=UNKNOWN" for n in self.nodes),
+            *(f"PartitionName={name} Nodes={','.join(self.nodes[:count])} Default={'YES' if k == 0 else 'NO'} "
+              "MaxTime=INFINITE State=UP" for k, (name, count) in enumerate(self.partitions.items())),
             "",
         ])
 
     def wait_idle(self, timeout_s: float = 60) -> None:
+        """Wait until every node is idle."""
         deadline = time.monotonic() + timeout_s
+        states: list[str] = []
         while time.monotonic() < deadline:
-            proc = _run(["sinfo", "-h", "-o", "%t"], env=self.env)
-            if proc.returncode == 0 and "idle" in proc.stdout:
+            proc = _run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env)
+            states = sorted(set(proc.stdout.split("\n"))) if proc.returncode == 0 else []
+            idle = {line.split()[0] for line in states if line.strip().endswith(" idle")}
+            if idle >= set(self.nodes):
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"node never became idle\n{self.logs()}")
+        raise RuntimeError(f"nodes never became idle: {states}\n{self.logs()}")
 
     def logs(self) -> str:
         parts = []
-        for name in ("slurmctld.log", "slurmd.log"):
+        for name in ("slurmctld.log", *(f"slurmd-{n}.log" for n in self.nodes)):
             path = self.workdir / name
             if path.is_file():
                 parts.append(f"--- {name}\n" + path.read_text(errors="replace")[-3000:])

@@ -16,6 +16,8 @@ class JobInfo:
     state: str  # JobState, e.g. COMPLETED / FAILED / RUNNING; UNKNOWN when scontrol forgot it
     exit_code: str  # "rc:signal", e.g. "0:0" or "3:0"
     std_out: str | None
+    reason: str = "None"  # Slurm's Reason, e.g. NonZeroExitCode, TimeLimit
+    node_list: str = ""
 
     @property
     def finished(self) -> bool:
@@ -44,4 +46,5 @@ def show_job(job_id: int, env: dict[str, str] | None = None) -> JobInfo:
     if proc.returncode != 0 or "JobId=" not in proc.stdout:
         return JobInfo(job_id, "UNKNOWN", "?", None)
     f = parse_show_job(proc.stdout)
-    return JobInfo(job_id, f.get("JobState", "UNKNOWN"), f.get("ExitCode", "?"), f.get("StdOut"))
+    return JobInfo(job_id, f.get("JobState", "UNKNOWN"), f.get("ExitCode", "?"), f.get("StdOut"),
+                   f.get("Reason", "None"), f.get("NodeList", ""))

@@ -2,20 +2,23 @@
 
     python -m hfsdp.slurm.submit <case_dir>... --log-dir DIR [--nodes 1] [--gpus-per-node 2]
         [--time 30] [--launcher torchrun|srun] [--partition P] [--cpu] [--record] [--dry-run]
-        [--env KEY=VALUE ...]
+        [--ranks-per-gpu N] [--env KEY=VALUE ...]
 
 Every case and every limit is checked before anything is written: a bad one refuses the whole
 submission with a sentence (exit 2). Then, per case, ``DIR/<job>.sbatch`` is written and
 submitted, and ``{job_id, case, script, stdout}`` is added to ``DIR/jobs.json`` (rewritten in one
 step after each submission, so it always lists exactly the jobs that exist), which
 ``python -m hfsdp.slurm.summary --log-dir DIR`` reads. Jobs get the submitting environment
-(sbatch's default) plus ``--env``.
+(sbatch's default) plus ``--env``, which also wins over the case's ENV_VARS (it reaches the
+driver and the ranks as their own ``--env``). ``--ranks-per-gpu N`` (one node, GPUs) starts N
+ranks on each of the ``--gpus-per-node`` GPUs, as the launcher of the same name does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,11 +26,14 @@ from pathlib import Path
 from hfsdp.atomic import write_text_atomic
 from hfsdp.functional.recipe import load_recipe
 from hfsdp.launch.env import add_env_option, parse_assignments
+from hfsdp.launch.torchrun import add_ranks_per_gpu_option
 from hfsdp.slurm.sbatch import JobSpec, write_sbatch
 from hfsdp.usererror import UserError, positive, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = "jobs.json"
+# What sbatch says when the partition has no GPUs (generic resources) of the kind asked for.
+_NO_GRES = re.compile(r"\bgres\b|generic resource", re.IGNORECASE)
 _ENTRY_KEYS = {"case": str, "script": str}
 
 
@@ -52,10 +58,25 @@ def load_manifest(log_dir: Path, required: bool = False) -> list[dict]:
     return entries
 
 
+def check_log_dir(log_dir: Path) -> None:
+    """Refuse a ``--log-dir`` that is, or lies under, something other than a folder."""
+    for folder in (log_dir, *log_dir.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                what = "is a file" if folder == log_dir else f"lies under {folder}, which is a file"
+                raise UserError(f"--log-dir {log_dir} {what}; the job scripts and outputs go into a folder",
+                                "pass a folder (new or existing) for --log-dir")
+            break
+
+
 def submit(spec: JobSpec, dry_run: bool = False) -> dict:
     """Write and (unless ``dry_run``) sbatch one job; returns its manifest entry."""
     manifest = load_manifest(spec.log_dir)
-    script = write_sbatch(spec)
+    try:
+        script = write_sbatch(spec)
+    except OSError as exc:
+        raise UserError(f"--log-dir {spec.log_dir} cannot take the job script: {exc.strerror or exc}",
+                        "pass a folder you can write to for --log-dir") from exc
     entry: dict[str, str | int | None] = {
         "case": str(spec.case_dir), "script": str(script), "job_id": None, "stdout": None,
     }
@@ -67,7 +88,13 @@ def submit(spec: JobSpec, dry_run: bool = False) -> dict:
                             f"{script} but not submitted",
                             "run on a SLURM login node, or pass --dry-run to only write the scripts") from None
         if proc.returncode != 0:
-            raise UserError(f"sbatch {script} failed: {proc.stderr.strip()}",
+            said = " ".join(proc.stderr.replace("sbatch: error: ", "").split())
+            if spec.use_gpus and _NO_GRES.search(said):
+                raise UserError(f"the cluster has no GPUs (GRES) to give the {spec.gpus_per_node} GPUs per node "
+                                f"that {spec.job_name} asks for (sbatch: {said!r}); the script was written to "
+                                f"{script} but not submitted",
+                                "submit GPU cases on a partition with GPUs, or pass --cpu for the CPU smoke cases")
+            raise UserError(f"sbatch {script} failed: {said}",
                             "fix what sbatch reports (partition, account, limits) and submit again")
         job_id = int(proc.stdout.strip().split(";")[0])
         entry["job_id"] = job_id
@@ -91,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="write scripts, do not sbatch")
+    add_ranks_per_gpu_option(parser)
     add_env_option(parser)
     return parser
 
@@ -100,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         log_dir = ns.log_dir.resolve()
+        check_log_dir(log_dir)
         env = parse_assignments(ns.env)
         specs = []
         for case in ns.cases:  # check everything first: a bad case or limit writes nothing
@@ -112,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 gpus_per_node=ns.gpus_per_node, time_limit_min=ns.time,
                 exit_buffer_min=ns.exit_buffer_min, launcher=ns.launcher, partition=ns.partition,
                 account=ns.account, use_gpus=not ns.cpu, python=ns.python, record=ns.record, env=env,
+                ranks_per_gpu=ns.ranks_per_gpu,
             )
             spec.validate()
             specs.append(spec)

@@ -82,7 +82,10 @@ def test_sbatch_job_gets_the_callers_environment(tmp_path, env_opt, expected):
                           python=str(fake_python), env=env_opt)
     script = sbatch.write_sbatch(spec)
     mentions = re.findall(r".*(?:NVLS|MULTICAST).*", script.read_text())
-    assert mentions == (["export NCCL_NVLS_ENABLE=0"] if env_opt else [])  # only what --env named
+    # Only what --env named: exported, and passed to the driver (where it wins over ENV_VARS).
+    assert [m.split(" --")[0] for m in mentions] == (
+        ["export NCCL_NVLS_ENABLE=0", 'RUN_CASE=("$PY" -m hfsdp.functional.run_case "$CASE"'] if env_opt else [])
+    assert not env_opt or "--env NCCL_NVLS_ENABLE=0 --env 'X=a b')" in mentions[1]
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "NCCL_NVLS_ENABLE": "1",
            "FAKE_OUT": str(tmp_path / "seen"), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost",
            "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0"}

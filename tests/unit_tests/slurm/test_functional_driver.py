@@ -402,3 +402,96 @@ def test_compare_to_a_twin_that_crashed_after_training_fails(tmp_path: Path, twi
     assert result.status == status, result.reasons
     if status == "FAIL":
         assert any("is no reference" in r and "exit" in r for r in result.reasons), result.reasons
+
+
+@pytest.mark.parametrize(("node_rank", "log", "status"), [
+    (0, "rank 0: training\n", "PASS"),  # Megatron logs the loss on the last rank only
+    (0, "rank 0: training\nTraceback (most recent call last):\n", "FAIL"),  # log_absent still holds
+    (1, "rank 2: training\n", "FAIL"),  # the last node judges the loss: none logged
+    (1, LOG, "PASS"),
+])
+def test_only_the_last_node_judges_the_loss(tmp_path: Path, node_rank: int, log: str, status: str) -> None:
+    """With torchrun per node, the nodes before the last log no loss; their verdict is their exit
+    status and the log patterns (every node of a multi-node job once FAILed but the last)."""
+    from hfsdp.functional.run_case import run_case
+
+    case = tmp_path / "cases" / "smoke" / "two_nodes"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(
+        "TRAINING_SCRIPT: -m x\nNPROC: 1\nTEST_TYPE: smoke\nREQUIRE_GOLDEN: false\nMETRICS:\n  - lm loss\n"
+        "CHECKS:\n  min_iterations: 3\n  loss_decreases: true\n  log_absent:\n    - Traceback\n"
+        "MODEL_ARGS:\n  --train-iters: 3\n")
+    (tmp_path / "run.log").write_text(log)
+    launch = Launch(nproc=1, nnodes=2, node_rank=node_rank, master_port=29500)
+    result = run_case(case, launch=launch, output_root=tmp_path / "out", evaluate_log=tmp_path / "run.log")
+    assert result.status == status, result.reasons
+
+
+def test_sigterm_to_the_driver_ends_its_run_and_fails_the_case(tmp_path: Path) -> None:
+    """A job's time limit, scancel or srun's --kill-on-bad-exit sends the driver SIGTERM. The run
+    (torchrun and its ranks, in their own session) must end with it, and the case FAIL saying why;
+    the driver once died at once and left the ranks running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "rank.pid"
+    trainer = tmp_path / "sleeper.py"
+    trainer.write_text(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
+    case = tmp_path / "cases" / "smoke" / "sleeper"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(
+        f"TRAINING_SCRIPT: {trainer}\nNPROC: 1\nTEST_TYPE: smoke\nREQUIRE_GOLDEN: false\n"
+        "METRICS:\n  - lm loss\nMODEL_ARGS:\n  --train-iters: 3\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    driver = subprocess.Popen([sys.executable, "-m", "hfsdp.functional.run_case", str(case), "--output-dir",
+                               str(tmp_path / "out")], cwd=REPO_ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pidfile.is_file() and pidfile.read_text()) and time.monotonic() < deadline:
+            assert driver.poll() is None, driver.communicate()[0]
+            time.sleep(0.1)
+        rank = int(pidfile.read_text())
+        driver.send_signal(signal.SIGTERM)
+        out, _ = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM" in out and "HFSDP-FUNCTIONAL RESULT smoke/sleeper: FAIL" in out, out
+    gone = time.monotonic() + 5
+    while Path(f"/proc/{rank}").exists() and time.monotonic() < gone:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{rank}").exists(), f"rank {rank} outlived the driver:\n{out}"
+
+
+# What a node's torchrun agent logged in a 4-node CI job after every rank had passed.
+EXIT_BARRIER_RACE = """\
+E0101 00:00:01.000000 442 torch/distributed/elastic/agent/server/api.py:1008] Error waiting on exit barrier. Elapsed: 0.0275 seconds
+E0101 00:00:01.000000 442 torch/distributed/elastic/agent/server/api.py:1008] Traceback (most recent call last):
+E0101 00:00:01.000000 442 torch/distributed/elastic/agent/server/api.py:1008]   File "torch/distributed/elastic/agent/server/api.py", line 994, in _exit_barrier
+E0101 00:00:01.000000 442 torch/distributed/elastic/agent/server/api.py:1008]     store.wait([last_member_key])
+E0101 00:00:01.000000 442 torch/distributed/elastic/agent/server/api.py:1008] torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?
+"""
+
+
+@pytest.mark.parametrize(("extra", "status"), [
+    (EXIT_BARRIER_RACE, "PASS"),  # torchrun's own race after the ranks finished: not the run's failure
+    (EXIT_BARRIER_RACE + "Traceback (most recent call last):\n  File \"x.py\"\nValueError: rank 3\n", "FAIL"),
+])
+def test_torchruns_exit_barrier_race_is_not_a_forbidden_traceback(tmp_path: Path, extra: str, status: str) -> None:
+    """A 4-node job once FAILed on a node whose ranks all passed: its torchrun agent logged the
+    exit-barrier race (the first node's agent, which holds the store, had left), with a traceback."""
+    from hfsdp.functional.run_case import run_case
+
+    case = tmp_path / "cases" / "smoke" / "race"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(
+        "TRAINING_SCRIPT: -m x\nNPROC: 1\nTEST_TYPE: smoke\nREQUIRE_GOLDEN: false\nMETRICS:\n  - lm loss\n"
+        "CHECKS:\n  min_iterations: 3\n  log_absent:\n    - Traceback\nMODEL_ARGS:\n  --train-iters: 3\n")
+    (tmp_path / "run.log").write_text(LOG + extra)
+    result = run_case(case, output_root=tmp_path / "out", evaluate_log=tmp_path / "run.log")
+    assert result.status == status, result.reasons

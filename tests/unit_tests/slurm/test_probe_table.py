@@ -1,0 +1,93 @@
+"""Bad input to the Slurm tools, one row each: the input, the exit status, a fragment of the one
+sentence that says why. No row may print a traceback, and a refused submission writes nothing.
+
+``{file}`` is an existing regular file, ``{dry}`` a log folder written by ``submit --dry-run``,
+``{empty}`` one whose jobs.json lists no jobs, ``{tmp}`` a fresh folder; ``{case}`` is the CPU
+smoke case. Rows marked ``gres`` run with a stand-in ``sbatch`` that answers as a cluster without
+GPUs does.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CASE = REPO_ROOT / "tests/functional_tests/test_cases/smoke/cpu_gloo_smoke"
+SUBMIT, SUMMARY, LAUNCH_CMD = "hfsdp.slurm.submit", "hfsdp.slurm.summary", "hfsdp.slurm.launch_cmd"
+
+# (module, arguments, exit status, fragment of the message on stderr)
+ROWS = [
+    (SUBMIT, "{case} --dry-run --log-dir {file}", 2, "is a file"),
+    (SUBMIT, "{case} --dry-run --log-dir {file}/logs", 2, "which is a file"),
+    (SUBMIT, "{case} --dry-run --log-dir /proc/hfsdp-logs", 2, "cannot take the job script"),
+    (SUBMIT, "{case} --dry-run --log-dir {tmp}/a\tb", 2, "holds white space"),
+    (SUBMIT, "{case} --dry-run --log-dir {tmp}/logs --partition a\nb", 2, "is not a Slurm name"),
+    (SUBMIT, "{case} --dry-run --log-dir {tmp}/logs --account x\ty", 2, "is not a Slurm name"),
+    (SUBMIT, "{case} --dry-run --log-dir {tmp}/logs --python ", 2, "names no program"),
+    (SUBMIT, "{case} --dry-run --log-dir {tmp}/logs --nodes 2 --ranks-per-gpu 2", 2, "runs on one host only"),
+    (SUBMIT, "{case} --dry-run --log-dir {tmp}/logs --cpu --ranks-per-gpu 2", 2, "--cpu asks for none"),
+    (SUBMIT, "{case} --dry-run --log-dir {tmp}/logs --ranks-per-gpu 0", 2, "must be > 0"),
+    (SUBMIT, "{case} --dry-run --log-dir {tmp}/logs --time 1", 2, "leaves no room"),
+    (SUBMIT, "{tmp}/no_case --dry-run --log-dir {tmp}/logs", 2, "is not a test case"),
+    (SUBMIT, "{case} --log-dir {tmp}/logs gres", 2, "has no GPUs (GRES) to give"),
+    (SUMMARY, "--log-dir {dry}", 2, "nothing ran"),
+    (SUMMARY, "--log-dir {empty}", 2, "lists no jobs: nothing ran"),
+    (SUMMARY, "--log-dir {tmp}/nowhere", 2, "no jobs.json"),
+    (SUMMARY, "--log-dir {file}", 2, "no jobs.json"),
+    (SUMMARY, "--log-dir {dry} --wait -1", 2, "must be >= 0"),
+    (SUMMARY, "--log-dir {dry} --wait nan", 2, "must be >= 0"),
+    (LAUNCH_CMD, "{tmp}/no_case", 2, "is not a test case"),
+]
+
+# What sbatch says on a cluster without GPUs when a job asks for some.
+NO_GRES_SBATCH = """#!/bin/sh
+echo "sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification" >&2
+exit 1
+"""
+
+
+def _argv(template: str, places: dict[str, str]) -> list[str]:
+    # Split on spaces only: a row's tab or newline stays inside its argument.
+    return [part.format(**places) for part in template.split(" ")]
+
+
+@pytest.mark.parametrize(("module", "args", "status", "fragment"), ROWS,
+                         ids=[f"{m.rsplit('.', 1)[1]}:{a}" for m, a, _, _ in ROWS])
+def test_bad_input_is_one_sentence(tmp_path: Path, module: str, args: str, status: int, fragment: str) -> None:
+    afile = tmp_path / "a-file"
+    afile.write_text("not a folder\n")
+    dry, empty = tmp_path / "dry", tmp_path / "empty"
+    made = subprocess.run([sys.executable, "-m", SUBMIT, str(CASE), "--dry-run", "--log-dir", str(dry)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    empty.mkdir()
+    (empty / "jobs.json").write_text("[]\n")
+    places = {"case": str(CASE), "file": str(afile), "dry": str(dry), "empty": str(empty), "tmp": str(tmp_path)}
+    argv = _argv(args, places)
+    env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
+    if argv[-1] == "gres":
+        argv.pop()
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "sbatch").write_text(NO_GRES_SBATCH)
+        (bin_dir / "sbatch").chmod(0o755)
+        env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == status, proc.stdout + proc.stderr
+    assert fragment in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    prog = module.rsplit(".", 1)[1]
+    assert [ln for ln in proc.stderr.splitlines() if "error:" in ln] == [
+        next(ln for ln in proc.stderr.splitlines() if ln.startswith(f"{prog}: error:"))], proc.stderr  # one
+    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    scripts = [p for p in written if p.suffix == ".sbatch" and p not in before]
+    new = [p for p in written if p not in before and p not in scripts and not any(p in s.parents for s in scripts)]
+    assert not new, new  # nothing but the script sbatch refused (named in the message) is written
+    assert not scripts or str(tmp_path / scripts[0]) in proc.stderr, proc.stderr
