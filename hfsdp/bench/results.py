@@ -7,10 +7,11 @@ a configuration's summary takes the median over its runs of each run's median st
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from hfsdp.atomic import write_json_atomic
 
 BASELINE = "no_db"
 MIB = 2**20
@@ -267,9 +268,8 @@ def to_json(summaries: Sequence[ConfigSummary], runs: Sequence[RunResult],
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
-        f.write("\n")
+    """The results document as strict JSON, in one step ([Note: strict JSON] in hfsdp/atomic.py)."""
+    write_json_atomic(path, doc)
 
 
 def run_from_dict(d: dict[str, Any]) -> RunResult:

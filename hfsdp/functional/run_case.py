@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hfsdp import proc
+from hfsdp.atomic import write_json_atomic
 from hfsdp.functional import golden, logparse, outdir
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch import fit, torchrun
@@ -358,7 +359,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     golden_path = recipe.golden_path(environment, platform)
     if launch.nnodes > 1 and launch.node_rank != launch.nnodes - 1:
         # Megatron prints the loss on the last rank only; other nodes report their exit status.
-        (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
+        write_json_atomic(out / "result.json", asdict(result), indent=2, sort_keys=False)
         return result
     # Cross-case checks come first: a golden is recorded only from a run that passed them all.
     other = compare_to or (recipe.case_dir / recipe.compare_to if recipe.compare_to else None)
@@ -415,7 +416,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     elif recipe.require_golden and at_recipe_size:
         result.fail(f"no golden {golden_path.name}; record one with --record on {platform}")
 
-    (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
+    write_json_atomic(out / "result.json", asdict(result), indent=2, sort_keys=False)
     return result
 
 

@@ -12,12 +12,12 @@ sentence and exit status 2 (``HFSDP_DEBUG=1`` for the trace).
 
 from __future__ import annotations
 
-import json
 import sys
 import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from hfsdp.atomic import write_json_atomic
 from hfsdp.planner import layout as layout_mod
 from hfsdp.planner import model as model_mod
 from hfsdp.planner import report, setup
@@ -99,7 +99,6 @@ def _main(argv: list[str]) -> int:
     lay, results = plan_from_args(args)
     print("\n".join(report.format_report(lay, results)))
     if args.plan_json:
-        with open(args.plan_json, "w") as f:
-            json.dump(report.report_dict(lay, results), f, indent=1, sort_keys=True)
+        write_json_atomic(args.plan_json, report.report_dict(lay, results))
         print(f"fsdp_memory_planner: wrote the plan as JSON to {args.plan_json}.")
     return 0

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hfsdp.atomic import write_text_atomic
+from hfsdp.atomic import write_json_atomic
 from hfsdp.functional.recipe import load_recipe
 from hfsdp.launch.env import add_env_option, parse_assignments
 from hfsdp.slurm.sbatch import JobSpec, write_sbatch
@@ -72,7 +72,7 @@ def submit(spec: JobSpec, dry_run: bool = False) -> dict:
         job_id = int(proc.stdout.strip().split(";")[0])
         entry["job_id"] = job_id
         entry["stdout"] = str(spec.log_dir / f"{spec.job_name}-{job_id}.out")
-    write_text_atomic(spec.log_dir / MANIFEST, json.dumps(manifest + [entry], indent=2) + "\n")
+    write_json_atomic(spec.log_dir / MANIFEST, manifest + [entry], indent=2, sort_keys=False)
     return entry
 
 

@@ -17,6 +17,8 @@ import os
 import weakref
 from typing import Any
 
+from hfsdp.atomic import write_json_atomic
+
 ENV = "HFSDP_RUN_REPORT"
 # Megatron-FSDP's named global buffers that belong to double-buffer pools.
 POOL_PREFIXES = ("fsdp_params", "fsdp_fp8_transpose_params", "fsdp_grads", "hsdp_grad_comm")
@@ -103,11 +105,7 @@ def write_if_requested() -> str | None:
         return None
     out = rank_path(path, int(os.environ.get("RANK", "0")))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = f"{out}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(collect(), f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, out)  # a reader never sees half a report
+    write_json_atomic(out, collect())  # a reader never sees half a report
     return out
 
 
