@@ -456,9 +456,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--evaluate-log", type=Path, default=None,
                         help="judge this existing log instead of launching (srun-per-GPU mode)")
     add_env_option(parser)
-    ns = parser.parse_args(argv)
 
     def run() -> int:
+        ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         extra_env = parse_assignments(ns.env)
         recipe = load_recipe(ns.case_dir)
         port = ns.master_port if ns.master_port is not None else env_port(os.environ)

@@ -189,10 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    project = Project(args.root.resolve()) if args.root else Project.default()
-
     def run() -> int:
+        args = build_parser().parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
+        project = Project(args.root.resolve()) if args.root else Project.default()
         if not (project.patches_dir / "series").is_file() and not (project.patches_dir / "base.toml").is_file():
             raise PatchsetError(f"{project.root} is not a checkout of this project (no patches/series or "
                                 "patches/base.toml)", "pass the checkout with --root, or run scripts/patchset from it")

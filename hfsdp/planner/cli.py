@@ -12,9 +12,11 @@ sentence and exit status 2 (``HFSDP_DEBUG=1`` for the trace).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hfsdp.atomic import write_json_atomic
@@ -92,7 +94,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli("fsdp_memory_planner", lambda: _main(list(sys.argv[1:] if argv is None else argv)))
 
 
+@contextlib.contextmanager
+def logs_to_stderr() -> Iterator[None]:
+    """Megatron's training module logs to stdout (``log_handler.CustomHandler``); the planner's
+    stdout is the plan alone, so that ``planner > plan.txt`` and ``planner | head`` get the plan,
+    while Megatron's log lines go to stderr with our notes."""
+    import megatron.training.training  # noqa: F401 (installs the handler at import)
+
+    moved = [(h, h.stream) for h in logging.getLogger().handlers
+             if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.__stdout__)]
+    for handler, _ in moved:
+        handler.setStream(sys.stderr)
+    try:
+        yield
+    finally:
+        for handler, stream in moved:
+            handler.setStream(stream)
+
+
 def _main(argv: list[str]) -> int:
+    with logs_to_stderr():
+        return _plan(argv)
+
+
+def _plan(argv: list[str]) -> int:
     args = setup.parse_flags(setup.model_argv(argv))
     print(f"fsdp_memory_planner: {setup.plan_note(argv, args)}", file=sys.stderr, flush=True)
     args = setup.validate(args)

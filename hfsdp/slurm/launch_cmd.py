@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("case_dir", type=Path)
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--exit-duration-in-mins", type=float, default=None)
-    ns = parser.parse_args(argv)
 
     def run() -> int:
+        ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         args = command(ns.case_dir, ns.output_dir, ns.exit_duration_in_mins)
         if bad := [a for a in args if "\n" in a]:
             raise UserError(f"argument {bad[0]!r} holds a newline and cannot be passed one per line",

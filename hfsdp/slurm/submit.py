@@ -96,9 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-
     def run() -> int:
+        ns = build_parser().parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         log_dir = ns.log_dir.resolve()
         env = parse_assignments(ns.env)
         specs = []
