@@ -52,21 +52,61 @@ class UserError(Exception):
         super().__init__(f"{cause}\n  -> {fix}")
 
 
-def positive(kind: type = int) -> Callable[[str], object]:
-    """argparse ``type=``: a number of ``kind`` that is > 0 (argparse then says which option is wrong)."""
+def positive(kind: type = int, *, zero: bool = False) -> Callable[[str], object]:
+    """argparse ``type=``: a number of ``kind`` that is > 0 (>= 0 with ``zero``; argparse then says
+    which option is wrong). NaN and infinities are refused: no count or size is either."""
     import argparse
+    import math
 
     def parse(text: str) -> object:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not math.isfinite(value) or not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero else '> 0'}, got {text}")
         return value
 
-    parse.__name__ = f"positive {kind.__name__}"
+    parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}"
     return parse
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def output_file(option: str, path: str | Path) -> None:
+    """Refuse, before any work, a file ``option`` could not write: a folder, a path through a file,
+    a folder we may not write to. Missing folders on the way are fine (they are made)."""
+    fix = f"give {option} a file in a folder you can write to"
+    if not str(path):
+        raise UserError(f"{option} is empty", fix)
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{option} {path} is a folder, not a file", fix)
+    _check_parent(option, path, fix)
+
+
+def output_folder(option: str, path: str | Path) -> None:
+    """Refuse, before any work, a folder ``option`` could not make or fill (see :func:`output_file`)."""
+    fix = f"give {option} a folder you can write to (it is made if missing)"
+    if not str(path):
+        raise UserError(f"{option} is empty", fix)
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{option} {path} is a file, not a folder", fix)
+    _check_parent(option, path / "x", fix)
+
+
+def _check_parent(option: str, path: Path, fix: str) -> None:
+    existing = _nearest_existing(path.parent)
+    if not existing.is_dir():
+        raise UserError(f"{option} {path} lies under {existing}, which is a file", fix)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {path}: {existing} is not writable", fix)
 
 
 def rejection(exc: BaseException, what: str, fix: str) -> UserError:

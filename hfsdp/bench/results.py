@@ -127,11 +127,16 @@ def summarize(runs: Sequence[RunResult], *, planned: dict[str, dict[str, int]] |
         return out
     return [dataclasses.replace(
         s,
-        step_time_ratio=s.median_step_s / base.median_step_s,
-        tokens_per_s_ratio=s.tokens_per_s / base.tokens_per_s,
-        peak_allocated_ratio=s.peak_allocated_bytes / base.peak_allocated_bytes,
-        peak_reserved_ratio=s.peak_reserved_bytes / base.peak_reserved_bytes,
+        step_time_ratio=ratio(s.median_step_s, base.median_step_s),
+        tokens_per_s_ratio=ratio(s.tokens_per_s, base.tokens_per_s),
+        peak_allocated_ratio=ratio(s.peak_allocated_bytes, base.peak_allocated_bytes),
+        peak_reserved_ratio=ratio(s.peak_reserved_bytes, base.peak_reserved_bytes),
     ) for s in out]
+
+
+def ratio(value: float, base: float) -> float | None:
+    """``value / base``; None where the baseline is 0 (a run report of 0 bytes, say): no ratio."""
+    return value / base if base else None
 
 
 def loss_agreement(runs: Sequence[RunResult], baseline: str = BASELINE) -> dict[str, Any]:
@@ -191,7 +196,7 @@ def format_pool_check(summaries: Sequence[ConfigSummary], runs: Sequence[RunResu
                    else "= plan" if held == s.pool_bytes_planned
                    else f"!= plan ({_fmt_mib(held)} vs {_fmt_mib(s.pool_bytes_planned)} MiB)")
         memory = ""
-        if base is not None:
+        if base is not None and base.peak_allocated_bytes:
             extra = s.peak_allocated_bytes - base.peak_allocated_bytes
             bound = "within" if extra <= s.pool_bytes_planned else "MORE than"
             memory = (f"; peak allocated {extra / MIB:+,.1f} MiB over {baseline} "
