@@ -254,6 +254,21 @@ def wanted_configs(text: str) -> list[str]:
     return names
 
 
+# Model flags the benchmark reads itself (tokens per step, the global batch): whole numbers > 0.
+COUNTED_FLAGS = ("--seq-length", "--micro-batch-size", "--global-batch-size")
+
+
+def check_counted_flags(flags: Sequence[str]) -> None:
+    """Refuse a value of :data:`COUNTED_FLAGS` that is no count, before anything runs."""
+    for i, tok in enumerate(flags):
+        if tok in COUNTED_FLAGS:
+            value = flags[i + 1] if i + 1 < len(flags) else None
+            if value is None or value.startswith("--"):
+                raise UserError(f"{tok} has no value", f"write {tok} N (after --, or in the preset)")
+            if not value.isdigit() or int(value) < 1:
+                raise UserError(f"{tok} {value} is not a whole number > 0", f"write {tok} N, e.g. {tok} 2")
+
+
 def check_paths(opts: argparse.Namespace, shared: bool) -> None:
     """Refuse, before anything runs, an output the end of the invocation could not write, and
     options that --from-logs, which launches nothing, would not use."""
@@ -302,6 +317,7 @@ def _main(argv: Sequence[str]) -> int:
     # Flags after -- win over --deterministic's, which win over the preset's.
     flags = cfgs.model_flags(opts.preset, cfgs.override_flags(te_determinism.argv() if opts.deterministic
                                                               else [], extra))
+    check_counted_flags(flags)
     wanted = wanted_configs(opts.configs)
     te_wanted = [n for n in wanted if n in cfgs.CONFIGS and cfgs.CONFIGS[n].spec == "te"]
     if te_wanted and not opts.from_logs and not requirements.importable("transformer_engine"):

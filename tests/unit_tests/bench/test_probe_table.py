@@ -117,6 +117,14 @@ ROWS: dict[str, Row] = {
     "--configs bogus": Row(from_logs(keep, configs="no_db,bogus"), 2, "--configs names 'bogus', not a configuration"),
     "--configs empty": Row(from_logs(keep, configs=","), 2, "--configs names no configuration"),
     "--configs twice": Row(from_logs(keep, configs="no_db,no_db"), 2, "--configs names no_db more than once"),
+    # Megatron flags after -- that the benchmark reads itself (tokens per step, global batch).
+    "-- --seq-length abc": Row(from_logs(keep, "--", "--seq-length", "abc"), 2,
+                               "--seq-length abc is not a whole number > 0"),
+    "-- --micro-batch-size x": Row(from_logs(keep, "--", "--micro-batch-size", "x"), 2,
+                                   "--micro-batch-size x is not a whole number > 0"),
+    "-- --global-batch-size 0": Row(from_logs(keep, "--", "--global-batch-size", "0"), 2, "is not a whole number > 0"),
+    "-- --seq-length": Row(from_logs(keep, "--", "--seq-length"), 2, "--seq-length has no value"),
+    "-- --seq-length=2048": Row(from_logs(keep, "--", "--seq-length=2048"), 0, "1 of 1 runs read"),
     # Outputs that could not be written: refused before anything is read or run.
     "--out-json a folder": Row(from_logs(keep, "--out-json", "."), 2, "--out-json . is a folder, not a file"),
     "--out-json under a file": Row(from_logs(keep, "--out-json", f"{__file__}/r.json"), 2, "which is a file"),
@@ -191,3 +199,14 @@ def test_ctrl_c_during_from_logs_writes_nothing(tmp_path, capsys, monkeypatch):
     assert rc == 130 and said.rstrip().endswith("benchmark_double_buffer: interrupted"), said[-2000:]
     assert "Traceback" not in said and not (tmp_path / "r.json").exists()
     assert os.listdir(tmp_path) == ["kept"], "nothing but the folder read"
+
+
+def test_a_flag_written_with_equals_replaces_the_presets(tmp_path, capsys):
+    """``--seq-length=2048`` after -- is the sequence length the tokens per step are counted with,
+    as Megatron reads it (the last spelling wins), not the preset's 1024."""
+    rc, said = run(capsys, ROWS["-- --seq-length=2048"].argv(tmp_path))
+    assert rc == 0, said[-2000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["runs"][0]["tokens_per_step"] == 4 * 2048  # global batch 2 (mbs) x 1 rank x 2 micro-batches
+    flags = doc["meta"]["model_flags"]
+    assert "--seq-length=2048" not in flags and flags[flags.index("--seq-length") + 1] == "2048"

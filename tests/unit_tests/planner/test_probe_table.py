@@ -157,3 +157,15 @@ def test_megatrons_log_lines_go_to_stderr():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("Megatron-FSDP memory plan:"), done.stdout[:500]
     assert "INFO:megatron" not in done.stdout and "INFO:megatron" in done.stderr
+
+
+def test_ctrl_c_while_planning_is_one_line_and_writes_no_plan(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HFSDP_DEBUG", raising=False)
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "plan_from_args", interrupted)
+    rc, said = run(capsys, ["--plan-json", str(tmp_path / "plan.json")])
+    assert rc == 130 and said.rstrip().endswith("fsdp_memory_planner: interrupted"), said[-2000:]
+    assert "Traceback" not in said and list(tmp_path.iterdir()) == []
