@@ -1,10 +1,19 @@
 """Write a file in one step: a reader (or a crash) sees the old content or the new, never half.
 
+[Note: strict JSON] Every JSON file this project writes goes through :func:`write_json_atomic`
+(or :func:`json_text`): ``allow_nan=False``, so no file holds the bare ``NaN`` / ``Infinity``
+tokens Python's ``json`` writes by default, which are not JSON and which other readers (``jq``,
+browsers, most languages) refuse. A non-finite number is refused with :class:`NonFiniteJSON`,
+which names where it sits (``$.runs[0].step_times_s[2]``); whoever produces the document keeps
+such values out (the benchmark counts a run with a non-finite step time or loss as failed).
+
 Standard library only (``hfsdp.patchset`` uses it inside pip's build environment).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import stat
 import tempfile
@@ -41,3 +50,48 @@ def write_text_atomic(path: Path, text: str) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+class NonFiniteJSON(ValueError):
+    """A document holds NaN or an infinity, which strict JSON cannot write ([Note: strict JSON])."""
+
+
+def _non_finite(obj: object, where: str = "$") -> tuple[str, float] | None:
+    """Where the first NaN or infinity in ``obj`` sits (a JSONPath-like string), and its value."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where, obj
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            found = _non_finite(value, f"{where}.{key}")
+            if found is not None:
+                return found
+    elif isinstance(obj, list | tuple):
+        for i, value in enumerate(obj):
+            found = _non_finite(value, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def json_text(obj: object, *, indent: int | None = 1, sort_keys: bool = True) -> str:
+    """``obj`` as strict JSON text ending in a newline; a NaN or infinity raises
+    :class:`NonFiniteJSON` naming where it is ([Note: strict JSON])."""
+    try:
+        return json.dumps(obj, indent=indent, sort_keys=sort_keys, allow_nan=False) + "\n"
+    except ValueError:
+        found = _non_finite(obj)
+        if found is None:
+            raise
+        where, value = found
+        raise NonFiniteJSON(f"{where} is {value!r}, which JSON cannot hold") from None
+
+
+def write_json_atomic(path: Path | str, obj: object, *, indent: int | None = 1, sort_keys: bool = True) -> None:
+    """Write ``obj`` to ``path`` as strict JSON (:func:`json_text`), in one step
+    (:func:`write_text_atomic`). A document that is not strict JSON leaves ``path`` untouched and
+    raises :class:`NonFiniteJSON` naming the file and the value."""
+    try:
+        text = json_text(obj, indent=indent, sort_keys=sort_keys)
+    except NonFiniteJSON as exc:
+        raise NonFiniteJSON(f"not writing {path}: {exc}") from None
+    write_text_atomic(Path(path), text)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hfsdp import te_determinism
+from hfsdp.atomic import write_json_atomic
 from hfsdp.bench import pretrain_launch
 from hfsdp.bench.configs import GRAPH_FLAGS, GRAPH_WARMUP_STEPS, MAXPOOL_FLAG
 from hfsdp.functional import logparse
@@ -120,7 +121,7 @@ def write_capture_problems(path: str, extra: Sequence[str] = ()) -> int:
 
     def write() -> None:
         problems = capture_problems([*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *extra], 1)
-        Path(path).write_text(json.dumps(problems) + "\n")
+        write_json_atomic(path, problems, indent=None, sort_keys=False)
 
     return run_cli("main_job", write)
 

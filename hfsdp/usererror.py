@@ -12,12 +12,22 @@ and exits with status 2. A traceback is printed only with ``HFSDP_DEBUG=1`` (one
 for every tool, including inside ``pip install -e .`` and under ``torchrun``). Anything that
 is not a ``UserError`` is a bug and keeps its traceback.
 
+[Note: closed pipe and Ctrl-C] :func:`run_cli` also ends a tool the way standard tools end:
+output into a pipe whose reader has gone (``planner | head -1``) stops the tool quietly with
+status 141 (128 + SIGPIPE, what a shell reports for ``seq 100000 | head -1``: coreutils die of
+SIGPIPE, which Python ignores and turns into ``BrokenPipeError``); stdout is pointed at
+``/dev/null`` first, as Python's documentation on SIGPIPE advises, so that the flush at exit
+does not fail once more. Ctrl-C prints ``<prog>: interrupted`` and exits 130 (128 + SIGINT).
+Neither prints a traceback unless ``HFSDP_DEBUG=1``. Each tool parses its arguments inside
+``run_cli``, so ``--help | head`` is covered too.
+
 Standard library only: ``hfsdp.patchset`` runs inside pip's isolated build environment.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -26,6 +36,8 @@ from typing import TextIO
 
 DEBUG_ENV = "HFSDP_DEBUG"
 EXIT_CODE = 2
+CLOSED_PIPE_EXIT = 128 + signal.SIGPIPE  # 141 (see the note)
+INTERRUPTED_EXIT = 128 + signal.SIGINT  # 130
 
 
 class UserError(Exception):
@@ -40,21 +52,61 @@ class UserError(Exception):
         super().__init__(f"{cause}\n  -> {fix}")
 
 
-def positive(kind: type = int) -> Callable[[str], object]:
-    """argparse ``type=``: a number of ``kind`` that is > 0 (argparse then says which option is wrong)."""
+def positive(kind: type = int, *, zero: bool = False) -> Callable[[str], object]:
+    """argparse ``type=``: a number of ``kind`` that is > 0 (>= 0 with ``zero``; argparse then says
+    which option is wrong). NaN and infinities are refused: no count or size is either."""
     import argparse
+    import math
 
     def parse(text: str) -> object:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not math.isfinite(value) or not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero else '> 0'}, got {text}")
         return value
 
-    parse.__name__ = f"positive {kind.__name__}"
+    parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}"
     return parse
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def output_file(option: str, path: str | Path) -> None:
+    """Refuse, before any work, a file ``option`` could not write: a folder, a path through a file,
+    a folder we may not write to. Missing folders on the way are fine (they are made)."""
+    fix = f"give {option} a file in a folder you can write to"
+    if not str(path):
+        raise UserError(f"{option} is empty", fix)
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{option} {path} is a folder, not a file", fix)
+    _check_parent(option, path, fix)
+
+
+def output_folder(option: str, path: str | Path) -> None:
+    """Refuse, before any work, a folder ``option`` could not make or fill (see :func:`output_file`)."""
+    fix = f"give {option} a folder you can write to (it is made if missing)"
+    if not str(path):
+        raise UserError(f"{option} is empty", fix)
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{option} {path} is a file, not a folder", fix)
+    _check_parent(option, path / "x", fix)
+
+
+def _check_parent(option: str, path: Path, fix: str) -> None:
+    existing = _nearest_existing(path.parent)
+    if not existing.is_dir():
+        raise UserError(f"{option} {path} lies under {existing}, which is a file", fix)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {path}: {existing} is not writable", fix)
 
 
 def rejection(exc: BaseException, what: str, fix: str) -> UserError:
@@ -89,9 +141,48 @@ def report(prog: str, exc: UserError, stream: TextIO | None = None) -> int:
     return exc.exit_code
 
 
-def run_cli(prog: str, main: Callable[[], int | None]) -> int:
-    """Call ``main``; a :class:`UserError` becomes the two-line message and exit status 2."""
+def _flush_standard_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+
+
+def _silence_closed_pipe() -> None:
+    """Point stdout and stderr at /dev/null, so that nothing written later (the flush at exit
+    included) meets the closed pipe again (see the note)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        return int(main() or 0)
-    except UserError as exc:
-        return report(prog, exc)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
+                pass
+    finally:
+        os.close(devnull)
+
+
+def run_cli(prog: str, main: Callable[[], int | None]) -> int:
+    """Call ``main``; a :class:`UserError` becomes the two-line message and exit status 2, a
+    closed output pipe status 141 and Ctrl-C status 130, each without a traceback (see the note)."""
+    try:
+        try:
+            rc = int(main() or 0)
+        except UserError as exc:
+            rc = report(prog, exc)
+        except KeyboardInterrupt:
+            if debug_enabled():
+                traceback.print_exc()
+            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+            rc = INTERRUPTED_EXIT
+        finally:
+            _flush_standard_streams()  # a closed pipe shows here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        if debug_enabled():
+            try:
+                traceback.print_exc()
+                sys.stderr.flush()
+            except OSError:  # stderr is the closed pipe too
+                pass
+        _silence_closed_pipe()
+        return CLOSED_PIPE_EXIT

@@ -128,12 +128,15 @@ PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES, "fill80": FILL80_OVERRIDES
 
 
 def override_flags(base: Sequence[str], overrides: Sequence[str]) -> list[str]:
-    """``base`` with every ``--flag [value]`` in ``overrides`` replacing the same flag in base."""
+    """``base`` with every ``--flag [value]`` in ``overrides`` replacing the same flag in base;
+    ``--flag=value`` is written ``--flag value`` (one spelling, so that it replaces and is read)."""
 
     def split(flags: Sequence[str]) -> list[list[str]]:
         groups: list[list[str]] = []
         for tok in flags:
-            if tok.startswith("--") or not groups:
+            if tok.startswith("--") and "=" in tok:
+                groups.append(tok.split("=", 1))
+            elif tok.startswith("--") or not groups:
                 groups.append([tok])
             else:
                 groups[-1].append(tok)

@@ -10,6 +10,7 @@ from the run report the entry point writes (``HFSDP_RUN_REPORT``, hfsdp/training
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -67,20 +68,35 @@ def report_env(report_path: str) -> dict[str, str]:
 
 def result(config: str, repeat: int, log_path: str, report_path: str, *, warmup_steps: int,
            timed_steps: int, nproc: int, flags: Sequence[str]) -> RunResult:
-    """The RunResult of a finished run, from its log and its run report."""
-    metrics = logparse.parse_file(log_path)
+    """The RunResult of a finished run, from its log and its run report.
+
+    A run without a usable timing fails (:class:`RunFailed`, one sentence naming the file): a
+    timed step whose time is missing, not a number > 0 (``nan``, ``inf``), a loss that is not
+    finite (the run diverged, so its steps are not those of training), or a run report that
+    cannot be read as one."""
+    try:
+        metrics = logparse.parse_file(log_path)
+    except OSError as exc:
+        raise RunFailed(f"log unreadable: {log_path}: {exc.strerror or exc}") from exc
     times = metrics.get("iteration-time", {})
     timed = range(warmup_steps + 1, warmup_steps + timed_steps + 1)
     missing = [s for s in timed if s not in times]
     if missing:
-        raise RunFailed(f"{config}#{repeat}: no step time logged for steps {missing[:5]}"
+        raise RunFailed(f"no step time logged for steps {missing[:5]}"
                         f"{'...' if len(missing) > 5 else ''} in {log_path}")
-    try:
-        report = run_report.read(report_path, nproc)
-    except (OSError, ValueError) as exc:
-        raise RunFailed(f"{config}#{repeat}: run report unreadable: {exc}") from exc
+    if bad := [s for s in timed if not (math.isfinite(times[s]) and times[s] > 0)]:
+        raise RunFailed(f"step {bad[0]} took {times[bad[0]] * 1e3:g} ms by {log_path}, not a time; "
+                        f"{len(bad)} of the {timed_steps} timed steps have none")
     losses = metrics.get("lm loss", {})
     total = warmup_steps + timed_steps
+    if diverged := [s for s in range(1, total + 1) if s in losses and not math.isfinite(losses[s])]:
+        raise RunFailed(f"lm loss is {losses[diverged[0]]} at step {diverged[0]} in {log_path}: the run diverged")
+    try:
+        report = run_report.read(report_path, nproc)
+    except OSError as exc:
+        raise RunFailed(f"run report unreadable: {exc.filename or report_path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise RunFailed(f"run report unreadable: {exc}") from exc
     seq = int(flag_value(flags, "--seq-length") or 0)
     gbs = int(flag_value(training_flags(flags, nproc, total), "--global-batch-size") or 0)
     return RunResult(

@@ -7,10 +7,11 @@ a configuration's summary takes the median over its runs of each run's median st
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from hfsdp.atomic import write_json_atomic
 
 BASELINE = "no_db"
 MIB = 2**20
@@ -126,11 +127,16 @@ def summarize(runs: Sequence[RunResult], *, planned: dict[str, dict[str, int]] |
         return out
     return [dataclasses.replace(
         s,
-        step_time_ratio=s.median_step_s / base.median_step_s,
-        tokens_per_s_ratio=s.tokens_per_s / base.tokens_per_s,
-        peak_allocated_ratio=s.peak_allocated_bytes / base.peak_allocated_bytes,
-        peak_reserved_ratio=s.peak_reserved_bytes / base.peak_reserved_bytes,
+        step_time_ratio=ratio(s.median_step_s, base.median_step_s),
+        tokens_per_s_ratio=ratio(s.tokens_per_s, base.tokens_per_s),
+        peak_allocated_ratio=ratio(s.peak_allocated_bytes, base.peak_allocated_bytes),
+        peak_reserved_ratio=ratio(s.peak_reserved_bytes, base.peak_reserved_bytes),
     ) for s in out]
+
+
+def ratio(value: float, base: float) -> float | None:
+    """``value / base``; None where the baseline is 0 (a run report of 0 bytes, say): no ratio."""
+    return value / base if base else None
 
 
 def loss_agreement(runs: Sequence[RunResult], baseline: str = BASELINE) -> dict[str, Any]:
@@ -190,7 +196,7 @@ def format_pool_check(summaries: Sequence[ConfigSummary], runs: Sequence[RunResu
                    else "= plan" if held == s.pool_bytes_planned
                    else f"!= plan ({_fmt_mib(held)} vs {_fmt_mib(s.pool_bytes_planned)} MiB)")
         memory = ""
-        if base is not None:
+        if base is not None and base.peak_allocated_bytes:
             extra = s.peak_allocated_bytes - base.peak_allocated_bytes
             bound = "within" if extra <= s.pool_bytes_planned else "MORE than"
             memory = (f"; peak allocated {extra / MIB:+,.1f} MiB over {baseline} "
@@ -267,9 +273,8 @@ def to_json(summaries: Sequence[ConfigSummary], runs: Sequence[RunResult],
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
-        f.write("\n")
+    """The results document as strict JSON, in one step ([Note: strict JSON] in hfsdp/atomic.py)."""
+    write_json_atomic(path, doc)
 
 
 def run_from_dict(d: dict[str, Any]) -> RunResult:

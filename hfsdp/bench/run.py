@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hfsdp import extras, te_determinism
+from hfsdp.atomic import NonFiniteJSON
 from hfsdp.bench import configs as cfgs
 from hfsdp.bench import pretrain_launch, run_logs
 from hfsdp.bench import results as res
@@ -29,7 +30,7 @@ from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
 from hfsdp.proc import run_group
 from hfsdp.training import requirements
-from hfsdp.usererror import UserError, run_cli
+from hfsdp.usererror import UserError, output_file, output_folder, positive, run_cli
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -37,14 +38,14 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
                                 epilog="Megatron flags after `--` override the preset's model flags.")
-    p.add_argument("--nproc", type=int, default=2,
+    p.add_argument("--nproc", type=positive(int), default=2,
                    help="Ranks (= data-parallel size); GPUs used = ranks / --ranks-per-gpu.")
     torchrun.add_ranks_per_gpu_option(p)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup-steps", type=int, default=6,
+    p.add_argument("--repeats", type=positive(int), default=3)
+    p.add_argument("--warmup-steps", type=positive(int, zero=True), default=6,
                    help="Untimed steps per run (graphed configurations: Megatron's eager "
                         "warm-up steps, the capture step and at least one replay).")
-    p.add_argument("--timed-steps", type=int, default=20, help="Timed steps per run.")
+    p.add_argument("--timed-steps", type=positive(int), default=20, help="Timed steps per run.")
     p.add_argument("--configs", default=",".join(cfgs.DEFAULT_CONFIGS),
                    help="Comma-separated subset of " + ", ".join(cfgs.CONFIGS))
     p.add_argument("--preset", default="default", choices=sorted(cfgs.PRESETS))
@@ -62,7 +63,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--memory-trace-dir", default=None,
                    help="Record the CUDA allocator's history and write what was live at the "
                         "peak, by allocator (hfsdp/bench/memtrace.py; distorts timings).")
-    p.add_argument("--run-timeout", type=int, default=300, help="Seconds per torchrun.")
+    p.add_argument("--run-timeout", type=positive(int), default=300, help="Seconds per torchrun.")
     p.add_argument("--keep-logs", default=None,
                    help="Copy every timing run's Megatron log and run report into this folder.")
     p.add_argument("--from-logs", default=None, metavar="DIR",
@@ -239,22 +240,85 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli("benchmark_double_buffer", lambda: _main(sys.argv[1:] if argv is None else argv))
 
 
+def wanted_configs(text: str) -> list[str]:
+    """The configurations ``--configs`` names, in order; an unknown, missing or repeated name is refused."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    known = ", ".join(cfgs.CONFIGS)
+    if not names:
+        raise UserError("--configs names no configuration", f"name one or more of {known}")
+    if unknown := [n for n in names if n not in cfgs.CONFIGS]:
+        raise UserError(f"--configs names {', '.join(map(repr, unknown))}, not a configuration", f"use {known}")
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise UserError(f"--configs names {', '.join(twice)} more than once",
+                        "name each configuration once; --repeats runs each several times")
+    return names
+
+
+# Model flags the benchmark reads itself (tokens per step, the global batch): whole numbers > 0.
+COUNTED_FLAGS = ("--seq-length", "--micro-batch-size", "--global-batch-size")
+
+
+def check_counted_flags(flags: Sequence[str]) -> None:
+    """Refuse a value of :data:`COUNTED_FLAGS` that is no count, before anything runs."""
+    for i, tok in enumerate(flags):
+        if tok in COUNTED_FLAGS:
+            value = flags[i + 1] if i + 1 < len(flags) else None
+            if value is None or value.startswith("--"):
+                raise UserError(f"{tok} has no value", f"write {tok} N (after --, or in the preset)")
+            if not value.isdigit() or int(value) < 1:
+                raise UserError(f"{tok} {value} is not a whole number > 0", f"write {tok} N, e.g. {tok} 2")
+
+
+def check_paths(opts: argparse.Namespace, shared: bool) -> None:
+    """Refuse, before anything runs, an output the end of the invocation could not write, and
+    options that --from-logs, which launches nothing, would not use."""
+    launch_only = [f"--{k.replace('_', '-')}" for k in ("keep_logs", "profile_dir", "pyprofile_dir",
+                                                        "memory_trace_dir") if getattr(opts, k)]
+    if opts.from_logs and launch_only:
+        raise UserError(f"--from-logs launches nothing, so {', '.join(launch_only)} would record nothing",
+                        f"drop {', '.join(launch_only)}, or drop --from-logs to launch the runs")
+    output_file("--out-json", opts.out_json)
+    if not opts.no_chart and not shared:
+        output_file("--out-png", opts.out_png)
+    for option in launch_only:
+        output_folder(option, getattr(opts, option[2:].replace("-", "_")))
+
+
+def chart_from(opts: argparse.Namespace) -> int:
+    """``--chart-from``: redraw the chart of a results JSON."""
+    from hfsdp.bench.chart import write_chart
+
+    path = opts.chart_from
+    fix = "give --chart-from a results JSON an earlier invocation wrote (--out-json)"
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise UserError(f"--chart-from {path}: {exc.strerror or exc}", fix) from exc
+    except ValueError as exc:
+        raise UserError(f"--chart-from {path} is not JSON ({exc})", fix) from exc
+    try:
+        summaries = [res.ConfigSummary(**d) for d in doc["summary"]]
+        title = (f"Megatron-FSDP double buffering, {doc['meta'].get('preset')} model, "
+                 f"{gpus(doc['meta'].get('nproc'))}")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise UserError(f"--chart-from {path} is not a benchmark results file (its summary or meta "
+                        f"is missing or malformed)", fix) from exc
+    output_file("--out-png", opts.out_png)
+    write_chart(opts.out_png, summaries, title)
+    print(f"wrote {opts.out_png}")
+    return 0
+
+
 def _main(argv: Sequence[str]) -> int:
     opts, extra = parse(argv)
     if opts.chart_from:
-        from hfsdp.bench.chart import write_chart
-
-        with open(opts.chart_from) as f:
-            doc = json.load(f)
-        summaries = [res.ConfigSummary(**d) for d in doc["summary"]]
-        write_chart(opts.out_png, summaries, f"Megatron-FSDP double buffering, "
-                    f"{doc['meta'].get('preset')} model, {gpus(doc['meta'].get('nproc'))}")
-        print(f"wrote {opts.out_png}")
-        return 0
+        return chart_from(opts)
     # Flags after -- win over --deterministic's, which win over the preset's.
     flags = cfgs.model_flags(opts.preset, cfgs.override_flags(te_determinism.argv() if opts.deterministic
                                                               else [], extra))
-    wanted = [c.strip() for c in opts.configs.split(",") if c.strip()]
+    check_counted_flags(flags)
+    wanted = wanted_configs(opts.configs)
     te_wanted = [n for n in wanted if n in cfgs.CONFIGS and cfgs.CONFIGS[n].spec == "te"]
     if te_wanted and not opts.from_logs and not requirements.importable("transformer_engine"):
         raise UserError(f"{', '.join(te_wanted)} need Transformer Engine, which is not importable here",
@@ -274,6 +338,7 @@ def _main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     shared = opts.ranks_per_gpu > 1
+    check_paths(opts, shared)
     if shared and (opts.profile_dir or opts.pyprofile_dir):
         raise UserError(f"--profile-dir and --pyprofile-dir time the steps, and at --ranks-per-gpu "
                         f"{opts.ranks_per_gpu} the ranks share a GPU, so their timings say nothing",
@@ -337,7 +402,10 @@ def _main(argv: Sequence[str]) -> int:
         doc["summary_te"] = [dataclasses.asdict(s) for s in te_summaries]
     if shared:
         doc = res.without_speed(doc)
-    res.write_json(opts.out_json, doc)
+    try:
+        res.write_json(opts.out_json, doc)
+    except NonFiniteJSON as exc:  # a number no run should have let through: refused, not half-written
+        raise UserError(str(exc), "the runs' logs and reports hold it: check them; nothing was written") from exc
     print(f"wrote {opts.out_json}")
     if shared and not opts.no_chart:
         print("chart skipped: it plots step times, which this mode does not measure")

@@ -53,8 +53,11 @@ def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequenc
     :func:`read_run` as when it ran; the others, and those :func:`keep_run` marked failed
     (``<config>-<repeat>.failed``), are returned as failures."""
     if not os.path.isdir(folder):
-        raise UserError(f"--from-logs {folder}: no such folder",
+        what = "is not a folder" if os.path.exists(folder) else "no such folder"
+        raise UserError(f"--from-logs {folder}: {what}",
                         "give the folder an earlier invocation's --keep-logs wrote")
+    if not order:
+        raise UserError(f"--from-logs {folder}: no run asked for", "name the configurations with --configs")
     runs: list[res.RunResult] = []
     failures: dict[str, str] = {}
     for repeat, name in order:
@@ -63,8 +66,7 @@ def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequenc
             failures[f"{name}#{repeat}"] = f"not in {folder}"
             continue
         if os.path.exists(f"{stem}.failed"):
-            with open(f"{stem}.failed") as f:
-                failures[f"{name}#{repeat}"] = f"failed when it ran: {f.read().strip()}"
+            failures[f"{name}#{repeat}"] = f"failed when it ran: {failed_reason(f'{stem}.failed')}"
             continue
         try:
             run = read_run(cfgs.CONFIGS[name], repeat, stem, flags, opts)
@@ -73,10 +75,23 @@ def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequenc
             continue
         runs.append(run)
     print(f"{len(runs)} of {len(order)} runs read from {folder}"
-          + (f"; missing or unusable: {', '.join(failures)}" if failures else ""))
+          + (f"; missing or unusable: {len(failures)}" if failures else ""))
+    for key, why in failures.items():
+        print(f"  {key}: {why}")
     if not runs:
+        first, why = next(iter(failures.items()))
+        more = f"; {len(failures) - 1} more listed above" if len(failures) > 1 else ""
         raise UserError(f"--from-logs {folder}: no usable run among the {len(order)} asked for "
-                        f"({'; '.join(f'{k}: {v}' for k, v in failures.items())[:500]})",
+                        f"({first}: {why}{more})",
                         "check --configs, --repeats and the step counts against the invocation "
                         "that wrote the folder")
     return runs, failures
+
+
+def failed_reason(marker: str) -> str:
+    """What a ``<config>-<repeat>.failed`` marker says (:func:`keep_run`)."""
+    try:
+        with open(marker, errors="replace") as f:
+            return f.read().strip() or "no reason recorded"
+    except OSError as exc:
+        return f"no reason recorded ({marker}: {exc.strerror or exc})"

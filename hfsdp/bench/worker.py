@@ -10,13 +10,13 @@ process so allocator pools and the CUDA caching allocator never leak between con
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from hfsdp.atomic import write_json_atomic
 from hfsdp.training.run_report import maxpool_stats, pool_bytes_held
 
 
@@ -229,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
     record["peak_allocated_bytes"], record["peak_reserved_bytes"] = (int(v) for v in peaks.tolist())
     if torch.distributed.get_rank() == 0:
-        with open(opts.result, "w") as f:
-            json.dump(record, f)
+        write_json_atomic(opts.result, record, indent=None, sort_keys=False)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0

@@ -122,9 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-dir", type=Path, default=None, help="as run_case --output-dir")
     parser.add_argument("--summary", type=Path, default=None, help="also write the summary lines here")
     add_env_option(parser)
-    ns = parser.parse_args(argv)
 
     def run() -> int:
+        ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         parse_assignments(ns.env)  # refuse a malformed --env before anything runs
         shared = ns.ranks_per_gpu > 1
         if ns.jobs > 1 and not shared:

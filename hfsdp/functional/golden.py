@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hfsdp.atomic import write_text_atomic
+from hfsdp.atomic import write_json_atomic
 from hfsdp.functional.logparse import Metrics
 from hfsdp.usererror import UserError
 
@@ -62,6 +62,13 @@ class Mismatch:
         return f"{self.metric} @ {where}: expected {self.expected!r}, got {self.actual!r} ({self.why})"
 
 
+def _json_number(value: float) -> float | str:
+    """``value``, or for NaN and infinities their name (``"nan"``, ``"inf"``, ``"-inf"``): strict JSON
+    has no such numbers ([Note: strict JSON] in hfsdp/atomic.py); ``float()`` reads the name back,
+    and :func:`check_golden` refuses it as not finite."""
+    return value if math.isfinite(value) else repr(float(value))
+
+
 def to_golden(metrics: Metrics, names: tuple[str, ...] | list[str]) -> dict:
     """Metrics -> golden JSON object (only ``names`` that were measured)."""
     out: dict = {}
@@ -74,7 +81,7 @@ def to_golden(metrics: Metrics, names: tuple[str, ...] | list[str]) -> dict:
             "start_step": steps[0],
             "end_step": steps[-1],
             "step_interval": (steps[1] - steps[0]) if len(steps) > 1 else 1,
-            "values": {str(s): series[s] for s in steps},
+            "values": {str(s): _json_number(series[s]) for s in steps},
         }
     return out
 
@@ -192,7 +199,7 @@ def load(path: Path) -> Metrics:
 
 def save(path: Path, metrics: Metrics, names: tuple[str, ...] | list[str]) -> None:
     """Write atomically (a reader never sees half a file)."""
-    write_text_atomic(Path(path), json.dumps(to_golden(metrics, names), indent=2, sort_keys=True) + "\n")
+    write_json_atomic(path, to_golden(metrics, names), indent=2, sort_keys=True)
 
 
 def incomplete_metrics(metrics: Metrics, names: tuple[str, ...] | list[str]) -> list[str]:

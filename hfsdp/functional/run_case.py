@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hfsdp import proc
+from hfsdp.atomic import write_json_atomic
 from hfsdp.functional import golden, logparse, outdir
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch import fit, torchrun
@@ -387,7 +388,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
 
     golden_path = recipe.golden_path(environment, platform)
     if not last_node:
-        (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
+        write_json_atomic(out / "result.json", asdict(result), indent=2, sort_keys=False)
         return result
     # Cross-case checks come first: a golden is recorded only from a run that passed them all.
     other = compare_to or (recipe.case_dir / recipe.compare_to if recipe.compare_to else None)
@@ -444,7 +445,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     elif recipe.require_golden and at_recipe_size:
         result.fail(f"no golden {golden_path.name}; record one with --record on {platform}")
 
-    (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
+    write_json_atomic(out / "result.json", asdict(result), indent=2, sort_keys=False)
     return result
 
 
@@ -484,9 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--evaluate-log", type=Path, default=None,
                         help="judge this existing log instead of launching (srun-per-GPU mode)")
     add_env_option(parser)
-    ns = parser.parse_args(argv)
 
     def run() -> int:
+        ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         extra_env = parse_assignments(ns.env)
         recipe = load_recipe(ns.case_dir)
         port = ns.master_port if ns.master_port is not None else env_port(os.environ)

@@ -40,9 +40,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns, target = parse(sys.argv[1:] if argv is None else argv)
-
     def run() -> int:
+        ns, target = parse(sys.argv[1:] if argv is None else argv)  # inside run_cli: --help | head
         gpus = fit.gpu_memory() if ns.ranks_per_gpu != 1 else []
         if ns.ranks_per_gpu == "auto":
             if not gpus:

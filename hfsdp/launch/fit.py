@@ -14,49 +14,15 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
 from unittest import mock
 
 from hfsdp.launch.torchrun import Placement, check_gpus
+from hfsdp.planner.memory import GIB, RankMemory, planned_memory
 from hfsdp.usererror import UserError
 
-GIB = 2**30
 # Per process, beside what the planner sees: the CUDA context, cuBLAS/cuDNN workspaces and NCCL's
 # buffers (each rank of the shared mode has its own of all three).
 CONTEXT_BYTES = 1 * GIB
-_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "float8": 1}
-_MOMENTS = {"adam": 2, "sgd": 1}  # fp32 states per main parameter
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """Bytes one rank holds for the whole run, as planned."""
-
-    weights: int
-    main_params: int
-    main_grads: int
-    optimizer: int
-    pools: int
-
-    @property
-    def total(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self))
-
-    def describe(self) -> str:
-        parts = ", ".join(f"{f.name.replace('_', ' ')} {getattr(self, f.name) / GIB:.2f}" for f in fields(self))
-        return f"{self.total / GIB:.2f} GiB ({parts})"
-
-
-def _itemsize(dtype: Any, fallback: int) -> int:
-    """Bytes per element of a torch dtype or a Megatron dtype name; ``fallback`` for 'auto'/None."""
-    if dtype is None or dtype == "auto":
-        return fallback
-    size = getattr(dtype, "itemsize", None)
-    if isinstance(size, int):
-        return size
-    return _ITEMSIZE.get(str(dtype).removeprefix("torch.").replace("float32", "fp32")
-                         .replace("bfloat16", "bf16").replace("float16", "fp16"), fallback)
 
 
 def _flag(flags: Sequence[str], name: str, default: str) -> str:
@@ -100,27 +66,7 @@ def rank_memory(flags: Sequence[str], world_size: int, environ: Mapping[str, str
                             "--plan-dp-size", str(data_parallel_size(flags, world_size)),
                             *(["--plan-lanes", str(lane_count)] if lane_count else [])])
     layout, results = cli.plan_from_args(args)
-    strategy = layout.strategy
-    shard_weights = strategy == "optim_grads_params"
-    shard_grads = strategy in ("optim_grads", "optim_grads_params")
-    main_grads_dtype = cli.grad_dtypes(args)[0]
-    memory = dict.fromkeys(("weights", "main_params", "main_grads", "optimizer"), 0)
-    moments = _MOMENTS.get(str(getattr(args, "optimizer", "adam")), 2)
-    for b in layout.buckets:
-        shard = b.numel // b.dp_size if b.dp_size > 1 else b.numel
-        param_size = _itemsize(b.dtype, 2)
-        main_size = _itemsize(getattr(args, "megatron_fsdp_main_params_dtype", None), param_size)
-        memory["weights"] += (shard if shard_weights else b.numel) * param_size
-        if not b.requires_grad:
-            continue
-        memory["main_params"] += shard * main_size
-        memory["main_grads"] += (shard if shard_grads else b.numel) * _itemsize(main_grads_dtype, param_size)
-        memory["optimizer"] += shard * 4 * moments
-    pools = 0
-    for result in results:
-        plan = result["lanes"].get(lane_count) if lane_count else None
-        pools += (plan or result["maxpool"]).pool_bytes()
-    return RankMemory(pools=pools, **memory)
+    return planned_memory(args, layout, results, lane_count)
 
 
 def check_fits(memory: RankMemory, ranks_per_gpu: int, gpu_bytes: int) -> str:

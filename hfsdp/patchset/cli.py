@@ -215,10 +215,9 @@ _ENVIRONMENT = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQU
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    project = Project(args.root.resolve()) if args.root else Project.default()
-
     def checked() -> int:
+        args = build_parser().parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
+        project = Project(args.root.resolve()) if args.root else Project.default()
         if args.sdist is not None:  # refused even where the verb turns out not to need it
             try:
                 filename: str | None = project.pin().filename
@@ -243,17 +242,17 @@ def main(argv: list[str] | None = None) -> int:
             return checked()
         except OSError as exc:
             if exc.errno not in _ENVIRONMENT:
-                raise
+                raise  # a closed pipe (EPIPE) goes on to run_cli, which ends quietly
             where = f" ({exc.filename})" if exc.filename else ""
             raise PatchsetError(f"{exc.strerror}{where}; nothing was left half-written",
                                 "make that path writable (or free space), then run the command again; "
                                 "`scripts/patchset status` lists anything a writer left to clean up") from exc
+        except KeyboardInterrupt:
+            if debug_enabled():
+                raise
+            # Said here rather than by run_cli: a patchset writer's interrupt also says what is left.
+            print("patchset: interrupted; nothing was left half-written\n"
+                  "  -> `scripts/patchset status` lists anything the next writing command cleans up", file=sys.stderr)
+            return 130
 
-    try:
-        return run_cli("patchset", run)
-    except KeyboardInterrupt:
-        if debug_enabled():
-            raise
-        print("patchset: interrupted; nothing was left half-written\n"
-              "  -> `scripts/patchset status` lists anything the next writing command cleans up", file=sys.stderr)
-        return 130
+    return run_cli("patchset", run)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hfsdp.atomic import write_text_atomic
+from hfsdp.atomic import write_json_atomic
 
 from . import gitops
 from .errors import PatchDoesNotApply, PatchsetError
@@ -118,7 +118,7 @@ def _state_problem(state: QueueState) -> str | None:
 
 
 def _write_state(repo: Path, state: QueueState) -> None:
-    write_text_atomic(state_path(repo), json.dumps(asdict(state), indent=1, sort_keys=True) + "\n")
+    write_json_atomic(state_path(repo), asdict(state))
 
 
 def _commit_patch(repo: Path, patch: Patch) -> str:

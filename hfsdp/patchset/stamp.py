@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from hfsdp.atomic import write_text_atomic
+from hfsdp.atomic import json_text, write_text_atomic
 
 from .errors import PatchsetError
 from .overlay import Overlay, text_sha256
@@ -87,7 +87,7 @@ class Stamp:
         return Overlay.of(self.overlay_texts)
 
     def to_json(self) -> str:
-        return json.dumps(
+        return json_text(
             {
                 "schema": STAMP_SCHEMA,
                 "base_version": self.base_version,
@@ -101,7 +101,7 @@ class Stamp:
             },
             indent=1,
             sort_keys=True,
-        ) + "\n"
+        )
 
 
 def make_stamp(pin: BasePin, patches: list[Patch], overlay: Overlay, files: dict[str, str]) -> Stamp:

@@ -92,6 +92,9 @@ def build_meta_model(args: argparse.Namespace) -> torch.nn.Module:
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
+    # Built on meta: LanguageModule skips moving the tied embedding to the GPU for the first
+    # all-reduce between pipeline stages (with PP > 1), which a CPU box cannot do.
+    config.init_model_with_meta_device = True
     provider = training_model_provider(args)
     with cpu_meta_build_context():
         model = provider(

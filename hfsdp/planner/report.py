@@ -50,6 +50,11 @@ def adjacent_pair_bytes(plan: Any) -> int:
 DEFAULT_LANES = 3  # planned unless --plan-lanes says otherwise, when the model has that many units
 
 
+def lanes_units_problem(layout: Layout, lanes: int, setting: str) -> str | None:
+    """Why ``lanes`` lanes cannot serve ``layout``'s units (the runtime's sentence), or None."""
+    return _plan_mod().lanes_units_problem(lanes, len(layout.units), setting=setting)
+
+
 def lane_plans(specs: list[Any], lanes: Sequence[int] | None, align_bytes: int) -> dict[int, Any]:
     """The plan the max-pool allocators hold with ``--megatron-fsdp-max-pool-lanes N``, per N.
 

@@ -193,11 +193,26 @@ def parse_flags(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+def check_planner_flags(args: argparse.Namespace) -> None:
+    """Refuse the flags that would have training read its flags from elsewhere: the planner plans
+    the flags it is given, and would plan something else than training without a word."""
+    for dest, where in (("yaml_cfg", "a YAML file"), ("use_checkpoint_args", "a checkpoint")):
+        if getattr(args, dest, None):
+            raise UserError(f"{_flag(dest)} has training read its flags from {where}, which the planner "
+                            "does not read", f"give the model's flags themselves, without {_flag(dest)}")
+
+
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """Our shape checks, then Megatron's ``validate_args`` and ``TransformerConfig`` (see the note)."""
     import megatron.training.arguments as margs
+    from hfsdp.training import specs
+    from hfsdp.training.spec_error import SpecError
 
     check_model(args)
+    try:
+        specs.resolve_family(args)  # the training entry's own model checks (e.g. MoE layers need experts)
+    except SpecError as exc:
+        raise UserError(str(exc), FIX) from exc
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     tp = args.tensor_model_parallel_size
     pp = args.pipeline_model_parallel_size
@@ -221,6 +236,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     # A token dispatcher owns no parameters, and the alltoall one creates a CUDA stream when it
     # is built: plan with the allgather one, which builds anywhere and gives the same plan.
     args.moe_token_dispatcher_type = "allgather"
+    # Gradient-accumulation fusion picks a weight-gradient kernel (APEX's or TE's), not a shape; the
+    # local linear layers refuse it where that kernel is not installed, as on a CPU box.
+    args.gradient_accumulation_fusion = False
     return args
 
 

@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exit-duration-in-mins", type=float, default=None)
     add_ranks_per_gpu_option(parser)
     add_env_option(parser)
-    ns = parser.parse_args(argv)
 
     def run() -> int:
+        ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         args = command(ns.case_dir, ns.output_dir, ns.exit_duration_in_mins, env=parse_assignments(ns.env),
                        ranks_per_gpu=ns.ranks_per_gpu)
         if bad := [a for a in args if "\n" in a]:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hfsdp.atomic import write_text_atomic
+from hfsdp.atomic import write_json_atomic
 from hfsdp.functional.recipe import load_recipe
 from hfsdp.launch.env import add_env_option, parse_assignments
 from hfsdp.launch.torchrun import add_ranks_per_gpu_option
@@ -99,7 +99,7 @@ def submit(spec: JobSpec, dry_run: bool = False) -> dict:
         job_id = int(proc.stdout.strip().split(";")[0])
         entry["job_id"] = job_id
         entry["stdout"] = str(spec.log_dir / f"{spec.job_name}-{job_id}.out")
-    write_text_atomic(spec.log_dir / MANIFEST, json.dumps(manifest + [entry], indent=2) + "\n")
+    write_json_atomic(spec.log_dir / MANIFEST, manifest + [entry], indent=2, sort_keys=False)
     return entry
 
 
@@ -124,9 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-
     def run() -> int:
+        ns = build_parser().parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         log_dir = ns.log_dir.resolve()
         check_log_dir(log_dir)
         env = parse_assignments(ns.env)

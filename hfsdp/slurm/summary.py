@@ -131,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="summary", description=__doc__.split("\n")[0])
     parser.add_argument("--log-dir", type=Path, required=True)
     parser.add_argument("--wait", type=_seconds, default=0.0, help="poll until done, up to N s")
-    ns = parser.parse_args(argv)
-    return run_cli("summary", lambda: _report(ns.log_dir, ns.wait))
+
+    def run() -> int:
+        ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
+        return _report(ns.log_dir, ns.wait)
+
+    return run_cli("summary", run)
 
 
 def _report(log_dir: Path, wait: float) -> int:

@@ -17,6 +17,8 @@ import os
 import weakref
 from typing import Any
 
+from hfsdp.atomic import write_json_atomic
+
 ENV = "HFSDP_RUN_REPORT"
 # Megatron-FSDP's named global buffers that belong to double-buffer pools.
 POOL_PREFIXES = ("fsdp_params", "fsdp_fp8_transpose_params", "fsdp_grads", "hsdp_grad_comm")
@@ -103,20 +105,49 @@ def write_if_requested() -> str | None:
         return None
     out = rank_path(path, int(os.environ.get("RANK", "0")))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = f"{out}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(collect(), f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, out)  # a reader never sees half a report
+    write_json_atomic(out, collect())  # a reader never sees half a report
     return out
 
 
+PEAK_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def report_problem(doc: object) -> str | None:
+    """Why ``doc`` is not a run report :func:`collect` writes (None when it is one)."""
+    if not isinstance(doc, dict):
+        return f"holds a JSON {type(doc).__name__}, not an object"
+    if missing := [k for k in PEAK_KEYS if k not in doc]:
+        return f"lacks {', '.join(missing)}"
+    for key in (*PEAK_KEYS, "pool_bytes_measured"):
+        value = doc.get(key)
+        if (value is not None or key in PEAK_KEYS) and not _count(value):
+            return f"has {key} {value!r}, not a whole number of bytes"
+    stats = doc.get("maxpool_stats")
+    if stats is not None and not (isinstance(stats, dict) and all(_count(v) for v in stats.values())):
+        return f"has maxpool_stats {stats!r}, not counts by name"
+    return None
+
+
 def read(path: str, world_size: int) -> dict[str, Any]:
-    """Rank 0's report with peaks and home misses taken as the maximum over every rank's."""
+    """Rank 0's report with peaks and home misses taken as the maximum over every rank's.
+
+    A file that is not a report (not JSON, not an object, peaks that are not byte counts) raises
+    ``ValueError`` naming it; one that cannot be opened, ``OSError``."""
     reports = []
     for rank in range(world_size):
-        with open(rank_path(path, rank)) as f:
-            reports.append(json.load(f))
+        name = rank_path(path, rank)
+        with open(name) as f:
+            try:
+                doc = json.load(f)
+            except ValueError as exc:  # JSONDecodeError, or bytes that are not text
+                raise ValueError(f"{name} is not JSON ({exc})") from None
+        if (problem := report_problem(doc)) is not None:
+            raise ValueError(f"{name} {problem}")
+        reports.append(doc)
     merged = dict(reports[0])
     for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
         merged[key] = max(r[key] for r in reports)

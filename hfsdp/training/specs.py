@@ -44,12 +44,34 @@ def resolve_family(args: Namespace, forced: str | None = None) -> Family:
             )
         if forced != "hybrid" and pattern:
             raise SpecError(f"--hybrid-layer-pattern given but the family is forced to {forced!r}")
+        if pattern:
+            check_hybrid_pattern(args)
         return forced  # type: ignore[return-value]
     if pattern:
+        check_hybrid_pattern(args)
         return "hybrid"
     if getattr(args, "num_experts", None):
         return "moe"
     return "gpt"
+
+
+def check_hybrid_pattern(args: Namespace) -> None:
+    """Layers of the pattern that the other flags cannot build, which Megatron finds only deep in
+    a layer's constructor: MoE layers (``E``) without ``--num-experts``; Gated DeltaNet (``G``) and
+    DeepSeek sparse attention (``D``) with the local specs, which have none. The training entry
+    and the memory planner both ask this (through :func:`resolve_family`)."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+
+    pattern = getattr(args, "hybrid_layer_pattern", None) or ""
+    te_only = sorted({Symbols.GDN, Symbols.DS_ATTENTION} & set(pattern))
+    if te_only and getattr(args, "transformer_impl", "transformer_engine") == "local":
+        raise SpecError(f"--hybrid-layer-pattern {pattern!r} has {' and '.join(te_only)} layers (Gated DeltaNet, "
+                        "DeepSeek sparse attention), which --transformer-impl local has no layers for; use "
+                        f"--transformer-impl transformer_engine, or drop {' and '.join(te_only)} from the pattern")
+    if Symbols.MOE in pattern and not getattr(args, "num_experts", None):
+        raise SpecError(f"--hybrid-layer-pattern {pattern!r} has MoE layers ({Symbols.MOE}) but no --num-experts "
+                        f"says how many experts each holds; add --num-experts N, or drop {Symbols.MOE} from the "
+                        "pattern")
 
 
 def use_transformer_engine(args: Namespace) -> bool:

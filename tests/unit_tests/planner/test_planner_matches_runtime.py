@@ -8,6 +8,7 @@ FixedPool's pooled units, and the MaxPool allocator's plan must match exactly.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
@@ -114,3 +115,18 @@ def test_lane_plans_equal_runtime_allocators(cpu_fsdp_buffer):
             else:
                 assert mine == alloc.plan, (alloc_name, lanes)
             assert mine.pool_bytes() == alloc.plan.pool_bytes() == alloc.stats()["pool_bytes_planned"]
+
+
+def test_too_many_lanes_is_refused_in_the_runtimes_words(cpu_fsdp_buffer):
+    """--megatron-fsdp-max-pool-lanes above the unit count: the planner refuses it with the sentence
+    the allocators raise when training builds the buffer."""
+    from hfsdp.planner import cli
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
+
+    planned = L.compute_layout(_model(), unit_classes=[Unit], strategy="optim_grads_params",
+                               dp_size=DP, expert_dp_size=DP)
+    with pytest.raises(MaxPoolLanesError) as raised:
+        cpu_fsdp_buffer(_model(), [Unit], megatron_fsdp_max_pool_double_buffer=True, megatron_fsdp_max_pool_lanes=7)
+    mine = R.lanes_units_problem(planned, 7, cli.TRAINING_LANES_SETTING)
+    assert mine is not None and "7 lanes, more than the 5 FSDP units" in mine
+    assert str(raised.value).endswith(f"] {mine}"), (str(raised.value), mine)

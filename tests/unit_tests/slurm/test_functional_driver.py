@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -495,3 +497,16 @@ def test_torchruns_exit_barrier_race_is_not_a_forbidden_traceback(tmp_path: Path
     (tmp_path / "run.log").write_text(LOG + extra)
     result = run_case(case, output_root=tmp_path / "out", evaluate_log=tmp_path / "run.log")
     assert result.status == status, result.reasons
+
+
+def test_a_diverged_run_writes_strict_json_metrics_that_name_the_nan(tmp_path: Path) -> None:
+    """A NaN loss is kept in metrics.json as the string "nan" (strict JSON has no NaN token), reads
+    back as NaN, and is refused as a golden."""
+    path = tmp_path / "metrics.json"
+    golden.save(path, {"lm loss": {1: 9.5, 2: math.nan}, "grad-norm": {1: math.inf}}, ["lm loss", "grad-norm"])
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    doc = json.loads(text)
+    assert doc["lm loss"]["values"] == {"1": 9.5, "2": "nan"} and doc["grad-norm"]["values"] == {"1": "inf"}
+    assert golden.check_golden(doc, ["lm loss"]) == ["lm loss: value at step 2 is not a finite number ('nan')"]
+    assert math.isnan(golden.from_golden(doc)["lm loss"][2])

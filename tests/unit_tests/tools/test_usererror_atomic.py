@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 import stat
+from pathlib import Path
 
 import pytest
 
-from hfsdp.atomic import write_text_atomic
+from hfsdp.atomic import NonFiniteJSON, json_text, write_json_atomic, write_text_atomic
 from hfsdp.usererror import UserError, report, run_cli
 
 
@@ -57,3 +60,28 @@ def test_atomic_write_keeps_permissions_and_never_leaves_half_a_file(tmp_path, m
     with pytest.raises(OSError, match="disk full"):
         write_text_atomic(path, "three")
     assert path.read_text() == "two" and sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
+
+
+def test_json_is_written_strict_and_a_nan_names_its_place(tmp_path):
+    path = tmp_path / "doc.json"
+    write_json_atomic(path, {"b": [1.5, None], "a": 1})
+    assert path.read_text() == '{\n "a": 1,\n "b": [\n  1.5,\n  null\n ]\n}\n'
+    for bad, where in ((float("nan"), "$.runs[1].t is nan"), (float("-inf"), "$.runs[1].t is -inf")):
+        with pytest.raises(NonFiniteJSON, match=re.escape(f"not writing {path}: {where}, which JSON cannot hold")):
+            write_json_atomic(path, {"runs": [{"t": 1.0}, {"t": bad}]})
+    assert json.loads(path.read_text()) == {"a": 1, "b": [1.5, None]}, "a refused document changes nothing"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.json"]
+    with pytest.raises(NonFiniteJSON, match=r"\$\[0\] is inf"):
+        json_text((float("inf"),))
+
+
+def test_every_json_file_we_write_goes_through_the_strict_writer():
+    """``json.dump``/``json.dumps`` write bare NaN tokens by default: only hfsdp/atomic.py may call
+    them, everything else writes through it ([Note: strict JSON])."""
+    root = Path(__file__).resolve().parents[3]
+    calls = re.compile(r"\bjson\.dumps?\(")
+    offenders = [f"{path.relative_to(root)}:{n}"
+                 for base in ("hfsdp", "scripts") for path in sorted((root / base).rglob("*.py"))
+                 if path.name != "atomic.py"
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if calls.search(line)]
+    assert offenders == [], f"write JSON with hfsdp.atomic.write_json_atomic / json_text: {offenders}"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from hfsdp.training import run_report as R
@@ -41,5 +39,19 @@ def test_each_rank_writes_its_own_file_and_read_merges(monkeypatch, tmp_path):
 def test_read_rejects_a_torn_file(tmp_path):
     path = tmp_path / "r.json"
     path.write_text('{"peak_allocated_bytes": 1')
-    with pytest.raises(json.JSONDecodeError):
+    with pytest.raises(ValueError, match=r"r\.json is not JSON"):
+        R.read(str(path), world_size=1)
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("[]", "holds a JSON list, not an object"),
+    ("{}", "lacks peak_allocated_bytes, peak_reserved_bytes"),
+    ('{"peak_allocated_bytes": "lots", "peak_reserved_bytes": 1}', "has peak_allocated_bytes 'lots'"),
+    ('{"peak_allocated_bytes": 1, "peak_reserved_bytes": -1}', "has peak_reserved_bytes -1"),
+    ('{"peak_allocated_bytes": 1, "peak_reserved_bytes": 1, "maxpool_stats": [1]}', "has maxpool_stats [1]"),
+])
+def test_read_names_a_file_that_is_not_a_report(tmp_path, text, says):
+    path = tmp_path / "r.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{path} {says}".replace("[", r"\[").replace("]", r"\]")):
         R.read(str(path), world_size=1)

@@ -1,0 +1,89 @@
+"""What one rank holds for the whole run, from a plan (no GPU work).
+
+A rank holds its shard of the parameters, of the optimizer's main parameters, gradients and
+moments, and the double-buffer pools (:class:`RankMemory`). Activations and temporary buffers come
+on top and are not planned, so this is a lower bound: a plan it says cannot fit, cannot. The
+several-ranks-per-GPU launch checks it against the GPUs it has (hfsdp/launch/fit.py); the planner
+against the largest GPU memory known (:data:`LARGEST_GPU_BYTES`, [Note: cannot fit] in cli.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+GIB = 2**30
+# The largest memory of one GPU we know of: NVIDIA H200, 141 GiB. A plan above it fits no GPU.
+LARGEST_GPU = "H200"
+LARGEST_GPU_BYTES = 141 * GIB
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "float8": 1}
+_MOMENTS = {"adam": 2, "sgd": 1}  # fp32 states per main parameter
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds for the whole run, as planned."""
+
+    weights: int
+    main_params: int
+    main_grads: int
+    optimizer: int
+    pools: int
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{f.name.replace('_', ' ')} {getattr(self, f.name) / GIB:.2f}" for f in fields(self))
+        return f"{self.total / GIB:.2f} GiB ({parts})"
+
+
+def _itemsize(dtype: Any, fallback: int) -> int:
+    """Bytes per element of a torch dtype or a Megatron dtype name; ``fallback`` for 'auto'/None."""
+    if dtype is None or dtype == "auto":
+        return fallback
+    size = getattr(dtype, "itemsize", None)
+    if isinstance(size, int):
+        return size
+    return _ITEMSIZE.get(str(dtype).removeprefix("torch.").replace("float32", "fp32")
+                         .replace("bfloat16", "bf16").replace("float16", "fp16"), fallback)
+
+
+def grad_dtypes(args: Any) -> tuple[Any, Any]:
+    """(main_grads_dtype, grad_comm_dtype) as the Megatron-FSDP adapter derives them."""
+    import torch
+
+    if getattr(args, "accumulate_allreduce_grads_in_fp32", False):
+        return torch.float32, torch.float32
+    return (getattr(args, "megatron_fsdp_main_grads_dtype", None),
+            getattr(args, "megatron_fsdp_grad_comm_dtype", None))
+
+
+def planned_memory(args: Any, layout: Any, results: list[dict[str, Any]], lane_count: int | None) -> RankMemory:
+    """One rank's memory for parsed ``args`` and their plan (``hfsdp.planner.cli.plan_from_args``).
+
+    Pools: the ``lane_count``-lane plan (``--megatron-fsdp-max-pool-lanes`` 3 or more), else the
+    max-pool plan (also what two live unsharded units take without double buffering).
+    """
+    strategy = layout.strategy
+    shard_weights = strategy == "optim_grads_params"
+    shard_grads = strategy in ("optim_grads", "optim_grads_params")
+    main_grads_dtype = grad_dtypes(args)[0]
+    memory = dict.fromkeys(("weights", "main_params", "main_grads", "optimizer"), 0)
+    moments = _MOMENTS.get(str(getattr(args, "optimizer", "adam")), 2)
+    for b in layout.buckets:
+        shard = b.numel // b.dp_size if b.dp_size > 1 else b.numel
+        param_size = _itemsize(b.dtype, 2)
+        main_size = _itemsize(getattr(args, "megatron_fsdp_main_params_dtype", None), param_size)
+        memory["weights"] += (shard if shard_weights else b.numel) * param_size
+        if not b.requires_grad:
+            continue
+        memory["main_params"] += shard * main_size
+        memory["main_grads"] += (shard if shard_grads else b.numel) * _itemsize(main_grads_dtype, param_size)
+        memory["optimizer"] += shard * 4 * moments
+    pools = 0
+    for result in results:
+        plan = result["lanes"].get(lane_count) if lane_count else None
+        pools += (plan or result["maxpool"]).pool_bytes()
+    return RankMemory(pools=pools, **memory)

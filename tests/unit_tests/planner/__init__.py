@@ -1,0 +1,1 @@
+"""The memory planner's tests, a package: its test_probe_table.py shares a basename with the benchmark's."""
