@@ -1,7 +1,7 @@
 """Bad input a new user meets, refused with a sentence that is right about the cause and the way out.
 
 Driven through the command line (``hfsdp.patchset.cli.main``); the probe table
-(test_probe_table.py) runs the same inputs as a user would, through ``scripts/patchset``.
+(test_patchset_probe_table.py) runs the same inputs as a user would, through ``scripts/patchset``.
 """
 
 from __future__ import annotations
