@@ -55,6 +55,7 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     from hfsdp.training import requirements, specs
+    from hfsdp.training.assumed_device import validation_device
     from megatron.training.arguments import parse_and_validate_args
 
     # Optional packages (TE, mamba_ssm, causal_conv1d) first, from the flags as given: validate_args
@@ -64,7 +65,8 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
     if not (raw.use_checkpoint_args or raw.yaml_cfg):
         requirements.check(raw)
     try:
-        args = parse_and_validate_args(args_defaults=dict(ARGS_DEFAULTS))
+        with validation_device():  # no GPU: an assumed one answers validate_args' device queries
+            args = parse_and_validate_args(args_defaults=dict(ARGS_DEFAULTS))
     except (AssertionError, ValueError) as exc:  # Megatron validates flags with asserts and ValueErrors
         raise rejection(exc, "invalid flags", flags_fix()) from exc
     family = specs.resolve_family(args, forced_family)
@@ -77,12 +79,15 @@ def require_cuda() -> None:
     """Training needs CUDA GPUs: say so, instead of torch's "Found no NVIDIA driver" deep inside."""
     import torch
 
+    from hfsdp.training.assumed_device import ASSUMED_ARCH, arch_name
+
     if torch.cuda.is_available():
         return
     why = ("this torch is built without CUDA" if torch.version.cuda is None
            else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU or driver")
     raise UserError(
-        f"training needs CUDA GPUs and {why}; the flags themselves are valid",
+        f"training needs CUDA GPUs and {why}; the flags themselves are valid, checked as for "
+        f"{arch_name(ASSUMED_ARCH)}",
         "run on a machine with NVIDIA GPUs (`torchrun --nproc-per-node N <this script> <the same flags>`); on this "
         "machine `python scripts/fsdp_memory_planner.py --plan-dp-size N <the same flags>` plans the memory "
         "without a GPU (N: the data-parallel size)",

@@ -108,3 +108,48 @@ entry.main()
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "error: [weight] megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes) asks for 6 lanes" \
         in proc.stderr, proc.stderr[-3000:]
+
+
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+
+
+@pytest.mark.skipif(HAVE_CUDA, reason="checks validation on a machine without CUDA")
+def test_megatron_fsdp_flags_are_validated_without_a_gpu():
+    """validate_args asks the GPU's architecture with Megatron-FSDP (and with tensor parallelism);
+    without a driver an assumed GPU answers ([Note: validation without a GPU] in
+    hfsdp/training/assumed_device.py), so valid flags end in the sentence about the GPU."""
+    proc = pretrain(*FSDP)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "pretrain_gpt.py: error: training needs CUDA GPUs" in proc.stderr, proc.stderr[-3000:]
+    assert "checked as for a Hopper GPU (compute capability 9)" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Found no NVIDIA driver" not in proc.stderr
+
+
+@pytest.mark.skipif(HAVE_CUDA, reason="checks validation on a machine without CUDA")
+def test_checks_after_the_gpu_query_run_without_a_gpu():
+    """The checks validate_args runs after its device queries (CUDA-graph and TE checks) and the
+    device queries themselves (--moe-grouped-gemm, tensor parallelism) reject flags on a CPU machine."""
+    cases = [
+        (FSDP + ["--cuda-graph-impl", "local"], "per-layer CUDA graphs"),
+        (["--moe-grouped-gemm", "--num-experts", "2"], "--moe-grouped-gemm has no effect with --transformer-impl"),
+        (["--tensor-model-parallel-size", "2"], "CUDA_DEVICE_MAX_CONNECTIONS"),
+    ]
+    code = (
+        "import os, sys\n"
+        "from hfsdp.training.entry import parse_args\n"
+        "from hfsdp.usererror import UserError\n"
+        f"for extra in {[c[0] for c in cases]!r}:\n"
+        "    os.environ['WORLD_SIZE'] = '2' if '--tensor-model-parallel-size' in extra else '1'\n"
+        "    try:\n"
+        f"        parse_args({TINY!r} + extra)\n"
+        "    except UserError as exc:\n"
+        "        print('CAUSE:', exc.cause.replace(chr(10), ' '))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("HFSDP_DEBUG", "CUDA_DEVICE_MAX_CONNECTIONS")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=300)
+    causes = [line for line in proc.stdout.splitlines() if line.startswith("CAUSE: ")]
+    assert len(causes) == len(cases), proc.stdout + proc.stderr[-3000:]
+    for (_, expected), cause in zip(cases, causes, strict=True):
+        assert expected in cause, cause
