@@ -267,3 +267,11 @@ def test_the_golden_advice_re_records_and_then_passes(tmp_path, monkeypatch, cap
     assert advice == f"python -m hfsdp.functional.run_case {case} --record"
     assert driver.main(advice.split()[3:]) == 0
     assert driver.main([str(case)]) == 0
+
+
+
+def test_drift_note_against_a_golden_of_zero_step_times():
+    """A golden whose step-time median is 0 gives no ratio; the note says so instead of dividing."""
+    times = {i: 0.0 for i in range(1, 7)}
+    note = golden.iteration_time_drift({"iteration-time": times}, {"iteration-time": {i: 0.05 for i in times}})
+    assert note is not None and "50.0 ms against the golden's 0.0 ms" in note and "re-record" in note
