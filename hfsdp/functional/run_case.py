@@ -156,6 +156,27 @@ def script_target(recipe: Recipe) -> list[str]:
     return [str((REPO_ROOT / script[0]).resolve()), *script[1:]]
 
 
+TRAINING_ENTRIES = ("pretrain_gpt.py", "pretrain_hybrid.py")  # they train on CUDA GPUs only (entry.py)
+CPU_CASE = "tests/functional_tests/test_cases/smoke/cpu_gloo_smoke"
+
+
+def trains_on_gpus(recipe: Recipe) -> bool:
+    """Whether the case's ``TRAINING_SCRIPT`` is one of the training entry points, which need CUDA GPUs."""
+    first = recipe.training_script.split()[0]
+    return first != "-m" and Path(first).name in TRAINING_ENTRIES
+
+
+def check_gpus_for(recipe: Recipe, env: Mapping[str, str]) -> None:
+    """Refuse, before anything is launched, a case that trains on GPUs where its ranks would see none."""
+    if trains_on_gpus(recipe) and not fit.gpu_memory(env=env):
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise UserError(f"{recipe.model}/{recipe.name} trains with {recipe.training_script.split()[0]}, which needs "
+                        f"CUDA GPUs, and its ranks would see none here{where}",
+                        f"run it on a machine with NVIDIA GPUs; on this one `python -m hfsdp.functional.run_case "
+                        f"{CPU_CASE}` runs the CPU smoke case")
+
+
 def build_command(recipe: Recipe, argv: Sequence[str], launch: Launch,
                   python: str = sys.executable) -> list[str]:
     """torchrun command line for one run of ``recipe`` (hfsdp/launch/torchrun.py)."""
@@ -307,15 +328,19 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
                             "single-run cases only", "run it without --evaluate-log (the driver launches both runs)")
         outdir.prepare(out, clear=False)
         if not Path(evaluate_log).is_file():
-            raise UserError(f"--evaluate-log {evaluate_log} does not exist",
+            what = "is a folder, not a log file" if Path(evaluate_log).is_dir() else "does not exist"
+            raise UserError(f"--evaluate-log {evaluate_log} {what}",
                             "pass the log the training wrote (the srun-per-GPU sbatch script tees it to run1.log)")
         rec1 = RunRecord(str(evaluate_log), 0, False)
     else:
-        outdir.prepare(out, clear=True)  # a stale checkpoint would turn run 1 into a resume
         argv1 = args_to_argv(recipe.model_args, path_variables(out))
         env1 = run_env(recipe.env_vars, env)
+        # The GPU checks come before the output folder is cleared: a refused run loses nothing.
         if shared:
             print(f"run_case: {fit.preflight(launch.placement, argv1, environ=env1)}", flush=True)
+        else:
+            check_gpus_for(recipe, env1)
+        outdir.prepare(out, clear=True)  # a stale checkpoint would turn run 1 into a resume
         rec1 = run_logged(build_command(recipe, argv1, launch), env1,
                           out / "run1.log", launch.timeout_s)
     variables = path_variables(out)

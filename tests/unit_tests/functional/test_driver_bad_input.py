@@ -269,6 +269,35 @@ def test_the_golden_advice_re_records_and_then_passes(tmp_path, monkeypatch, cap
     assert driver.main([str(case)]) == 0
 
 
+# Launch-time refusals ------------------------------------------------------------------------
+
+def test_a_gpu_case_where_no_gpu_is_visible_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """A case that trains with pretrain_gpt.py on a machine whose ranks see no GPU: one sentence,
+    before torchrun starts and before the previous run's output is cleared."""
+    from hfsdp.functional import run_case as driver
+
+    asked = []
+    monkeypatch.setattr(driver.fit, "gpu_memory", lambda python=sys.executable, env=None: asked.append(env) or [])
+    case = make_case(tmp_path / "cases", extra="ENV_VARS: {CUDA_VISIBLE_DEVICES: ''}\n")  # pretrain_gpt.py
+    out = tmp_path / "out" / "gpt" / "case"
+    from hfsdp.functional import outdir
+
+    outdir.prepare(out, clear=False)
+    (out / "run1.log").write_text("the previous run\n")
+    with pytest.raises(UserError) as info:
+        run_case(case, launch=Launch(nproc=1, timeout_s=60), output_root=tmp_path / "out")
+    assert "gpt/case trains with pretrain_gpt.py, which needs CUDA GPUs" in info.value.cause
+    assert "CUDA_VISIBLE_DEVICES=''" in info.value.cause and "cpu_gloo_smoke" in info.value.fix
+    assert asked and asked[0]["CUDA_VISIBLE_DEVICES"] == ""  # asked with the ranks' environment
+    assert (out / "run1.log").read_text() == "the previous run\n"
+
+
+def test_evaluate_log_that_is_a_folder_is_named_a_folder(tmp_path):
+    case = make_case(tmp_path / "cases")
+    with pytest.raises(UserError) as info:
+        run_case(case, output_root=tmp_path / "out", evaluate_log=tmp_path)
+    assert info.value.cause == f"--evaluate-log {tmp_path} is a folder, not a log file"
+
 
 def test_drift_note_against_a_golden_of_zero_step_times():
     """A golden whose step-time median is 0 gives no ratio; the note says so instead of dividing."""
