@@ -153,3 +153,13 @@ def test_checks_after_the_gpu_query_run_without_a_gpu():
     assert len(causes) == len(cases), proc.stdout + proc.stderr[-3000:]
     for (_, expected), cause in zip(cases, causes, strict=True):
         assert expected in cause, cause
+
+
+def test_more_lanes_than_units_is_refused_at_argument_time():
+    """The unit count follows from the flags ([Note: FSDP units from the flags] in fsdp_units.py):
+    the runtime's sentence comes before any GPU or buffer is touched."""
+    proc = pretrain(*FSDP, "--megatron-fsdp-max-pool-double-buffer", "--megatron-fsdp-max-pool-lanes", "1000")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("pretrain_gpt.py: error: --megatron-fsdp-max-pool-lanes asks for 1000 lanes, more than the 2 FSDP "
+            "units of this model chunk, so 998 lane(s) would hold no unit; use at most 2 lanes.") in proc.stderr
+    assert "Traceback" not in proc.stderr and "training needs CUDA GPUs" not in proc.stderr
