@@ -15,11 +15,15 @@ adds the traceback. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import os
+import re
 import sys
 import time
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 from hfsdp.diagnostics import install_stack_dump_signal
 from hfsdp.patchset.guard import ensure_fork
@@ -35,14 +39,57 @@ def flags_fix() -> str:
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 
-def megatron_parser():
-    """Megatron's own argument parser (every upstream flag plus the fork's patched-in ones)."""
-    import argparse
+USAGE = "%(prog)s [Megatron flags ...]"
+EPILOG = "The fork's own flags, one line each: python -m hfsdp.flags"
 
+
+def flag_error(message: str) -> UserError:
+    """argparse's complaint about a flag as one sentence (not the usage of every Megatron flag):
+    a bad number says which flag and what it got; an unknown flag names the nearest known one; a
+    bad value of one of the fork's flags points at ``python -m hfsdp.flags``."""
+    cause = message
+    flag = None
+    if m := re.fullmatch(r"argument ([^:/ ]+)[^:]*: invalid (int|float) value: '(.*)'", message):
+        flag, kind, value = m.groups()
+        cause = f"{flag} {value!r} is not a {'whole ' if kind == 'int' else ''}number"
+    elif m := re.fullmatch(r"argument ([^:/ ]+)[^:]*: (.*)", message):
+        flag = m.group(1)
+        cause = f"{flag}: {m.group(2)}"
+    if flag is not None and flag in _fork_flags():
+        return UserError(cause, f"`python -m hfsdp.flags` says what {flag} takes and its default")
+    return UserError(cause, flags_fix())
+
+
+def _fork_flags() -> set[str]:
+    from hfsdp.flags import fork_flag_names
+
+    try:
+        return fork_flag_names()
+    except UserError:  # a tree without its stamp: the generic advice
+        return set()
+
+
+class _EntryParser(argparse.ArgumentParser):
+    """Megatron's flags with argparse's errors raised as one-sentence UserErrors (:func:`flag_error`)."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            known = [s for a in self._actions for s in a.option_strings]
+            unknown = [a.split("=", 1)[0] for a in message.split(": ", 1)[1].split() if a.startswith("--")]
+            near = {u: m[0] for u in unknown if (m := difflib.get_close_matches(u, known, n=1, cutoff=0.75))}
+            if near:
+                hint = ", ".join(m if len(unknown) == 1 else f"{m} for {u}" for u, m in near.items())
+                message += f" (did you mean {hint}?)"
+        raise flag_error(message)
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron's own argument parser (every upstream flag plus the fork's patched-in ones); a bad
+    flag is a UserError (one sentence) instead of argparse's usage of every flag and exit."""
     from megatron.training.arguments import add_megatron_arguments
 
-    parser = argparse.ArgumentParser(description="Megatron-LM Arguments (hfsdp entry point)",
-                                     allow_abbrev=False)
+    parser = _EntryParser(description="Megatron-LM Arguments (hfsdp entry point)", usage=USAGE, epilog=EPILOG,
+                          allow_abbrev=False)
     add_megatron_arguments(parser)
     return parser
 
@@ -61,7 +108,7 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
     # Optional packages (TE, mamba_ssm, causal_conv1d) first, from the flags as given: validate_args
     # already touches CUDA for some TE-only flags (--moe-grouped-gemm reads the device capability).
     # Flags read from a checkpoint or a YAML file are only known after validation.
-    raw, _ = megatron_parser().parse_known_args(sys.argv[1:])
+    raw = megatron_parser().parse_args(sys.argv[1:])  # a bad flag: one sentence (flag_error)
     if not (raw.use_checkpoint_args or raw.yaml_cfg):
         requirements.check(raw)
     try:
@@ -108,6 +155,13 @@ def main(argv: Sequence[str] | None = None, forced_family: str | None = None) ->
 def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     program_start = time.time()
     install_stack_dump_signal()  # `kill -USR1 <pid>` prints this rank's stacks (hung jobs)
+    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+        from hfsdp.flags import quiet
+
+        with quiet():  # every flag, without Megatron's import-time warnings before them
+            ensure_fork()
+            parser = megatron_parser()
+        parser.parse_args(["--help"])  # prints the help and exits 0
     ensure_fork()
     from hfsdp.determinism import ENV as PIN_ENV
     from hfsdp.determinism import pin_triton_autotune_from_env

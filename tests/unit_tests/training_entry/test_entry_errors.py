@@ -163,3 +163,40 @@ def test_more_lanes_than_units_is_refused_at_argument_time():
     assert ("pretrain_gpt.py: error: --megatron-fsdp-max-pool-lanes asks for 1000 lanes, more than the 2 FSDP "
             "units of this model chunk, so 998 lane(s) would hold no unit; use at most 2 lanes.") in proc.stderr
     assert "Traceback" not in proc.stderr and "training needs CUDA GPUs" not in proc.stderr
+
+
+def test_a_bad_value_of_a_fork_flag_is_one_sentence():
+    """Not argparse's usage of every Megatron flag (hundreds of lines) before its one-line error."""
+    proc = pretrain("--megatron-fsdp-max-pool-lanes", "abc")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = proc.stderr[proc.stderr.index("pretrain_gpt.py: error: "):]
+    assert error.splitlines()[:2] == [
+        "pretrain_gpt.py: error: --megatron-fsdp-max-pool-lanes 'abc' is not a whole number",
+        "  -> `python -m hfsdp.flags` says what --megatron-fsdp-max-pool-lanes takes and its default"]
+    assert "usage:" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    (["--megatron-fsdp-max-pool-lane", "3"],
+     "unrecognized arguments: --megatron-fsdp-max-pool-lane 3 (did you mean --megatron-fsdp-max-pool-lanes?)"),
+    (["--lr", "fast"], "--lr 'fast' is not a number"),
+    (["--transformer-impl", "te"], "--transformer-impl: invalid choice: 'te'"),
+])
+def test_argparse_errors_are_one_sentence(extra, expected):
+    from hfsdp.training import entry
+
+    parser = entry.megatron_parser()
+    with pytest.raises(entry.UserError) as info:
+        parser.parse_args([*TINY, *extra])
+    assert info.value.cause.startswith(expected), info.value.cause
+    assert "--help" in info.value.fix
+
+
+def test_help_has_no_warnings_a_short_usage_and_points_at_the_fork_listing():
+    env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), "--help"], env=env, cwd="/",
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: pretrain_gpt.py [Megatron flags ...]\n")
+    assert proc.stdout.rstrip().endswith("The fork's own flags, one line each: python -m hfsdp.flags")
