@@ -131,9 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         ensure_fork()
         with quiet():
-            from hfsdp.training.entry import megatron_parser
+            from megatron.training.arguments import add_megatron_arguments
 
-            parser = megatron_parser()
+            parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))  # what --help lists
             names = fork_flag_names()
         lines = listing(parser, names)
         print("The fork's flags (on top of every Megatron flag; `python pretrain_gpt.py --help` lists all):")
