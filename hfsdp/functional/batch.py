@@ -104,6 +104,14 @@ def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool) -> Outcome:
     return Outcome(f"{recipe.model}/{recipe.name}", rc, time.monotonic() - start, result, platform, record)
 
 
+def check_summary(path: Path) -> None:
+    """Refuse a ``--summary`` that cannot be written, before any case runs (not after all of them)."""
+    if path.is_dir():
+        raise UserError(f"--summary {path} is a folder", "name the file to write, e.g. --summary out/summary.txt")
+    if blocker := next((p for p in path.parents if p.exists() and not p.is_dir()), None):
+        raise UserError(f"--summary {path} lies under {blocker}, which is a file", "name a file in a folder")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hfsdp.functional.batch", description=__doc__.split("\n")[0])
     parser.add_argument("cases", nargs="+", type=Path)
@@ -132,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "times are judged", "give --jobs 1, or --ranks-per-gpu 2 or more (no step times judged)")
         if ns.output_dir is not None:
             outdir.check_root(ns.output_dir)
+        if ns.summary is not None:
+            check_summary(ns.summary)
         outcomes: list[Outcome] = []
         waves = ordered(ns.cases)
         if ns.jobs > 1 and len(waves[0]) > 1:

@@ -318,6 +318,12 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
                         "(the resume step edits the checkpoint)", "run it with --nnodes 1")
     if output_root is not None:
         outdir.check_root(output_root)
+    # The twin is read before anything runs: a bad --compare-to must not cost the case's run.
+    other = compare_to or (recipe.case_dir / recipe.compare_to if recipe.compare_to else None)
+    try:
+        other_recipe = load_recipe(other) if other is not None else None
+    except UserError as exc:
+        raise UserError(f"--compare-to: {exc.cause}" if compare_to else exc.cause, exc.fix) from exc
     out = output_dir_for(recipe, output_root)
     if launch.nnodes > 1:
         out = out / f"node{launch.node_rank}"  # per-node logs; no cross-node file races
@@ -335,7 +341,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     else:
         argv1 = args_to_argv(recipe.model_args, path_variables(out))
         env1 = run_env(recipe.env_vars, env)
-        # The GPU checks come before the output folder is cleared: a refused run loses nothing.
+        # Every check comes before the output folder is cleared: a refused run loses nothing.
+        outdir.check(out, clear=True)
         if shared:
             print(f"run_case: {fit.preflight(launch.placement, argv1, environ=env1)}", flush=True)
         else:
@@ -386,9 +393,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
         return result
     # Cross-case checks come first: a golden is recorded only from a run that passed them all.
-    other = compare_to or (recipe.case_dir / recipe.compare_to if recipe.compare_to else None)
-    if other is not None:
-        other_recipe = load_recipe(other)
+    if other is not None and other_recipe is not None:
         other_metrics_path = output_dir_for(other_recipe, output_root) / "metrics.json"
         twin_size = _recorded_world_size(other_metrics_path.parent / "result.json")
         if not other_metrics_path.is_file() or twin_size != launch.world_size:
