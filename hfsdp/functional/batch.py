@@ -33,7 +33,7 @@ from pathlib import Path
 from hfsdp.functional import golden, outdir
 from hfsdp.functional.recipe import Recipe, load_recipe
 from hfsdp.functional.run_case import RESULT_MARK, output_dir_for
-from hfsdp.launch import torchrun
+from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, parse_assignments
 from hfsdp.usererror import UserError, positive, run_cli
 
@@ -99,9 +99,40 @@ def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool) -> Outcome:
     start = time.monotonic()
     with open(log, "w") as sink:
         rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT).returncode
-    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith(RESULT_MARK)]
-    result = lines[-1] if lines else f"no result line (see {log})"
+    text = log.read_text(errors="replace").splitlines()
+    lines = [ln for ln in text if ln.startswith(RESULT_MARK)]
+    refused = [ln.removeprefix("run_case: error: ") for ln in text if ln.startswith("run_case: error: ")]
+    result = lines[-1] if lines else f"refused: {refused[-1]} (see {log})" if refused else f"no result line (see {log})"
     return Outcome(f"{recipe.model}/{recipe.name}", rc, time.monotonic() - start, result, platform, record)
+
+
+def check_gpus(recipes: Sequence[Recipe], ns: argparse.Namespace) -> None:
+    """Refuse, before any case runs, a batch whose ranks would find no GPU (the shared mode's, or
+    those of its GPU cases): each case would be refused on its own, one after another."""
+    from hfsdp.functional.run_case import check_gpus_for, run_env, trains_on_gpus
+
+    if ns.ranks_per_gpu > 1:
+        torchrun.check_gpus(torchrun.Placement(nproc=ns.ranks_per_gpu, ranks_per_gpu=ns.ranks_per_gpu),
+                            len(fit.gpu_memory()))
+    extra = parse_assignments(ns.env)
+    seen: dict[str | None, bool] = {}  # CUDA_VISIBLE_DEVICES of the ranks -> whether they see a GPU
+    blocked: list[str] = []
+    for recipe in (r for r in recipes if trains_on_gpus(r)):
+        env = run_env(recipe.env_vars, extra)
+        key = env.get("CUDA_VISIBLE_DEVICES")
+        if key not in seen:
+            try:
+                check_gpus_for(recipe, env)
+                seen[key] = True
+            except UserError:
+                seen[key] = False
+        if not seen[key]:
+            blocked.append(f"{recipe.model}/{recipe.name}")
+    if blocked:
+        shown = ", ".join(blocked[:4]) + (f" and {len(blocked) - 4} more" if len(blocked) > 4 else "")
+        raise UserError(f"{len(blocked)} of the cases train on CUDA GPUs and their ranks would see none here "
+                        f"({shown})", "run them on a machine with NVIDIA GPUs, or leave them out (the CPU smoke "
+                        "cases need none)")
 
 
 def check_summary(path: Path) -> None:
@@ -144,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_summary(ns.summary)
         outcomes: list[Outcome] = []
         waves = ordered(ns.cases)
+        check_gpus([r for wave in waves for r in wave], ns)
         if ns.jobs > 1 and len(waves[0]) > 1:
             # The first case runs alone: it fills the Triton and compile caches that the cases
             # after it read, instead of every rank of every case compiling the same kernels at once.

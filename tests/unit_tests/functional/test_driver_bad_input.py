@@ -367,3 +367,34 @@ def test_batch_refuses_a_summary_path_it_cannot_write_before_running(tmp_path):
         assert expected in info.value.cause
     assert batch.main([str(case), "--summary", str(tmp_path), "--output-dir", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_batch_refuses_gpu_cases_where_no_gpu_is_visible_before_running_any(tmp_path, monkeypatch, capsys):
+    from hfsdp.functional import batch
+    from hfsdp.launch import fit
+
+    monkeypatch.setattr(fit, "gpu_memory", lambda python=sys.executable, env=None: [])
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    cpu = make_case(tmp_path / "cases", name="cpu", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
+    gpu = make_case(tmp_path / "cases", name="gpu")  # pretrain_gpt.py
+    out = ["--output-dir", str(tmp_path / "out")]
+    assert batch.main([str(cpu), str(gpu), *out]) == 2
+    err = capsys.readouterr().err
+    assert "1 of the cases train on CUDA GPUs and their ranks would see none here (gpt/gpu)" in err
+    assert batch.main([str(cpu), "--ranks-per-gpu", "2", *out]) == 2
+    assert "--ranks-per-gpu 2 shares CUDA GPUs between ranks, and this machine has none" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_batch_shows_why_run_case_refused_a_case(tmp_path, capsys):
+    from hfsdp.functional import batch
+
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    case = make_case(tmp_path / "cases", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
+    (tmp_path / "out" / "gpt" / "case").mkdir(parents=True)
+    (tmp_path / "out" / "gpt" / "case" / "notes.txt").write_text("mine\n")
+    assert batch.main([str(case), "--output-dir", str(tmp_path / "out")]) == 1
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("rc=2"))
+    assert "refused: output folder" in line and "not made by the functional driver" in line
