@@ -22,15 +22,20 @@ passed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from hfsdp.functional import golden, outdir
+from hfsdp.functional.interrupt import Interrupted, run_interruptible
 from hfsdp.functional.recipe import Recipe, load_recipe
 from hfsdp.functional.run_case import RESULT_MARK, output_dir_for
 from hfsdp.launch import fit, torchrun
@@ -38,6 +43,7 @@ from hfsdp.launch.env import add_env_option, parse_assignments
 from hfsdp.usererror import UserError, positive, run_cli
 
 ENVIRONMENT = "dev"
+STOP_GRACE_S = 60.0  # an interrupted case's time to end its run (run_case: stacks, SIGTERM, SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,46 @@ def ordered(cases: Sequence[Path]) -> list[list[Recipe]]:
     return [w for w in (first, second) if w]
 
 
-def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool) -> Outcome:
+class Running:
+    """The ``run_case`` processes of a batch, so that an interrupt ends them and starts no more
+    ([Note: interrupting the driver] in interrupt.py)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.procs: set[subprocess.Popen] = set()
+        self.stopped = False
+
+    def start(self, cmd: list[str], sink: IO) -> subprocess.Popen | None:
+        with self.lock:
+            if self.stopped:
+                return None
+            child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+            self.procs.add(child)
+            return child
+
+    def finished(self, child: subprocess.Popen) -> None:
+        with self.lock:
+            self.procs.discard(child)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int:
+        """End every running case (SIGTERM: each ends its own run), wait ``grace_s``, then kill; returns how many."""
+        with self.lock:
+            self.stopped = True
+            procs = list(self.procs)
+        for child in procs:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in procs:
+            try:
+                child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        return len(procs)
+
+
+def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool, running: Running | None = None) -> Outcome:
     platform, record = golden_for(recipe, ns.platform, shared, ns.record)
     out = output_dir_for(recipe, ns.output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,8 +142,16 @@ def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool) -> Outcome:
            *(["--output-dir", str(ns.output_dir)] if ns.output_dir else []),
            *[f"--env={item}" for item in ns.env]]
     start = time.monotonic()
+    running = running or Running()
     with open(log, "w") as sink:
-        rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT).returncode
+        child = running.start(cmd, sink)
+        if child is None:
+            return Outcome(f"{recipe.model}/{recipe.name}", -1, 0.0, "not run: the batch was interrupted",
+                           platform, False)
+        try:
+            rc = child.wait()
+        finally:
+            running.finished(child)
     text = log.read_text(errors="replace").splitlines()
     lines = [ln for ln in text if ln.startswith(RESULT_MARK)]
     refused = [ln.removeprefix("run_case: error: ") for ln in text if ln.startswith("run_case: error: ")]
@@ -163,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_env_option(parser)
     ns = parser.parse_args(argv)
 
+    running = Running()
+    outcomes: list[Outcome] = []
+
     def run() -> int:
         parse_assignments(ns.env)  # refuse a malformed --env before anything runs
         shared = ns.ranks_per_gpu > 1
@@ -173,7 +229,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             outdir.check_root(ns.output_dir)
         if ns.summary is not None:
             check_summary(ns.summary)
-        outcomes: list[Outcome] = []
         waves = ordered(ns.cases)
         check_gpus([r for wave in waves for r in wave], ns)
         if ns.jobs > 1 and len(waves[0]) > 1:
@@ -182,9 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             waves = [waves[0][:1], waves[0][1:], *waves[1:]]
         for wave in waves:
             with ThreadPoolExecutor(max_workers=ns.jobs) as pool:
-                for outcome in pool.map(lambda r: run_one(r, ns, shared), wave):
-                    print(outcome.line(), flush=True)
-                    outcomes.append(outcome)
+                try:
+                    for outcome in pool.map(lambda r: run_one(r, ns, shared, running), wave):
+                        print(outcome.line(), flush=True)
+                        outcomes.append(outcome)
+                except Interrupted:
+                    running.stop()  # before the pool's exit waits for its threads
+                    pool.shutdown(cancel_futures=True)
+                    raise
         failed = [o for o in outcomes if o.returncode != 0]
         summary = [o.line() for o in outcomes] + [f"{len(outcomes) - len(failed)} of {len(outcomes)} cases passed"]
         print(summary[-1])
@@ -193,7 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             ns.summary.write_text("\n".join(summary) + "\n")
         return 1 if failed else 0
 
-    return run_cli("functional.batch", run)
+    def after() -> str:
+        return (f"the running cases were ended (each one's log is beside its outputs) and no further case started; "
+                f"{len(outcomes)} case{'' if len(outcomes) == 1 else 's'} had finished")
+
+    return run_interruptible("functional.batch", lambda: run_cli("functional.batch", run), after)
 
 
 if __name__ == "__main__":

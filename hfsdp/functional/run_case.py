@@ -43,6 +43,7 @@ from pathlib import Path
 
 from hfsdp import proc
 from hfsdp.functional import golden, logparse, outdir
+from hfsdp.functional.interrupt import run_interruptible
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
@@ -506,7 +507,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{RESULT_MARK} {result.case}: {result.status}", flush=True)
         return 0 if result.status == "PASS" else 1
 
-    return run_cli("run_case", run)
+    return run_interruptible("run_case", lambda: run_cli("run_case", run),
+                             lambda: "the run's processes were ended, and the case has no result")
 
 
 if __name__ == "__main__":
