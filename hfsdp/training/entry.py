@@ -23,7 +23,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from hfsdp.diagnostics import install_stack_dump_signal
 from hfsdp.patchset.guard import ensure_fork
@@ -94,6 +94,27 @@ def megatron_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_yaml_cfg(path: str) -> None:
+    """``--yaml-cfg`` must name a readable YAML mapping; Megatron opens it with no check."""
+    import yaml
+
+    fix = "give --yaml-cfg a YAML file of flag values (a mapping), or leave it out and pass the flags"
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except IsADirectoryError:
+        raise UserError(f"--yaml-cfg {path} is a folder, not a YAML file", fix) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--yaml-cfg {path} cannot be read: {getattr(exc, 'strerror', None) or exc}", fix) from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"--yaml-cfg {path} is not valid YAML{at}: {problem}", fix) from exc
+    if not isinstance(config, dict):
+        raise UserError(f"--yaml-cfg {path} holds a YAML {type(config).__name__}, not a mapping of flag values", fix)
+
+
 def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = None):
     """Parse + validate Megatron args (sets Megatron's globals) and resolve the family.
 
@@ -109,6 +130,8 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
     # already touches CUDA for some TE-only flags (--moe-grouped-gemm reads the device capability).
     # Flags read from a checkpoint or a YAML file are only known after validation.
     raw = megatron_parser().parse_args(sys.argv[1:])  # a bad flag: one sentence (flag_error)
+    if raw.yaml_cfg is not None:
+        check_yaml_cfg(raw.yaml_cfg)
     if not (raw.use_checkpoint_args or raw.yaml_cfg):
         requirements.check(raw)
     try:
@@ -123,6 +146,17 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
         raise UserError(problem, flags_fix())
     specs.use_transformer_engine(args)
     return args, family
+
+
+def unit_override(fsdp_units: Any) -> list[str] | None:
+    """Install ``HFSDP_FSDP_UNIT_MODULES``'s unit list (fsdp_units.py); a value naming no class is one sentence."""
+    try:
+        return fsdp_units.install_unit_override()
+    except (ValueError, ImportError) as exc:
+        what = str(exc).removeprefix(f"{fsdp_units.ENV}: ")
+        raise UserError(f"{fsdp_units.ENV}={os.environ.get(fsdp_units.ENV)!r}: {what}",
+                        f"unset it, or give {fsdp_units.PRESET_0182}, none, or comma-separated dotted class "
+                        "paths (docs/functional-tests.md)") from exc
 
 
 def require_cuda() -> None:
@@ -183,8 +217,8 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
         raise UserError(exc.cause, exc.fix) from exc
     except SpecError as exc:
         raise UserError(str(exc), flags_fix()) from exc
+    units = unit_override(fsdp_units)  # an environment setting: checked before the GPU is
     require_cuda()
-    units = fsdp_units.install_unit_override()
     if install_digest_from_env() is not None:
         print_rank_0(f"> hfsdp entry: {DIGEST_ENV} set, weight/optimizer digests are logged")
     if pin_triton_autotune_from_env():  # before any Triton kernel runs

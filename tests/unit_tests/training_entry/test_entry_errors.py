@@ -200,3 +200,36 @@ def test_help_has_no_warnings_a_short_usage_and_points_at_the_fork_listing():
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
     assert proc.stdout.startswith("usage: pretrain_gpt.py [Megatron flags ...]\n")
     assert proc.stdout.rstrip().endswith("The fork's own flags, one line each: python -m hfsdp.flags")
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (None, "cannot be read: No such file or directory"),
+    ("folder", "is a folder, not a YAML file"),
+    ("a: [1\n", "is not valid YAML (line 2, column 1)"),
+    ("- a\n", "holds a YAML list, not a mapping of flag values"),
+])
+def test_a_yaml_cfg_megatron_cannot_read_is_one_sentence(tmp_path, content, expected):
+    from hfsdp.training.entry import check_yaml_cfg
+    from hfsdp.usererror import UserError
+
+    path = tmp_path / "cfg.yaml"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(UserError) as info:
+        check_yaml_cfg(str(path))
+    assert info.value.cause == f"--yaml-cfg {path} {expected}" or info.value.cause.startswith(
+        f"--yaml-cfg {path} {expected}"), info.value.cause
+
+
+def test_a_yaml_cfg_and_a_unit_list_naming_no_class_are_refused_by_the_script(tmp_path):
+    proc = pretrain("--yaml-cfg", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2 and "error: --yaml-cfg" in proc.stderr and "Traceback" not in proc.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("HFSDP_DEBUG", "RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=str(REPO_ROOT), HFSDP_FSDP_UNIT_MODULES="no_such_module.Layer")
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *TINY, *FSDP], env=env, cwd="/",
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "error: HFSDP_FSDP_UNIT_MODULES='no_such_module.Layer': No module named 'no_such_module'" in proc.stderr
+    assert "Traceback" not in proc.stderr
