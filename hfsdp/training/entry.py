@@ -7,10 +7,12 @@ FSDP unit list hook -> build the
 
 This module imports only the stdlib at import time so the guard runs before ``megatron`` loads.
 
-Errors ([Note: user errors] in hfsdp/usererror.py): a flag Megatron's validation rejects, a
-model family or spec that cannot be built, a stale or foreign ``megatron`` tree, and a machine
-without CUDA each end in one sentence with the way out and exit status 2; ``HFSDP_DEBUG=1``
-adds the traceback. Anything else is a bug and keeps its traceback.
+Errors ([Note: user errors] in hfsdp/usererror.py): a flag argparse or Megatron's validation
+rejects, an unreadable ``--yaml-cfg``, more max-pool lanes than a model chunk's units, a unit
+list naming no class, a model family or spec that cannot be built, a stale or foreign
+``megatron`` tree, and a machine without CUDA (after validating the flags as for an assumed GPU,
+hfsdp/training/assumed_device.py) each end in one sentence with the way out and exit status 2;
+``HFSDP_DEBUG=1`` adds the traceback. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from hfsdp.diagnostics import install_stack_dump_signal
 from hfsdp.patchset.guard import ensure_fork
@@ -148,8 +150,10 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
     return args, family
 
 
-def unit_override(fsdp_units: Any) -> list[str] | None:
+def unit_override() -> list[str] | None:
     """Install ``HFSDP_FSDP_UNIT_MODULES``'s unit list (fsdp_units.py); a value naming no class is one sentence."""
+    from hfsdp.training import fsdp_units
+
     try:
         return fsdp_units.install_unit_override()
     except (ValueError, ImportError) as exc:
@@ -201,7 +205,7 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     from hfsdp.determinism import pin_triton_autotune_from_env
     from hfsdp.step_digest import ENV as DIGEST_ENV
     from hfsdp.step_digest import install_from_env as install_digest_from_env
-    from hfsdp.training import data, forward_step, fsdp_units, model_provider, run_report
+    from hfsdp.training import data, forward_step, model_provider, run_report
     from hfsdp.training.requirements import MissingPackage
     from hfsdp.training.spec_error import SpecError
     from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
@@ -217,7 +221,7 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
         raise UserError(exc.cause, exc.fix) from exc
     except SpecError as exc:
         raise UserError(str(exc), flags_fix()) from exc
-    units = unit_override(fsdp_units)  # an environment setting: checked before the GPU is
+    units = unit_override()  # an environment setting: checked before the GPU is
     require_cuda()
     if install_digest_from_env() is not None:
         print_rank_0(f"> hfsdp entry: {DIGEST_ENV} set, weight/optimizer digests are logged")
