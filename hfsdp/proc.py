@@ -16,9 +16,10 @@ GPUs and the output pipe (``subprocess.run(timeout=...)`` does exactly that). Th
 (steps 3-5) is applied when the leader exits on its own but left processes behind.
 
 A SIGTERM to the launcher itself (a job's time limit, ``scancel``, ``srun`` ending a step after
-another node failed) would kill it and leave the run's own session behind. Inside
-:func:`sigterm_ends_runs` it raises :class:`Terminated` instead, and :func:`run_group` applies
-steps 1-5 to its run before passing it on.
+another node failed) would kill it and leave the run's own session behind, and a Ctrl-C reaches
+the launcher only. Inside :func:`signals_interrupt` both raise :class:`Interrupted` instead, and
+:func:`run_group` ends its run before passing it on (after SIGTERM with steps 1-5, the stacks
+showing where the run was; after Ctrl-C with steps 3-5).
 
 With a timeout, the child also gets ``HFSDP_STACK_DUMP_AFTER_S`` (unless the caller set it):
 ranks dump their stacks on their own a little before the deadline, even where no signal
@@ -58,29 +59,38 @@ class GroupResult:
     stragglers: list[int] = field(default_factory=list)  # pids still alive after the leader ended
 
 
-class Terminated(BaseException):
-    """SIGTERM reached the launcher (inside :func:`sigterm_ends_runs`). A BaseException, like
-    KeyboardInterrupt, so that no ``except Exception`` swallows it on the way out."""
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, signum: int = signal.SIGTERM) -> None:
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the launcher (inside :func:`signals_interrupt`). A BaseException,
+    like KeyboardInterrupt, so that no ``except Exception`` swallows it on the way out."""
+
+    def __init__(self, signum: int) -> None:
         self.signum = signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        super().__init__(f"stopped by {self.name}")
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
 
 
 @contextmanager
-def sigterm_ends_runs() -> Iterator[None]:
-    """While active (main thread only), SIGTERM raises :class:`Terminated` in the main thread, so
-    a :func:`run_group` in progress ends its whole run before the launcher exits."""
+def signals_interrupt() -> Iterator[None]:
+    """While active (main thread only), SIGINT and SIGTERM raise :class:`Interrupted` in the main
+    thread, so a :func:`run_group` in progress ends its whole run before the launcher exits."""
 
     def stop(signum: int, _frame: object) -> None:
-        signal.signal(signum, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
-        raise Terminated(signum)
+        for sig in INTERRUPT_SIGNALS:  # a second signal must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signum)
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    saved = {sig: signal.signal(sig, stop) for sig in INTERRUPT_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _state(pid: int) -> tuple[str, int, int] | None:
@@ -251,7 +261,7 @@ def run_group(
     except BaseException as exc:  # Ctrl-C or SIGTERM reaches only us (the group has its own session)
         finished.set()
         watcher.join()
-        if isinstance(exc, Terminated):  # a time limit, say: the stacks show where the run was
+        if isinstance(exc, Interrupted) and exc.signum == signal.SIGTERM:  # a time limit: where was the run?
             group.ask_for_stacks(signals, stack_grace_s)
         group.end(signals, term_grace_s)
         if reader is not None:

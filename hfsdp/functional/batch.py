@@ -22,22 +22,29 @@ passed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from hfsdp.functional import golden, outdir
+from hfsdp.functional.interrupt import run_interruptible
 from hfsdp.functional.recipe import Recipe, load_recipe
 from hfsdp.functional.run_case import RESULT_MARK, output_dir_for
-from hfsdp.launch import torchrun
+from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, parse_assignments
+from hfsdp.proc import Interrupted
 from hfsdp.usererror import UserError, positive, run_cli
 
 ENVIRONMENT = "dev"
+STOP_GRACE_S = 60.0  # an interrupted case's time to end its run (run_case: stacks, SIGTERM, SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,46 @@ def ordered(cases: Sequence[Path]) -> list[list[Recipe]]:
     return [w for w in (first, second) if w]
 
 
-def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool) -> Outcome:
+class Running:
+    """The ``run_case`` processes of a batch, so that an interrupt ends them and starts no more
+    ([Note: interrupting the driver] in interrupt.py)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.procs: set[subprocess.Popen] = set()
+        self.stopped = False
+
+    def start(self, cmd: list[str], sink: IO) -> subprocess.Popen | None:
+        with self.lock:
+            if self.stopped:
+                return None
+            child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+            self.procs.add(child)
+            return child
+
+    def finished(self, child: subprocess.Popen) -> None:
+        with self.lock:
+            self.procs.discard(child)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int:
+        """End every running case (SIGTERM: each ends its own run), wait ``grace_s``, then kill; returns how many."""
+        with self.lock:
+            self.stopped = True
+            procs = list(self.procs)
+        for child in procs:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in procs:
+            try:
+                child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        return len(procs)
+
+
+def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool, running: Running | None = None) -> Outcome:
     platform, record = golden_for(recipe, ns.platform, shared, ns.record)
     out = output_dir_for(recipe, ns.output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,11 +143,58 @@ def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool) -> Outcome:
            *(["--output-dir", str(ns.output_dir)] if ns.output_dir else []),
            *[f"--env={item}" for item in ns.env]]
     start = time.monotonic()
+    running = running or Running()
     with open(log, "w") as sink:
-        rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT).returncode
-    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith(RESULT_MARK)]
-    result = lines[-1] if lines else f"no result line (see {log})"
+        child = running.start(cmd, sink)
+        if child is None:
+            return Outcome(f"{recipe.model}/{recipe.name}", -1, 0.0, "not run: the batch was interrupted",
+                           platform, False)
+        try:
+            rc = child.wait()
+        finally:
+            running.finished(child)
+    text = log.read_text(errors="replace").splitlines()
+    lines = [ln for ln in text if ln.startswith(RESULT_MARK)]
+    refused = [ln.removeprefix("run_case: error: ") for ln in text if ln.startswith("run_case: error: ")]
+    result = lines[-1] if lines else f"refused: {refused[-1]} (see {log})" if refused else f"no result line (see {log})"
     return Outcome(f"{recipe.model}/{recipe.name}", rc, time.monotonic() - start, result, platform, record)
+
+
+def check_gpus(recipes: Sequence[Recipe], ns: argparse.Namespace) -> None:
+    """Refuse, before any case runs, a batch whose ranks would find no GPU (the shared mode's, or
+    those of its GPU cases): each case would be refused on its own, one after another."""
+    from hfsdp.functional.run_case import check_gpus_for, run_env, trains_on_gpus
+
+    if ns.ranks_per_gpu > 1:
+        torchrun.check_gpus(torchrun.Placement(nproc=ns.ranks_per_gpu, ranks_per_gpu=ns.ranks_per_gpu),
+                            len(fit.gpu_memory()))
+    extra = parse_assignments(ns.env)
+    seen: dict[str | None, bool] = {}  # CUDA_VISIBLE_DEVICES of the ranks -> whether they see a GPU
+    blocked: list[str] = []
+    for recipe in (r for r in recipes if trains_on_gpus(r)):
+        env = run_env(recipe.env_vars, extra)
+        key = env.get("CUDA_VISIBLE_DEVICES")
+        if key not in seen:
+            try:
+                check_gpus_for(recipe, env)
+                seen[key] = True
+            except UserError:
+                seen[key] = False
+        if not seen[key]:
+            blocked.append(f"{recipe.model}/{recipe.name}")
+    if blocked:
+        shown = ", ".join(blocked[:4]) + (f" and {len(blocked) - 4} more" if len(blocked) > 4 else "")
+        raise UserError(f"{len(blocked)} of the cases train on CUDA GPUs and their ranks would see none here "
+                        f"({shown})", "run them on a machine with NVIDIA GPUs, or leave them out (the CPU smoke "
+                        "cases need none)")
+
+
+def check_summary(path: Path) -> None:
+    """Refuse a ``--summary`` that cannot be written, before any case runs (not after all of them)."""
+    if path.is_dir():
+        raise UserError(f"--summary {path} is a folder", "name the file to write, e.g. --summary out/summary.txt")
+    if blocker := next((p for p in path.parents if p.exists() and not p.is_dir()), None):
+        raise UserError(f"--summary {path} lies under {blocker}, which is a file", "name a file in a folder")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--summary", type=Path, default=None, help="also write the summary lines here")
     add_env_option(parser)
 
+    running = Running()
+    outcomes: list[Outcome] = []
+
     def run() -> int:
         ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         parse_assignments(ns.env)  # refuse a malformed --env before anything runs
@@ -132,17 +228,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "times are judged", "give --jobs 1, or --ranks-per-gpu 2 or more (no step times judged)")
         if ns.output_dir is not None:
             outdir.check_root(ns.output_dir)
-        outcomes: list[Outcome] = []
+        if ns.summary is not None:
+            check_summary(ns.summary)
         waves = ordered(ns.cases)
+        check_gpus([r for wave in waves for r in wave], ns)
         if ns.jobs > 1 and len(waves[0]) > 1:
             # The first case runs alone: it fills the Triton and compile caches that the cases
             # after it read, instead of every rank of every case compiling the same kernels at once.
             waves = [waves[0][:1], waves[0][1:], *waves[1:]]
         for wave in waves:
             with ThreadPoolExecutor(max_workers=ns.jobs) as pool:
-                for outcome in pool.map(lambda r: run_one(r, ns, shared), wave):
-                    print(outcome.line(), flush=True)
-                    outcomes.append(outcome)
+                try:
+                    for outcome in pool.map(lambda r: run_one(r, ns, shared, running), wave):
+                        print(outcome.line(), flush=True)
+                        outcomes.append(outcome)
+                except Interrupted:
+                    running.stop()  # before the pool's exit waits for its threads
+                    pool.shutdown(cancel_futures=True)
+                    raise
         failed = [o for o in outcomes if o.returncode != 0]
         summary = [o.line() for o in outcomes] + [f"{len(outcomes) - len(failed)} of {len(outcomes)} cases passed"]
         print(summary[-1])
@@ -151,7 +254,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             ns.summary.write_text("\n".join(summary) + "\n")
         return 1 if failed else 0
 
-    return run_cli("functional.batch", run)
+    def after() -> str:
+        return (f"the running cases were ended (each one's log is beside its outputs) and no further case started; "
+                f"{len(outcomes)} case{'' if len(outcomes) == 1 else 's'} had finished")
+
+    return run_interruptible("functional.batch", lambda: run_cli("functional.batch", run), after)
 
 
 if __name__ == "__main__":

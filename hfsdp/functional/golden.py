@@ -240,6 +240,9 @@ def iteration_time_drift(expected: Metrics, actual: Metrics) -> str | None:
     if medians is None or abs(medians[1] - medians[0]) <= ITER_TIME_NOTE_RTOL * medians[0]:
         return None
     me, ma = medians
+    if me <= 0:  # a golden of zero-length steps: no ratio to give
+        return (f"iteration-time median {ma * 1000:.1f} ms against the golden's {me * 1000:.1f} ms, which is "
+                "no step time: a golden to re-record")
     return (f"iteration-time median {ma * 1000:.1f} ms is {ma / me:.2f}x the golden's {me * 1000:.1f} ms "
             f"(fails only above {iter_time_max_ratio()}x): another machine, or a golden to re-record")
 

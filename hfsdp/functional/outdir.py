@@ -66,26 +66,37 @@ def foreign_entries(out: Path) -> list[str]:
     return [n for n in names if n not in DRIVER_OUTPUTS]
 
 
+def check(out: Path, clear: bool) -> None:
+    """Refuse an ``out`` that :func:`prepare` may not use (see the note), changing nothing."""
+    check_not_a_case(out)
+    if blocker := next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None):
+        what = "exists and is a file" if blocker == out else f"lies under {blocker}, which is a file"
+        raise UserError(f"output folder {out} {what}", FIX)
+    if out.exists() and clear and (foreign := foreign_entries(out)):
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UserError(
+            f"output folder {out} exists and holds {shown}, not made by the functional driver "
+            f"(it clears only folders it made: {MARKER} marker, driver outputs only)",
+            f"{FIX}; or, if those are yours to lose, remove {out} yourself",
+        )
+
+
 def prepare(out: Path, clear: bool) -> Path:
     """Make ``out`` ready for a run (see the note); returns it. ``clear`` empties a previous run."""
-    check_not_a_case(out)
-    if out.exists():
-        if not out.is_dir():
-            raise UserError(f"output folder {out} exists and is a file", FIX)
-        if clear:
-            if foreign := foreign_entries(out):
-                shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-                raise UserError(
-                    f"output folder {out} exists and holds {shown}, not made by the functional driver "
-                    f"(it clears only folders it made: {MARKER} marker, driver outputs only)",
-                    f"{FIX}; or, if those are yours to lose, remove {out} yourself",
-                )
+    check(out, clear)
+    try:
+        if out.exists() and clear:
             shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).touch()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MARKER).touch()
+    except OSError as exc:
+        raise UserError(f"output folder {out} cannot be made: {exc.strerror or exc}", FIX) from exc
     return out
 
 
 def check_root(root: Path) -> None:
-    """Refuse an ``--output-dir`` that is or holds test cases (they sit a few levels down)."""
+    """Refuse an ``--output-dir`` that is or holds test cases (they sit a few levels down), or a file."""
     check_not_a_case(root, max_depth=ROOT_SCAN_DEPTH)
+    if blocker := next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None):
+        what = "is a file" if blocker == root else f"lies under {blocker}, which is a file"
+        raise UserError(f"--output-dir {root} {what}", "pick a folder (it is made if missing) with --output-dir")

@@ -50,6 +50,7 @@ KEYS = ("ENV_VARS", "MODEL_ARGS", "MODEL_ARGS_2", "ENV_VARS_2", "TEST_TYPE", "ME
         "NPROC", "COMPARE_TO", "CHECKS", "REQUIRE_GOLDEN", "RESUME_COMPARE", "DETERMINISM")
 CHECK_KEYS = ("log_absent", "log_present", "min_iterations", "loss_decreases")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+MAX_NPROC = 1024  # ranks on one node: a typo, not a launch, beyond this
 RECIPE_FIX = "fix model_config.yaml; docs/functional-tests.md lists every key and its type"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -235,9 +236,36 @@ def _determinism(raw: Any, path: Path, parts: Mapping[str, Mapping[str, Any]]
     return env, flags
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last silently)."""
+
+
+def where(first: int, again: int) -> str:
+    return f"line {first}" if first == again else f"lines {first} and {again}"
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            first = seen.get(key)
+            seen.setdefault(key, key_node.start_mark.line + 1)
+        except TypeError:  # an unhashable key: construct_mapping says so
+            continue
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice ({where(first, key_node.start_mark.line + 1)}), and YAML "
+                "would keep only the last", key_node.start_mark)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (a safe loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -270,14 +298,31 @@ def _training_script(raw: Any, path: Path) -> str:
     return raw
 
 
+def _not_a_case(case_dir: Path) -> tuple[str, str]:
+    """Why ``case_dir`` is no test case, and what to pass instead."""
+    path = case_dir / "model_config.yaml"
+    fix = "pass a case folder that holds model_config.yaml, e.g. tests/functional_tests/test_cases/smoke/cpu_gloo_smoke"
+    if case_dir.is_file():
+        if case_dir.name == "model_config.yaml":
+            return f"{case_dir} is the recipe file; the driver takes the case folder that holds it", \
+                f"pass {case_dir.parent}"
+        return f"{case_dir} is a file, not a test case folder", fix
+    if path.exists():
+        return f"{path} is a folder, not a recipe file, so {case_dir} is not a test case", fix
+    if case_dir.is_dir() and (below := sorted(case_dir.glob("*/model_config.yaml")) or
+                              sorted(case_dir.glob("*/*/model_config.yaml"))):
+        depth = len(below[0].relative_to(case_dir).parts) - 1
+        return (f"{case_dir} is not a test case but holds {len(below)} of them",
+                f"pass the cases themselves, e.g. {case_dir}/{'/'.join(['*'] * depth)} (one folder per case)")
+    return f"{path} does not exist, so {case_dir} is not a test case", fix
+
+
 def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
     """Parse and check ``<case_dir>/model_config.yaml``; every error names the file."""
     case_dir = Path(case_dir).resolve()
     path = case_dir / "model_config.yaml"
     if not path.is_file():
-        raise RecipeError(f"{path} does not exist, so {case_dir} is not a test case",
-                          "pass a case folder that holds model_config.yaml, e.g. "
-                          "tests/functional_tests/test_cases/smoke/cpu_gloo_smoke")
+        raise RecipeError(*_not_a_case(case_dir))
     raw = _read_yaml(path)
     unknown = sorted(set(map(str, raw)) - set(KEYS))
     if unknown:
@@ -291,6 +336,9 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
         raise RecipeError(f"{path}: METRICS must be a list of metric names (e.g. [lm loss, num-zeros]), "
                           f"got {metrics!r}")
     nproc = _int_at_least(raw, "NPROC", 2, 1, f"{path}: ")
+    if nproc > MAX_NPROC:
+        raise RecipeError(f"{path}: NPROC {nproc} is more ranks on one node than any launch can start "
+                          f"(at most {MAX_NPROC})", "give the ranks per node, e.g. NPROC: 2")
     require_golden = _flag_value(raw, "REQUIRE_GOLDEN", True, f"{path}: ")
     compare_to = raw.get("COMPARE_TO")
     if compare_to is not None and (not isinstance(compare_to, str)

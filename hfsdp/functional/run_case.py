@@ -44,6 +44,7 @@ from pathlib import Path
 from hfsdp import proc
 from hfsdp.atomic import write_json_atomic
 from hfsdp.functional import golden, logparse, outdir
+from hfsdp.functional.interrupt import run_interruptible
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
@@ -155,6 +156,27 @@ def script_target(recipe: Recipe) -> list[str]:
     if script[0] == "-m":
         return ["-m", *script[1:]]
     return [str((REPO_ROOT / script[0]).resolve()), *script[1:]]
+
+
+TRAINING_ENTRIES = ("pretrain_gpt.py", "pretrain_hybrid.py")  # they train on CUDA GPUs only (entry.py)
+CPU_CASE = "tests/functional_tests/test_cases/smoke/cpu_gloo_smoke"
+
+
+def trains_on_gpus(recipe: Recipe) -> bool:
+    """Whether the case's ``TRAINING_SCRIPT`` is one of the training entry points, which need CUDA GPUs."""
+    first = recipe.training_script.split()[0]
+    return first != "-m" and Path(first).name in TRAINING_ENTRIES
+
+
+def check_gpus_for(recipe: Recipe, env: Mapping[str, str]) -> None:
+    """Refuse, before anything is launched, a case that trains on GPUs where its ranks would see none."""
+    if trains_on_gpus(recipe) and not fit.gpu_memory(env=env):
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise UserError(f"{recipe.model}/{recipe.name} trains with {recipe.training_script.split()[0]}, which needs "
+                        f"CUDA GPUs, and its ranks would see none here{where}",
+                        f"run it on a machine with NVIDIA GPUs; on this one `python -m hfsdp.functional.run_case "
+                        f"{CPU_CASE}` runs the CPU smoke case")
 
 
 def build_command(recipe: Recipe, argv: Sequence[str], launch: Launch,
@@ -325,6 +347,12 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
                         "(the resume step edits the checkpoint)", "run it with --nnodes 1")
     if output_root is not None:
         outdir.check_root(output_root)
+    # The twin is read before anything runs: a bad --compare-to must not cost the case's run.
+    other = compare_to or (recipe.case_dir / recipe.compare_to if recipe.compare_to else None)
+    try:
+        other_recipe = load_recipe(other) if other is not None else None
+    except UserError as exc:
+        raise UserError(f"--compare-to: {exc.cause}" if compare_to else exc.cause, exc.fix) from exc
     out = output_dir_for(recipe, output_root)
     if launch.nnodes > 1:
         out = out / f"node{launch.node_rank}"  # per-node logs; no cross-node file races
@@ -335,15 +363,20 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
                             "single-run cases only", "run it without --evaluate-log (the driver launches both runs)")
         outdir.prepare(out, clear=False)
         if not Path(evaluate_log).is_file():
-            raise UserError(f"--evaluate-log {evaluate_log} does not exist",
+            what = "is a folder, not a log file" if Path(evaluate_log).is_dir() else "does not exist"
+            raise UserError(f"--evaluate-log {evaluate_log} {what}",
                             "pass the log the training wrote (the srun-per-GPU sbatch script tees it to run1.log)")
         rec1 = RunRecord(str(evaluate_log), 0, False)
     else:
-        outdir.prepare(out, clear=True)  # a stale checkpoint would turn run 1 into a resume
         argv1 = args_to_argv(recipe.model_args, path_variables(out))
         env1 = run_env(recipe.env_vars, env)
+        # Every check comes before the output folder is cleared: a refused run loses nothing.
+        outdir.check(out, clear=True)
         if shared:
             print(f"run_case: {fit.preflight(launch.placement, argv1, environ=env1)}", flush=True)
+        else:
+            check_gpus_for(recipe, env1)
+        outdir.prepare(out, clear=True)  # a stale checkpoint would turn run 1 into a resume
         rec1 = run_logged(build_command(recipe, argv1, launch), env1,
                           out / "run1.log", launch.timeout_s)
     variables = path_variables(out)
@@ -391,9 +424,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         write_json_atomic(out / "result.json", asdict(result), indent=2, sort_keys=False)
         return result
     # Cross-case checks come first: a golden is recorded only from a run that passed them all.
-    other = compare_to or (recipe.case_dir / recipe.compare_to if recipe.compare_to else None)
-    if other is not None:
-        other_recipe = load_recipe(other)
+    if other is not None and other_recipe is not None:
         other_metrics_path = output_dir_for(other_recipe, output_root) / "metrics.json"
         twin_size = _recorded_world_size(other_metrics_path.parent / "result.json")
         if not other_metrics_path.is_file() or twin_size != launch.world_size:
@@ -486,6 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="judge this existing log instead of launching (srun-per-GPU mode)")
     add_env_option(parser)
 
+    verdict: list[str] = []  # the verdict printed for an interrupted case, for run_interruptible's line
+
     def run() -> int:
         ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         extra_env = parse_assignments(ns.env)
@@ -499,23 +532,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             exit_duration_in_mins=ns.exit_duration_in_mins, ranks_per_gpu=ns.ranks_per_gpu,
         )
         try:
-            with proc.sigterm_ends_runs():
-                result = run_case(ns.case_dir, launch=launch, record=ns.record, compare_to=ns.compare_to,
-                                  output_root=ns.output_dir, environment=ns.environment,
-                                  platform=ns.platform, evaluate_log=ns.evaluate_log, env=extra_env)
-        except proc.Terminated as stop:
-            # A time limit, scancel, or srun ending the step after another node failed: the
-            # run's processes are ended (hfsdp/proc.py); say so and fail.
-            print(f"  - {stop}: the run was ended (its ranks' stacks are above, where they caught the "
-                  "stack signal)")
+            result = run_case(ns.case_dir, launch=launch, record=ns.record, compare_to=ns.compare_to,
+                              output_root=ns.output_dir, environment=ns.environment,
+                              platform=ns.platform, evaluate_log=ns.evaluate_log, env=extra_env)
+        except proc.Interrupted as stop:
+            # Ctrl-C, a time limit, scancel, or srun ending the step after another node failed:
+            # run_group ended the run's processes (hfsdp/proc.py); the case FAILs, and a job's
+            # summary reads this verdict line. run_interruptible then says so on stderr.
+            print(f"  - {stop}: the run was ended (after SIGTERM its ranks' stacks are above, where they "
+                  "caught the stack signal)")
             print(f"{RESULT_MARK} {recipe.model}/{recipe.name}: FAIL", flush=True)
-            return 128 + stop.signum
+            verdict.append("FAIL")
+            raise
         for reason in result.reasons:
             print(f"  - {reason}")
         print(f"{RESULT_MARK} {result.case}: {result.status}", flush=True)
         return 0 if result.status == "PASS" else 1
 
-    return run_cli("run_case", run)
+    return run_interruptible("run_case", lambda: run_cli("run_case", run),
+                             lambda: "the run's processes were ended, and the case FAILed" if verdict
+                             else "no case was run")
 
 
 if __name__ == "__main__":

@@ -84,13 +84,15 @@ def check_fits(memory: RankMemory, ranks_per_gpu: int, gpu_bytes: int) -> str:
     return line
 
 
-def gpu_memory(python: str = sys.executable) -> list[int]:
+def gpu_memory(python: str = sys.executable, env: Mapping[str, str] | None = None) -> list[int]:
     """Total bytes of each visible CUDA GPU ([] without one), asked of a short-lived process so
-    that this one never holds a CUDA context beside the ranks it launches."""
+    that this one never holds a CUDA context beside the ranks it launches. ``env``: the
+    environment the ranks will get (``CUDA_VISIBLE_DEVICES``); default this process's."""
     code = ("import torch\n"
             "print(*(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))")
     try:
-        done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300,
+                              env=None if env is None else dict(env))
     except (OSError, subprocess.TimeoutExpired):
         return []
     if done.returncode != 0:

@@ -68,6 +68,9 @@ def check(placement: Placement) -> None:
     if p.shared and p.nnodes > 1:
         raise UserError(f"--ranks-per-gpu {p.ranks_per_gpu} runs on one host only, and this launch spans "
                         f"{p.nnodes} nodes", f"run it on one node, or drop --ranks-per-gpu ({DOC})")
+    if p.ranks_per_gpu > p.nproc:
+        raise UserError(f"--ranks-per-gpu {p.ranks_per_gpu} is more than the {p.nproc} ranks of this launch, so no GPU "
+                        "would hold that many", f"give --ranks-per-gpu {p.nproc} or fewer, a divisor of {p.nproc}")
     if p.nproc % p.ranks_per_gpu:
         raise UserError(f"{p.nproc} ranks do not split evenly over GPUs at --ranks-per-gpu {p.ranks_per_gpu}",
                         f"give a rank count that is a multiple of {p.ranks_per_gpu}")
@@ -114,10 +117,18 @@ def command(placement: Placement, target: Sequence[str], python: str = sys.execu
     return [*cmd, *target]
 
 
+def ranks_per_gpu_count(text: str) -> int:
+    """argparse ``type=`` of ``--ranks-per-gpu`` in the launchers that take a count (not ``auto``)."""
+    if text.strip().lower() == "auto":
+        raise argparse.ArgumentTypeError("'auto' is taken only by `python -m hfsdp.launch`; give a whole number "
+                                         "of ranks per GPU >= 1")
+    return positive(int)(text)  # type: ignore[return-value]
+
+
 def add_ranks_per_gpu_option(parser: argparse.ArgumentParser) -> None:
     """``--ranks-per-gpu N`` (default 1), with the same words in every launcher."""
     parser.add_argument(
-        "--ranks-per-gpu", type=positive(int), default=1, metavar="N",
+        "--ranks-per-gpu", type=ranks_per_gpu_count, default=1, metavar="N",
         help="start N ranks on each GPU (one host only): data-parallel runs on fewer GPUs, for "
              f"numerics, memory and exit-path checks, never for speed ({DOC})",
     )

@@ -25,6 +25,7 @@ import contextlib
 import io
 from collections.abc import Sequence
 
+from hfsdp.training.assumed_device import ASSUMED_ARCH, assumed_device
 from hfsdp.usererror import UserError, positive, rejection
 
 DEFAULT_MODEL_FLAGS = (
@@ -166,7 +167,7 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="Lane counts of the max-pool double buffer to plan, as "
                         "--megatron-fsdp-max-pool-lanes N would hold them (default: 3, when "
                         "the model has at least 3 FSDP units).")
-    g.add_argument("--plan-device-arch", type=positive(), default=9,
+    g.add_argument("--plan-device-arch", type=positive(), default=ASSUMED_ARCH,
                    help="GPU major arch assumed by validate_args on a CPU box.")
     g.add_argument("--plan-json", type=str, default=None, help="Also write the plan as JSON.")
     return parser
@@ -219,18 +220,15 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     cp = args.context_parallel_size
     args.rank = 0
     args.world_size = args.plan_dp_size * tp * pp * cp
-    saved = margs.get_device_arch_version
-    margs.get_device_arch_version = lambda: args.plan_device_arch
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
-            margs.validate_args(args, {})
+        # The GPU validate_args asks about is the assumed one ([Note: validation without a GPU]).
+        with assumed_device(args.plan_device_arch), contextlib.redirect_stdout(io.StringIO()):
+            margs.validate_args(args, {})  # (it prints every argument)
         from megatron.training.argument_utils import core_transformer_config_from_args
 
         core_transformer_config_from_args(args)  # TransformerConfig's own checks, before any build
     except (AssertionError, ValueError) as exc:
         raise rejection(exc, "Megatron rejects these flags", FIX) from exc
-    finally:
-        margs.get_device_arch_version = saved
     if getattr(args, "padded_vocab_size", None) is None:
         args.padded_vocab_size = padded_vocab_size(args)
     # A token dispatcher owns no parameters, and the alltoall one creates a CUDA stream when it

@@ -104,3 +104,127 @@ def describe_units(value: str, strategy: str) -> list[str]:
     """Class names the override yields for ``strategy`` (for logs and tests)."""
     resolve = unit_resolver(value)
     return [] if resolve is None else [c.__name__ for c in resolve(strategy)]
+
+
+# [Note: FSDP units from the flags]
+# How many FSDP units each model chunk has follows from the flags, without building the model:
+# with the fork's default unit classes every decoder layer is one unit (GPT layers are
+# TransformerLayers or MoETransformerLayers; hybrid layers are those or MambaLayers, and MLPLayer
+# is a TransformerLayer); with 0.18.2's list (``megatron-0.18.2``) the Mamba layers are not; with
+# ``none``, or for a sharding strategy that has no units, there are none (and no double-buffer
+# pools to check). A chunk is a pipeline stage, or a virtual stage of one: its layers are those
+# Megatron builds there (``get_num_layers_to_build`` for GPT; the pattern's ``|`` segments, or an
+# even or first/last split of a pattern without them, as ``select_pipeline_segment`` does). The
+# rule cannot tell (and says None) for an explicit list of classes, a pipeline layout given with
+# ``--pipeline-model-parallel-layout``, heterogeneous layers or a ``--spec`` of the user's; the chunk
+# that holds multi-token-prediction layers is left out (they hold units of their own). The memory
+# planner builds the model and counts the units it finds; tests hold the two to the same numbers.
+
+MAMBA = "M"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.MAMBA
+
+
+def _unit_layers(value: str | None, strategy: str) -> str | None:
+    """Which decoder layers are units: ``"all"``, ``"non-mamba"``, ``"none"``, or None (unknown)."""
+    spec = (value or "").strip()
+    if strategy != "optim_grads_params":
+        return "none" if spec in ("", PRESET_0182, "none") else None
+    return {"": "all", PRESET_0182: "non-mamba", "none": "none"}.get(spec)
+
+
+def _chunk_label(pp_rank: int, pp: int, vp_stage: int | None, vp: int | None) -> str:
+    label = f"pipeline stage {pp_rank + 1} of {pp}" if pp > 1 else ""
+    if vp:
+        label += f", virtual stage {vp_stage + 1 if vp_stage is not None else 1} of {vp}"
+    return label.removeprefix(", ")
+
+
+def _hybrid_chunks(args: Any) -> dict[str, list[str]]:
+    """Layer symbols of each chunk of a hybrid model (as select_pipeline_segment splits them)."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+
+    parsed = parse_hybrid_pattern(args.hybrid_layer_pattern)
+    main = parsed.main_pattern or ""
+    pp = args.pipeline_model_parallel_size
+    segments = main.split(Symbols.PIPE)
+    if len(segments) > 1:  # segment i: pipeline rank i % pp, virtual stage i // pp
+        vp = len(segments) // pp if len(segments) > pp else None
+        return {_chunk_label(i % pp, pp, i // pp if vp else None, vp): list(seg) for i, seg in enumerate(segments)}
+    layers = list(main)
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    counts = [len(layers) // pp] * pp
+    if first is not None or last is not None:
+        middle = pp - (first is not None) - (last is not None)
+        rest = len(layers) - (first or 0) - (last or 0)
+        counts = [rest // middle if middle else 0] * pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+    chunks: dict[str, list[str]] = {}
+    offset = 0
+    for rank, count in enumerate(counts):
+        chunks[_chunk_label(rank, pp, None, None)] = layers[offset:offset + count]
+        offset += count
+    return chunks
+
+
+def _gpt_chunks(args: Any) -> dict[str, int]:
+    """Decoder layers of each chunk of a GPT model (Megatron's get_num_layers_to_build)."""
+    import types
+
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    config = types.SimpleNamespace(
+        pipeline_model_parallel_layout=None, num_layers=args.num_layers,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+    )
+    stages = range(vp) if vp is not None and pp > 1 else [None]
+    return {_chunk_label(rank, pp, stage, vp if pp > 1 else None):
+            get_num_layers_to_build(config, vp_stage=stage, pp_rank=rank)
+            for stage in stages for rank in range(pp)}
+
+
+def units_per_chunk(args: Any, value: str | None) -> dict[str, int] | None:
+    """FSDP units of each model chunk of validated ``args``, by chunk label ('' for a model of
+    one chunk), with unit list ``value`` (as ``HFSDP_FSDP_UNIT_MODULES``); None when the flags
+    do not tell ([Note: FSDP units from the flags])."""
+    which = _unit_layers(value, args.data_parallel_sharding_strategy)
+    if which is None or getattr(args, "pipeline_model_parallel_layout", None) is not None \
+            or getattr(args, "heterogeneous_layers_config_path", None) \
+            or getattr(args, "heterogeneous_layers_config_encoded_json", None) or getattr(args, "spec", None):
+        return None
+    if getattr(args, "hybrid_layer_pattern", None):
+        symbols = _hybrid_chunks(args)
+        mtp = bool(args.mtp_num_layers) or "/" in args.hybrid_layer_pattern
+        counts = {label: (0 if which == "none" else len(layers) if which == "all"
+                          else sum(s != MAMBA for s in layers)) for label, layers in symbols.items()}
+    else:
+        mtp = bool(getattr(args, "mtp_num_layers", None))
+        counts = {label: 0 if which == "none" else n for label, n in _gpt_chunks(args).items()}
+    if mtp:  # the last chunk also holds the multi-token-prediction layers, units of their own
+        counts.pop(list(counts)[-1])
+    return counts
+
+
+def lanes_problem(args: Any, value: str | None) -> str | None:
+    """Why ``--megatron-fsdp-max-pool-lanes`` cannot serve a model chunk of ``args``, or None: the
+    sentence the runtime gives when the buffer is built (maxpool_plan.lanes_units_problem), found
+    from the flags, with the chunk named when the model has several."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan import SHARED_LANES, lanes_units_problem
+
+    lanes = getattr(args, "megatron_fsdp_max_pool_lanes", SHARED_LANES)
+    if not getattr(args, "megatron_fsdp_max_pool_double_buffer", False) or lanes <= SHARED_LANES:
+        return None
+    if _unit_layers(value, args.data_parallel_sharding_strategy) == "none":
+        return None  # no unit classes: no double-buffer pools are built
+    counts = units_per_chunk(args, value)
+    if not counts:
+        return None
+    label, fewest = min(counts.items(), key=lambda item: item[1])  # a chunk with 0 units is refused too
+    problem = lanes_units_problem(lanes, fewest, setting="--megatron-fsdp-max-pool-lanes")
+    return None if problem is None else (f"[{label}] {problem}" if label else problem)

@@ -267,3 +267,134 @@ def test_the_golden_advice_re_records_and_then_passes(tmp_path, monkeypatch, cap
     assert advice == f"python -m hfsdp.functional.run_case {case} --record"
     assert driver.main(advice.split()[3:]) == 0
     assert driver.main([str(case)]) == 0
+
+
+# Launch-time refusals ------------------------------------------------------------------------
+
+def test_a_gpu_case_where_no_gpu_is_visible_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """A case that trains with pretrain_gpt.py on a machine whose ranks see no GPU: one sentence,
+    before torchrun starts and before the previous run's output is cleared."""
+    from hfsdp.functional import run_case as driver
+
+    asked = []
+    monkeypatch.setattr(driver.fit, "gpu_memory", lambda python=sys.executable, env=None: asked.append(env) or [])
+    case = make_case(tmp_path / "cases", extra="ENV_VARS: {CUDA_VISIBLE_DEVICES: ''}\n")  # pretrain_gpt.py
+    out = tmp_path / "out" / "gpt" / "case"
+    from hfsdp.functional import outdir
+
+    outdir.prepare(out, clear=False)
+    (out / "run1.log").write_text("the previous run\n")
+    with pytest.raises(UserError) as info:
+        run_case(case, launch=Launch(nproc=1, timeout_s=60), output_root=tmp_path / "out")
+    assert "gpt/case trains with pretrain_gpt.py, which needs CUDA GPUs" in info.value.cause
+    assert "CUDA_VISIBLE_DEVICES=''" in info.value.cause and "cpu_gloo_smoke" in info.value.fix
+    assert asked and asked[0]["CUDA_VISIBLE_DEVICES"] == ""  # asked with the ranks' environment
+    assert (out / "run1.log").read_text() == "the previous run\n"
+
+
+def test_evaluate_log_that_is_a_folder_is_named_a_folder(tmp_path):
+    case = make_case(tmp_path / "cases")
+    with pytest.raises(UserError) as info:
+        run_case(case, output_root=tmp_path / "out", evaluate_log=tmp_path)
+    assert info.value.cause == f"--evaluate-log {tmp_path} is a folder, not a log file"
+
+
+def test_drift_note_against_a_golden_of_zero_step_times():
+    """A golden whose step-time median is 0 gives no ratio; the note says so instead of dividing."""
+    times = {i: 0.0 for i in range(1, 7)}
+    note = golden.iteration_time_drift({"iteration-time": times}, {"iteration-time": {i: 0.05 for i in times}})
+    assert note is not None and "50.0 ms against the golden's 0.0 ms" in note and "re-record" in note
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("MODEL_ARGS: {--train-iters: 2}\nMODEL_ARGS: {--train-iters: 3}\n",
+     "key 'MODEL_ARGS' is given twice (lines 1 and 2), and YAML would keep only the last"),
+    ("MODEL_ARGS: {--lr: 1, --lr: 2}\n", "key '--lr' is given twice (line 1)"),
+    ("NPROC: 100000000000\nMODEL_ARGS: {--a: 1}\n", "NPROC 100000000000 is more ranks on one node"),
+])
+def test_recipe_values_that_would_be_lost_or_absurd_are_refused(tmp_path, text, expected):
+    case = tmp_path / "gpt" / "bad"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(text)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(case)
+    assert expected in info.value.cause and str(case / "model_config.yaml") in info.value.cause
+
+
+def test_what_is_passed_instead_of_a_case_folder_is_named(tmp_path):
+    case = make_case(tmp_path / "cases")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(case / "model_config.yaml")
+    assert "is the recipe file" in info.value.cause and info.value.fix == f"pass {case}"
+    with pytest.raises(RecipeError) as info:
+        load_recipe(tmp_path / "cases")
+    assert "is not a test case but holds 1 of them" in info.value.cause and "cases/*/*" in info.value.fix
+    (tmp_path / "x" / "model_config.yaml").mkdir(parents=True)
+    with pytest.raises(RecipeError, match="model_config.yaml is a folder, not a recipe file"):
+        load_recipe(tmp_path / "x")
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_an_output_dir_that_is_or_lies_under_a_file_is_refused(tmp_path, where):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    root = blocker if where == "file" else blocker / "out"
+    case = make_case(tmp_path / "cases")
+    with pytest.raises(UserError) as info:
+        run_case(case, launch=Launch(nproc=1), output_root=root)
+    assert f"--output-dir {root}" in info.value.cause and str(blocker) in info.value.cause
+    assert blocker.read_text() == "mine\n"
+
+
+def test_a_bad_compare_to_is_refused_before_the_case_runs(tmp_path):
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    case = make_case(tmp_path / "cases", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
+    with pytest.raises(UserError) as info:
+        run_case(case, launch=Launch(nproc=1, timeout_s=60), compare_to=tmp_path / "nowhere",
+                 output_root=tmp_path / "out")
+    assert info.value.cause.startswith("--compare-to: ") and "nowhere" in info.value.cause
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
+
+
+def test_batch_refuses_a_summary_path_it_cannot_write_before_running(tmp_path):
+    from hfsdp.functional import batch
+
+    case = make_case(tmp_path / "cases")
+    for summary, expected in ((tmp_path, "is a folder"), (case / "model_config.yaml" / "s.txt", "which is a file")):
+        with pytest.raises(UserError) as info:
+            batch.check_summary(summary)
+        assert expected in info.value.cause
+    assert batch.main([str(case), "--summary", str(tmp_path), "--output-dir", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_batch_refuses_gpu_cases_where_no_gpu_is_visible_before_running_any(tmp_path, monkeypatch, capsys):
+    from hfsdp.functional import batch
+    from hfsdp.launch import fit
+
+    monkeypatch.setattr(fit, "gpu_memory", lambda python=sys.executable, env=None: [])
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    cpu = make_case(tmp_path / "cases", name="cpu", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
+    gpu = make_case(tmp_path / "cases", name="gpu")  # pretrain_gpt.py
+    out = ["--output-dir", str(tmp_path / "out")]
+    assert batch.main([str(cpu), str(gpu), *out]) == 2
+    err = capsys.readouterr().err
+    assert "1 of the cases train on CUDA GPUs and their ranks would see none here (gpt/gpu)" in err
+    assert batch.main([str(cpu), "--ranks-per-gpu", "2", *out]) == 2
+    assert "--ranks-per-gpu 2 shares CUDA GPUs between ranks, and this machine has none" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_batch_shows_why_run_case_refused_a_case(tmp_path, capsys):
+    from hfsdp.functional import batch
+
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    case = make_case(tmp_path / "cases", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
+    (tmp_path / "out" / "gpt" / "case").mkdir(parents=True)
+    (tmp_path / "out" / "gpt" / "case" / "notes.txt").write_text("mine\n")
+    assert batch.main([str(case), "--output-dir", str(tmp_path / "out")]) == 1
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("rc=2"))
+    assert "refused: output folder" in line and "not made by the functional driver" in line

@@ -48,6 +48,7 @@ def test_shared_mode_starts_each_rank_through_the_wrapper():
 @pytest.mark.parametrize(("placement", "match"), [
     (Placement(nproc=4, ranks_per_gpu=2, nnodes=2, master_port=1), "one host only"),
     (Placement(nproc=3, ranks_per_gpu=2), "do not split evenly"),
+    (Placement(nproc=2, ranks_per_gpu=4), r"--ranks-per-gpu 4 is more than the 2 ranks of this launch"),
     (Placement(nproc=2, nnodes=2, node_rank=2, master_port=1), "node rank 2 is not in"),
     (Placement(nproc=2, nnodes=2), "needs the master's port"),
     (Placement(nproc=0), "must all be >= 1"),
@@ -182,3 +183,14 @@ def test_the_plan_reads_the_jobs_environment(monkeypatch):
         fit.rank_memory(flags, 2)
     assert fit.rank_memory(flags, 2, {"NCCL_ALGO": "Ring"}).total > 0
     assert "NCCL_ALGO" not in os.environ
+
+
+@pytest.mark.parametrize("value", ["auto", "AUTO"])
+def test_auto_is_named_where_only_a_count_is_taken(value, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="run_case")
+    torchrun.add_ranks_per_gpu_option(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ranks-per-gpu", value])
+    assert "'auto' is taken only by `python -m hfsdp.launch`" in capsys.readouterr().err

@@ -108,3 +108,128 @@ entry.main()
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "error: [weight] megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes) asks for 6 lanes" \
         in proc.stderr, proc.stderr[-3000:]
+
+
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+
+
+@pytest.mark.skipif(HAVE_CUDA, reason="checks validation on a machine without CUDA")
+def test_megatron_fsdp_flags_are_validated_without_a_gpu():
+    """validate_args asks the GPU's architecture with Megatron-FSDP (and with tensor parallelism);
+    without a driver an assumed GPU answers ([Note: validation without a GPU] in
+    hfsdp/training/assumed_device.py), so valid flags end in the sentence about the GPU."""
+    proc = pretrain(*FSDP)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "pretrain_gpt.py: error: training needs CUDA GPUs" in proc.stderr, proc.stderr[-3000:]
+    assert "checked as for a Hopper GPU (compute capability 9)" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Found no NVIDIA driver" not in proc.stderr
+
+
+@pytest.mark.skipif(HAVE_CUDA, reason="checks validation on a machine without CUDA")
+def test_checks_after_the_gpu_query_run_without_a_gpu():
+    """The checks validate_args runs after its device queries (CUDA-graph and TE checks) and the
+    device queries themselves (--moe-grouped-gemm, tensor parallelism) reject flags on a CPU machine."""
+    cases = [
+        (FSDP + ["--cuda-graph-impl", "local"], "per-layer CUDA graphs"),
+        (["--moe-grouped-gemm", "--num-experts", "2"], "--moe-grouped-gemm has no effect with --transformer-impl"),
+        (["--tensor-model-parallel-size", "2"], "CUDA_DEVICE_MAX_CONNECTIONS"),
+    ]
+    code = (
+        "import os, sys\n"
+        "from hfsdp.training.entry import parse_args\n"
+        "from hfsdp.usererror import UserError\n"
+        f"for extra in {[c[0] for c in cases]!r}:\n"
+        "    os.environ['WORLD_SIZE'] = '2' if '--tensor-model-parallel-size' in extra else '1'\n"
+        "    try:\n"
+        f"        parse_args({TINY!r} + extra)\n"
+        "    except UserError as exc:\n"
+        "        print('CAUSE:', exc.cause.replace(chr(10), ' '))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("HFSDP_DEBUG", "CUDA_DEVICE_MAX_CONNECTIONS")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=300)
+    causes = [line for line in proc.stdout.splitlines() if line.startswith("CAUSE: ")]
+    assert len(causes) == len(cases), proc.stdout + proc.stderr[-3000:]
+    for (_, expected), cause in zip(cases, causes, strict=True):
+        assert expected in cause, cause
+
+
+def test_more_lanes_than_units_is_refused_at_argument_time():
+    """The unit count follows from the flags ([Note: FSDP units from the flags] in fsdp_units.py):
+    the runtime's sentence comes before any GPU or buffer is touched."""
+    proc = pretrain(*FSDP, "--megatron-fsdp-max-pool-double-buffer", "--megatron-fsdp-max-pool-lanes", "1000")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("pretrain_gpt.py: error: --megatron-fsdp-max-pool-lanes asks for 1000 lanes, more than the 2 FSDP "
+            "units of this model chunk, so 998 lane(s) would hold no unit; use at most 2 lanes.") in proc.stderr
+    assert "Traceback" not in proc.stderr and "training needs CUDA GPUs" not in proc.stderr
+
+
+def test_a_bad_value_of_a_fork_flag_is_one_sentence():
+    """Not argparse's usage of every Megatron flag (hundreds of lines) before its one-line error."""
+    proc = pretrain("--megatron-fsdp-max-pool-lanes", "abc")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = proc.stderr[proc.stderr.index("pretrain_gpt.py: error: "):]
+    assert error.splitlines()[:2] == [
+        "pretrain_gpt.py: error: --megatron-fsdp-max-pool-lanes 'abc' is not a whole number",
+        "  -> `python -m hfsdp.flags` says what --megatron-fsdp-max-pool-lanes takes and its default"]
+    assert "usage:" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    (["--megatron-fsdp-max-pool-lane", "3"],
+     "unrecognized arguments: --megatron-fsdp-max-pool-lane 3 (did you mean --megatron-fsdp-max-pool-lanes?)"),
+    (["--lr", "fast"], "--lr 'fast' is not a number"),
+    (["--transformer-impl", "te"], "--transformer-impl: invalid choice: 'te'"),
+])
+def test_argparse_errors_are_one_sentence(extra, expected):
+    from hfsdp.training import entry
+
+    parser = entry.megatron_parser()
+    with pytest.raises(entry.UserError) as info:
+        parser.parse_args([*TINY, *extra])
+    assert info.value.cause.startswith(expected), info.value.cause
+    assert "--help" in info.value.fix
+
+
+def test_help_has_no_warnings_a_short_usage_and_points_at_the_fork_listing():
+    env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), "--help"], env=env, cwd="/",
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: pretrain_gpt.py [Megatron flags ...]\n")
+    assert proc.stdout.rstrip().endswith("The fork's own flags, one line each: python -m hfsdp.flags")
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (None, "cannot be read: No such file or directory"),
+    ("folder", "is a folder, not a YAML file"),
+    ("a: [1\n", "is not valid YAML (line 2, column 1)"),
+    ("- a\n", "holds a YAML list, not a mapping of flag values"),
+])
+def test_a_yaml_cfg_megatron_cannot_read_is_one_sentence(tmp_path, content, expected):
+    from hfsdp.training.entry import check_yaml_cfg
+    from hfsdp.usererror import UserError
+
+    path = tmp_path / "cfg.yaml"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(UserError) as info:
+        check_yaml_cfg(str(path))
+    assert info.value.cause == f"--yaml-cfg {path} {expected}" or info.value.cause.startswith(
+        f"--yaml-cfg {path} {expected}"), info.value.cause
+
+
+def test_a_yaml_cfg_and_a_unit_list_naming_no_class_are_refused_by_the_script(tmp_path):
+    proc = pretrain("--yaml-cfg", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2 and "error: --yaml-cfg" in proc.stderr and "Traceback" not in proc.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("HFSDP_DEBUG", "RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=str(REPO_ROOT), HFSDP_FSDP_UNIT_MODULES="no_such_module.Layer")
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *TINY, *FSDP], env=env, cwd="/",
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "error: HFSDP_FSDP_UNIT_MODULES='no_such_module.Layer': No module named 'no_such_module'" in proc.stderr
+    assert "Traceback" not in proc.stderr
