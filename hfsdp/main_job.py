@@ -52,7 +52,7 @@ from hfsdp.bench.configs import GRAPH_FLAGS, GRAPH_WARMUP_STEPS, MAXPOOL_FLAG
 from hfsdp.functional import logparse
 from hfsdp.launch import fit, torchrun
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
-from hfsdp.usererror import UserError, run_cli
+from hfsdp.usererror import UserError, env_number, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -285,13 +285,16 @@ def _main(argv: Sequence[str] | None) -> int:
     import torch
 
     extra = list(sys.argv[1:] if argv is None else argv)
-    nproc = int(os.environ.get("NPROC") or torch.cuda.device_count())
+    nproc = env_number("NPROC", torch.cuda.device_count())  # unset: every GPU (none: the sentence below)
+    # Every knob is read before anything runs: a bad one must not cost a training run.
+    steps = env_number("TRAIN_ITERS", 30)
+    eager_iters = env_number("EAGER_ITERS", 10, zero=True)
+    rehearsal_iters = env_number("REHEARSAL_ITERS", 8, zero=True)
     if nproc < 1:
         print("main_job: no CUDA GPU here; training needs one (scripts/run_main.sh runs the "
               "CPU part instead).", file=sys.stderr)
         return 2
     base = [*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *TRAIN_FLAGS, *one_logger_flags(extra), *extra]
-    steps = int(os.environ.get("TRAIN_ITERS", "30"))
     problems = capture_problems(base, nproc)
     graphed = not problems and steps > SETTLE_STEPS
     if problems:
@@ -312,7 +315,6 @@ def _main(argv: Sequence[str] | None) -> int:
         return rc
     first = SETTLE_STEPS + 1 if graphed else 3
     ms = median_step_ms(main_log, first)
-    eager_iters = int(os.environ.get("EAGER_ITERS", "10"))
     eager_ms = None
     if graphed and eager_iters > 3:
         print(f"== main_job: the same model eager, {eager_iters} steps, for comparison ==",
@@ -321,7 +323,6 @@ def _main(argv: Sequence[str] | None) -> int:
         if train(base, nproc, eager_iters, eager_log) == 0:
             eager_ms = median_step_ms(eager_log, 3)
     idle = fit.data_parallel_size(base, nproc) == 1
-    rehearsal_iters = int(os.environ.get("REHEARSAL_ITERS", "8"))
     rehearsal = None
     if idle and rehearsal_iters > 0:
         rehearsal_graphed = not capture_problems(base, REHEARSAL_NPROC) and rehearsal_iters > SETTLE_STEPS

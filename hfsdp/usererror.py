@@ -30,9 +30,9 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 DEBUG_ENV = "HFSDP_DEBUG"
 EXIT_CODE = 2
@@ -69,6 +69,22 @@ def positive(kind: type = int, *, zero: bool = False) -> Callable[[str], object]
 
     parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}"
     return parse
+
+
+def env_number(name: str, default: float | int, *, kind: type = int, zero: bool = False,
+               environ: Mapping[str, str] | None = None) -> Any:
+    """The number in environment variable ``name`` (``default`` when unset or empty), held to
+    :func:`positive`'s rule; a bad value is a :class:`UserError` naming the variable."""
+    import argparse
+
+    text = (os.environ if environ is None else environ).get(name, "")
+    if not text.strip():
+        return default
+    try:
+        return positive(kind, zero=zero)(text.strip())
+    except argparse.ArgumentTypeError as exc:
+        raise UserError(f"{name}={text!r}: {exc}", f"set {name} to a {'whole ' if kind is int else ''}number "
+                        f"{'>= 0' if zero else '> 0'}, or unset it for the default ({default})") from None
 
 
 def _nearest_existing(path: Path) -> Path:

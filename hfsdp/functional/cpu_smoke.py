@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from hfsdp.usererror import env_number, run_cli
+
 
 def _log_line(iteration: int, total: int, consumed: int, ms: float, loss: float) -> str:
     return (f" iteration {iteration:8d}/{total:8d} | consumed samples: {consumed:12d} |"
@@ -37,7 +39,7 @@ def main() -> None:
 
     install_stack_dump_signal()  # a stalled run shows where each rank was when its launcher ends it
     os.environ.setdefault("HFSDP_SKIP_FORK_GUARD", "1")  # CPU smoke may use a pristine tree
-    gloo_timeout_s = float(os.environ.get("HFSDP_SMOKE_GLOO_TIMEOUT_S", "120"))
+    gloo_timeout_s = env_number("HFSDP_SMOKE_GLOO_TIMEOUT_S", 120.0, kind=float)
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=gloo_timeout_s))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     try:
@@ -67,15 +69,15 @@ def main() -> None:
         vocab, hidden = args.padded_vocab_size, 32
         lm = torch.nn.Sequential(torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab))
         opt = torch.optim.SGD(lm.parameters(), lr=0.5)
-        fail_rank = os.environ.get("HFSDP_SMOKE_FAIL_RANK")
-        stall_s = float(os.environ.get("HFSDP_SMOKE_STALL_S", "0"))
+        fail_rank = env_number("HFSDP_SMOKE_FAIL_RANK", -1, zero=True)  # -1: no rank fails
+        stall_s = env_number("HFSDP_SMOKE_STALL_S", 0.0, kind=float, zero=True)
         # A fixed micro-batch per rank: loss must go down if the loop really trains.
         idx = [rank * mbs + j for j in range(mbs)]
         tokens = torch.stack([torch.as_tensor(train[i]["tokens"]) for i in idx]).long()
         labels = torch.stack([torch.as_tensor(train[i]["labels"]) for i in idx]).long()
         for it in range(1, iters + 1):
             start = time.perf_counter()
-            if fail_rank is not None and int(fail_rank) == rank and it == 2:
+            if fail_rank == rank and it == 2:
                 raise RuntimeError(f"HFSDP_SMOKE_FAIL_RANK={fail_rank}: designed failure on rank {rank}")
             if stall_s > 0 and it == 2:
                 print(f"smoke: rank {rank} stalls {stall_s:g} s before iteration 2 (HFSDP_SMOKE_STALL_S)", flush=True)
@@ -106,4 +108,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli("cpu_smoke", main))  # a bad HFSDP_SMOKE_* value is one sentence, exit status 2

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hfsdp.atomic import NonFiniteJSON, json_text, write_json_atomic, write_text_atomic
-from hfsdp.usererror import UserError, report, run_cli
+from hfsdp.usererror import UserError, env_number, report, run_cli
 
 
 def test_a_user_error_is_two_lines_and_a_hint(monkeypatch):
@@ -85,3 +85,41 @@ def test_every_json_file_we_write_goes_through_the_strict_writer():
                  if path.name != "atomic.py"
                  for n, line in enumerate(path.read_text().splitlines(), 1) if calls.search(line)]
     assert offenders == [], f"write JSON with hfsdp.atomic.write_json_atomic / json_text: {offenders}"
+
+
+@pytest.mark.parametrize(("value", "kwargs", "expected"), [
+    (None, {}, 30), ("", {}, 30), ("  ", {}, 30), ("7", {}, 7), (" 7 ", {}, 7), ("0", {"zero": True}, 0),
+    ("2.5", {"kind": float}, 2.5),
+])
+def test_env_number_reads_a_count_or_gives_the_default(value, kwargs, expected):
+    environ = {} if value is None else {"KNOB": value}
+    assert env_number("KNOB", 30, environ=environ, **kwargs) == expected
+
+
+@pytest.mark.parametrize(("value", "kwargs", "cause"), [
+    ("abc", {}, "KNOB='abc': 'abc' is not a whole number"),
+    ("1.5", {}, "KNOB='1.5': '1.5' is not a whole number"),
+    ("0", {}, "KNOB='0': must be > 0, got 0"),
+    ("-1", {"zero": True}, "KNOB='-1': must be >= 0, got -1"),
+    ("nan", {"kind": float}, "KNOB='nan': must be > 0, got nan"),
+    ("inf", {"kind": float, "zero": True}, "KNOB='inf': must be >= 0, got inf"),
+])
+def test_env_number_names_the_variable_of_a_bad_value(value, kwargs, cause):
+    with pytest.raises(UserError) as info:
+        env_number("KNOB", 30, environ={"KNOB": value}, **kwargs)
+    assert info.value.cause == cause and "unset it for the default (30)" in info.value.fix
+
+
+def test_a_bad_smoke_knob_is_one_sentence():
+    """The CPU smoke reads its knobs from a recipe's ENV_VARS; a bad one ends the rank in one
+    sentence, before it joins the process group."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HFSDP_SMOKE_GLOO_TIMEOUT_S": "soon"}
+    env.pop("HFSDP_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-m", "hfsdp.functional.cpu_smoke"], env=env, text=True,
+                          capture_output=True, timeout=120, cwd=Path(__file__).resolve().parents[3])
+    assert proc.returncode == 2, proc.stderr
+    assert "cpu_smoke: error: HFSDP_SMOKE_GLOO_TIMEOUT_S='soon': 'soon' is not a number" in proc.stderr
+    assert "Traceback" not in proc.stderr
