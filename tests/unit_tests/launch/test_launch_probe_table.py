@@ -1,0 +1,42 @@
+"""Probe table of the launcher, ``python -m hfsdp.launch`` (several ranks per GPU): each input, its
+exit status and its sentence; none may end in a traceback. On a machine without a GPU the
+shared mode is refused, so these rows run on CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+HAVE_CUDA = subprocess.run([sys.executable, "-c", "import torch, sys; sys.exit(torch.cuda.is_available())"]
+                           ).returncode == 1
+
+# (id, arguments, exit status, fragment of stderr)
+ROWS = [
+    ("nothing", [], 2, "the following arguments are required: --nproc"),
+    ("no script", ["--nproc", "2", "--ranks-per-gpu", "2"], 2, "give -- and then the script"),
+    ("ranks-per-gpu without a value", ["--ranks-per-gpu"], 2, "--ranks-per-gpu: expected one argument"),
+    ("ranks-per-gpu a word", ["--nproc", "2", "--ranks-per-gpu", "abc", "--", "x.py"], 2,
+     "--ranks-per-gpu: 'abc' is not a whole number"),
+    ("ranks-per-gpu 0", ["--nproc", "2", "--ranks-per-gpu", "0", "--", "x.py"], 2, "--ranks-per-gpu: must be > 0"),
+    ("nproc negative", ["--nproc", "-1", "--", "x.py"], 2, "--nproc: must be > 0, got -1"),
+    ("nproc a float", ["--nproc", "1.5", "--", "x.py"], 2, "--nproc: '1.5' is not a whole number"),
+    ("shared mode without a GPU", ["--nproc", "3", "--ranks-per-gpu", "2", "--", "x.py"], 2,
+     "shares CUDA GPUs between ranks, and this machine has none"),
+    ("auto without a GPU", ["--nproc", "2", "--ranks-per-gpu", "auto", "--", "x.py"], 2,
+     "--ranks-per-gpu auto places ranks on CUDA GPUs, and this machine has none"),
+]
+
+
+@pytest.mark.skipif(HAVE_CUDA, reason="the rows describe a machine without a GPU")
+@pytest.mark.parametrize(("args", "rc", "says"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_probe(args, rc, says):
+    env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
+    proc = subprocess.run([sys.executable, "-m", "hfsdp.launch", *args], cwd=REPO_ROOT, env=env, text=True,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == rc, proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
