@@ -7,7 +7,8 @@
 #   HFSDP_TORCH_SPEC='torch==X'  torch to install when the venv has none (default below)
 #   HFSDP_WITH_MAMBA=1           also install mamba_ssm's Triton-only build (as on the GPU machines),
 #                                so Mamba layers can be constructed in CPU tests; HFSDP_MAMBA_WHEEL
-#                                names a prebuilt wheel, else .gpu-wheels/mamba_ssm-*.whl or a local build.
+#                                names a prebuilt wheel, else $HFSDP_WHEEL_DIR/mamba_ssm-*.whl (default
+#                                folder: .gpu-wheels/, the GPU set-up's) or a local build.
 #                                If mamba_ssm then does not import the way Megatron imports it, this
 #                                fails (exit 2): the Mamba tests must run, not skip.
 #   HFSDP_WITH_MAMBA=0           (default here; scripts/run_tests.sh defaults to 1) leave mamba_ssm
@@ -57,9 +58,9 @@ sys.exit(import_problem("mamba_ssm"))')
 # Build (or take) mamba_ssm's Triton-only wheel and install it; status 1 at the first step that fails.
 _install_mamba() {
   local whl wdir site
-  # A prebuilt wheel in .gpu-wheels/ (the GPU set-up's folder) is used; without one (the usual
+  # A prebuilt wheel in $HFSDP_WHEEL_DIR (default .gpu-wheels/, the GPU set-up's folder) is used; without one (the usual
   # case) the build below makes it.
-  whl=${HFSDP_MAMBA_WHEEL:-$(ls "$_root"/.gpu-wheels/mamba_ssm-*.whl 2>/dev/null | head -1 || true)}
+  whl=${HFSDP_MAMBA_WHEEL:-$(ls "${HFSDP_WHEEL_DIR:-$_root/.gpu-wheels}"/mamba_ssm-*.whl 2>/dev/null | head -1 || true)}
   _pip huggingface_hub transformers setuptools wheel ninja packaging || return 1
   if [ -z "$whl" ]; then
     wdir=$(mktemp -d)

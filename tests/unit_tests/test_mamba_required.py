@@ -53,7 +53,10 @@ exec {sys.executable} "$@"
 """)
     python.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("HFSDP_WITH_MAMBA", "HFSDP_MAMBA_WHEEL", "PYTHONPATH")}
+    # No prebuilt wheel: the checkout's .gpu-wheels/ (a GPU set-up's) must not decide what is tested.
+    (tmp_path / "no-wheels").mkdir()
     env.update(VENV=str(tmp_path / "venv"), PYTHONPATH=str(mamba), FAKE_MAMBA=str(mamba),
+               HFSDP_WHEEL_DIR=str(tmp_path / "no-wheels"),
                FAKE_PIP_LOG=str(tmp_path / "pip.log"), **extra)
     return env
 

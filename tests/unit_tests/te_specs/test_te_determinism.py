@@ -122,6 +122,7 @@ def test_every_setting_reaches_both_runs_of_a_recipe(tmp_path: Path, monkeypatch
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
     monkeypatch.setattr(run_case, "run_logged", fake_run_logged)
+    monkeypatch.setattr(run_case, "check_gpus_for", lambda recipe, env: None)  # the runs are faked: so is the GPU
     result = run_case.run_case(_resume_recipe(tmp_path / "cases"), launch=Launch(nproc=1),
                                output_root=tmp_path / "out")
     assert result.status == "PASS", result.reasons
