@@ -56,24 +56,55 @@ def restore_nvte_environment() -> Iterator[None]:
     os.environ.update(_NVTE_AT_START)
 
 
-@pytest.fixture
-def megatron_validator(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Callable[[list[str]], Any]]:
-    """``make(base_flags, world_size)`` -> ``run(extra_flags)``: the args after Megatron's own
-    ``parse_args`` + ``validate_args``, on a CPU box (this process is rank 0 of ``world_size``)."""
+def _parse_megatron_args(monkeypatch: pytest.MonkeyPatch, flags: Sequence[str], world_size: int) -> Any:
+    """Megatron's own ``parse_args`` on ``flags`` (every upstream flag and the fork's), as rank 0 of
+    ``world_size``: it reads the command line from ``sys.argv`` and WORLD_SIZE/RANK from the
+    environment, and sets ``args.world_size`` and ``args.rank`` from them."""
     import sys
 
     import megatron.training.arguments as arguments
 
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["pretrain", *flags])
+    return arguments.parse_args()
+
+
+@pytest.fixture
+def megatron_args(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """``make(flags=(), **fields)`` -> the args Megatron's own ``parse_args`` gives ``flags`` as
+    rank 0 of a world of 1 (before ``validate_args``), then ``fields`` set on them (e.g.
+    ``world_size=2``).
+
+    For unit tests of code that reads Megatron's args: it meets every field the parser defines,
+    with its real default, as in training; a hand-built namespace would hide a misspelt field. A
+    field in ``fields`` that the parsed args lack is refused (TypeError) for the same reason."""
+
+    def make(flags: Sequence[str] = (), **fields: Any) -> Any:
+        args = _parse_megatron_args(monkeypatch, flags, world_size=1)
+        unknown = sorted(set(fields) - set(vars(args)))
+        if unknown:
+            raise TypeError(f"Megatron's parse_args sets no {', '.join(unknown)}")
+        for name, value in fields.items():
+            setattr(args, name, value)
+        return args
+
+    return make
+
+
+@pytest.fixture
+def megatron_validator(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Callable[[list[str]], Any]]:
+    """``make(base_flags, world_size)`` -> ``run(extra_flags)``: the args after Megatron's own
+    ``parse_args`` + ``validate_args``, on a CPU box (this process is rank 0 of ``world_size``)."""
+    import megatron.training.arguments as arguments
+
     def make(base: Sequence[str], world_size: int) -> Callable[[list[str]], Any]:
-        monkeypatch.setenv("WORLD_SIZE", str(world_size))
-        monkeypatch.setenv("RANK", "0")
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
         # validate_args queries the GPU arch late; pretend Hopper on a CPU box.
         monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
 
         def run(extra: list[str]) -> Any:
-            monkeypatch.setattr(sys, "argv", ["pretrain", *base, *extra])
-            args = arguments.parse_args()
+            args = _parse_megatron_args(monkeypatch, [*base, *extra], world_size)
             arguments.validate_args(args, {})
             return args
 

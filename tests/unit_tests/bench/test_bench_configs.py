@@ -130,20 +130,13 @@ def test_validate_configs_are_their_graphed_twins_with_megatrons_default_rerun_m
         "te_no_db": ["te_no_db", "te_no_db_graph_validate"]}
 
 
-def test_default_model_is_capturable():
+def test_default_model_is_capturable(megatron_args):
     """The default model's MoE dispatch passes the full-iteration capture checks."""
-    from types import SimpleNamespace
-
     from megatron.training.cuda_graph_checks import cuda_graph_arg_problems
 
-    flags = C.model_flags("default")
-    args = SimpleNamespace(
-        cuda_graph_impl="full_iteration", use_megatron_fsdp=True,
-        num_experts=int(flags[flags.index("--num-experts") + 1]),
-        moe_token_dispatcher_type=flags[flags.index("--moe-token-dispatcher-type") + 1],
-        moe_expert_capacity_factor=float(flags[flags.index("--moe-expert-capacity-factor") + 1]),
-        moe_pad_expert_input_to_capacity="--moe-pad-expert-input-to-capacity" in flags)
-    assert cuda_graph_arg_problems(args) == []
+    args = megatron_args([*C.model_flags("default"), "--cuda-graph-impl", "full_iteration"])
+    assert args.num_experts and args.use_megatron_fsdp, "the default model: MoE on Megatron-FSDP"
+    assert cuda_graph_arg_problems(args, {}) == []
 
 
 @pytest.mark.parametrize("preset", ["default", "fill"])

@@ -12,6 +12,7 @@ from megatron.training.cuda_graph_checks import DROP_AND_PAD_FLAGS, cuda_graph_a
 
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64".split()
 DROP_PAD = DROP_AND_PAD_FLAGS.split()
+FLEX = [*MOE, "--moe-token-dispatcher-type", "flex"]
 
 
 @pytest.fixture
@@ -67,25 +68,12 @@ def test_per_layer_graphs_with_megatron_fsdp_are_rejected(validate, impl):
     assert "--cuda-graph-impl full_iteration" in msg, f"the message must name the way out: {msg}"
 
 
-def test_every_problem_is_reported_at_once():
-    class Args:
-        cuda_graph_impl = "full_iteration"
-        use_megatron_fsdp = True
-        num_experts = 4
-        moe_token_dispatcher_type = "flex"
-        moe_flex_dispatcher_backend = "deepep"
-        moe_expert_capacity_factor = None
-        moe_pad_expert_input_to_capacity = False
-
-    problems = cuda_graph_arg_problems(Args())
-    assert len(problems) == 1 and "flex MoE token dispatcher (deepep backend)" in problems[0]
-    Args.moe_flex_dispatcher_backend = "hybridep"
-    Args.moe_expert_capacity_factor = 1.0
-    Args.moe_pad_expert_input_to_capacity = True
-    assert cuda_graph_arg_problems(Args()) == []
-    Args.cuda_graph_impl = "none"
-    Args.moe_token_dispatcher_type = "allgather"
-    assert cuda_graph_arg_problems(Args()) == [], "no graphs, nothing to reject"
+def test_every_problem_is_reported_at_once(megatron_args):
+    problems = cuda_graph_arg_problems(megatron_args(BASE + FULL + FLEX), {})  # flex's default backend: deepep
+    assert len(problems) == 1 and "flex MoE token dispatcher (deepep backend)" in problems[0], problems
+    hybridep = megatron_args(BASE + FULL + FLEX + ["--moe-flex-dispatcher-backend", "hybridep"] + DROP_PAD)
+    assert cuda_graph_arg_problems(hybridep, {}) == []
+    assert cuda_graph_arg_problems(megatron_args(BASE + MOE), {}) == [], "no graphs, nothing to reject"
 
 
 @pytest.mark.parametrize("world_size, environ, rejected", [
@@ -103,16 +91,11 @@ def test_every_problem_is_reported_at_once():
     (2, {"PYTORCH_CUDA_ALLOC_CONF": "roundup_power2_divisions:[256:1,512:2],expandable_segments:True"},
      True),
 ])
-def test_expandable_segments_with_several_ranks_need_nccl_graph_register_off(world_size, environ, rejected):
-    class Args:
-        cuda_graph_impl = "full_iteration"
-        use_megatron_fsdp = True
-        num_experts = None
-
-    Args.world_size = world_size
-    problems = cuda_graph_arg_problems(Args(), environ)
+def test_expandable_segments_with_several_ranks_need_nccl_graph_register_off(megatron_args, world_size, environ,
+                                                                             rejected):
+    problems = cuda_graph_arg_problems(megatron_args(BASE + FULL, world_size=world_size), environ)
     assert bool(problems) == rejected, problems
     if rejected:
         assert "NCCL_GRAPH_REGISTER=0" in problems[0] and f"{world_size} ranks" in problems[0]
-    Args.cuda_graph_impl = "none"
-    assert cuda_graph_arg_problems(Args(), environ) == [], "eager runs have no graph to protect"
+    eager = megatron_args(BASE, world_size=world_size)
+    assert cuda_graph_arg_problems(eager, environ) == [], "eager runs have no graph to protect"

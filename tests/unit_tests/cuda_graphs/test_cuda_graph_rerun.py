@@ -64,13 +64,10 @@ def test_given_on_command_line_matches_whole_flags_only():
     assert not given_on_command_line("--rerun-mode", [])
 
 
-def test_the_hook_reports_what_it_did_without_a_distributed_world():
-    class Args:
-        cuda_graph_impl = "full_iteration"
-        rerun_mode = "validate_results"
-
+def test_the_hook_reports_what_it_did_without_a_distributed_world(megatron_args):
     said: list[str] = []
-    args = Args()
+    args = megatron_args(BASE + FULL)
+    assert args.rerun_mode == "validate_results"  # Megatron's default
     assert rerun_mode_for_graphs(args, said.append, argv=[]) == said[0]
     assert args.rerun_mode == "disabled"
     assert rerun_mode_for_graphs(args, said.append, argv=[]) is None and len(said) == 1

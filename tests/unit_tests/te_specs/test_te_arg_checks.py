@@ -120,12 +120,9 @@ def test_grouped_gemm_accepted_with_te_or_without_experts(validate, flags):
     validate(flags)
 
 
-@pytest.fixture(scope="module")
-def parsed():
-    from hfsdp.training.entry import megatron_parser
-
-    parser = megatron_parser()
-    return lambda flags: parser.parse_known_args([*BASE, *flags])[0]
+@pytest.fixture
+def parsed(megatron_args):
+    return lambda flags: megatron_args([*BASE, *flags])
 
 
 FP8 = "--fp8-format e4m3 --fp8-param-gather --fsdp-double-buffer --megatron-fsdp-max-pool-double-buffer".split()

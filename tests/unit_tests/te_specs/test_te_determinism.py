@@ -60,12 +60,10 @@ def test_the_attention_backend_is_chosen_by_flag_never_by_environment() -> None:
     assert not set(ATTN_ENV) & set(D.env()), "Megatron sets these from --attention-backend"
 
 
-def test_the_settings_pass_the_te_argument_checks() -> None:
-    from hfsdp.training.entry import megatron_parser
+def test_the_settings_pass_the_te_argument_checks(megatron_args) -> None:
     from megatron.training.te_arg_checks import te_arg_problems
 
-    flags = ["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "M*E", *D.argv()]
-    args = megatron_parser().parse_known_args(flags)[0]
+    args = megatron_args(["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "M*E", *D.argv()])
     assert te_arg_problems(args, environ=D.env()) == []
     assert te_arg_problems(args, environ={}), "without the environment the checks must object"
 

@@ -58,11 +58,10 @@ DROP_AND_PAD_FLAGS = "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to
 
 def _moe_dispatch_problem(args: Any) -> str:
     """Why MoE token dispatch cannot be captured in a full-iteration graph ('' if it can)."""
-    if not getattr(args, "num_experts", None):
+    if not args.num_experts:
         return ""
-    dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
-    drop_and_pad = (getattr(args, "moe_expert_capacity_factor", None) is not None
-                    and getattr(args, "moe_pad_expert_input_to_capacity", False))
+    dispatcher = args.moe_token_dispatcher_type
+    drop_and_pad = args.moe_expert_capacity_factor is not None and args.moe_pad_expert_input_to_capacity
     if dispatcher == "allgather":
         return ("the allgather MoE token dispatcher counts tokens per expert on the host "
                 "every step. Use --moe-token-dispatcher-type alltoall with drop-and-pad: "
@@ -72,7 +71,7 @@ def _moe_dispatch_problem(args: Any) -> str:
                 "waits for them unless inputs are dropped and padded to a fixed capacity. "
                 f"Add {DROP_AND_PAD_FLAGS}.")
     if dispatcher == "flex":
-        backend = getattr(args, "moe_flex_dispatcher_backend", "deepep")
+        backend = args.moe_flex_dispatcher_backend
         if backend == "deepep" or not drop_and_pad:
             return (f"the flex MoE token dispatcher ({backend} backend) reads the permuted "
                     "token count on the host. Use --moe-token-dispatcher-type alltoall with "
@@ -92,7 +91,8 @@ def expandable_segments(environ: Mapping[str, str]) -> bool:
 
 def _expandable_segments_problem(args: Any, environ: Mapping[str, str]) -> str:
     """Why this environment's allocator cannot run a multi-rank graph ('' if it can)."""
-    if (not expandable_segments(environ) or getattr(args, "world_size", 1) <= 1
+    # world_size is no flag: parse_args sets it from WORLD_SIZE before validate_args calls this.
+    if (not expandable_segments(environ) or args.world_size <= 1
             or environ.get("NCCL_GRAPH_REGISTER", "") == "0"):
         return ""
     return ("expandable allocator segments (expandable_segments:True) with "
@@ -105,9 +105,9 @@ def cuda_graph_arg_problems(args: Any, environ: Mapping[str, str] | None = None)
     """Every known capture breaker in ``args`` (and ``environ``, default ``os.environ``), each
     a sentence that names the fix."""
     environ = os.environ if environ is None else environ
-    impl = getattr(args, "cuda_graph_impl", "none")
+    impl = args.cuda_graph_impl
     problems = []
-    if impl in ("local", "transformer_engine") and getattr(args, "use_megatron_fsdp", False):
+    if impl in ("local", "transformer_engine") and args.use_megatron_fsdp:
         problems.append(
             f"--cuda-graph-impl {impl} (per-layer CUDA graphs) does not work with "
             "--use-megatron-fsdp: a graphed layer's replay skips Megatron-FSDP's all-gather "
@@ -118,7 +118,7 @@ def cuda_graph_arg_problems(args: Any, environ: Mapping[str, str] | None = None)
         moe = _moe_dispatch_problem(args)
         if moe:
             problems.append(f"--cuda-graph-impl full_iteration cannot capture MoE layers: {moe}")
-        if getattr(args, "rampup_batch_size", None):
+        if args.rampup_batch_size:
             problems.append(
                 "--cuda-graph-impl full_iteration with --rampup-batch-size: a replay runs the "
                 "number of micro-batches the graph captured, so the ramped-up batches would be "

@@ -47,9 +47,9 @@ def rerun_mode_for_graphs(args: Any, warn: Callable[[str], None],
     ``parse_args`` read (default ``sys.argv[1:]``). Returns the warning given, or None when
     there was nothing to say.
     """
-    if getattr(args, "cuda_graph_impl", "none") != "full_iteration":
+    if args.cuda_graph_impl != "full_iteration":
         return None
-    mode = getattr(args, "rerun_mode", DISABLED)
+    mode = args.rerun_mode
     if mode == DISABLED:
         return None
     argv = sys.argv[1:] if argv is None else argv

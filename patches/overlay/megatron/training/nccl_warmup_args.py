@@ -9,7 +9,7 @@ create, so the flag would silently do nothing. Refuse it at argument validation 
 
 def validate_nccl_comm_warmup_args(args) -> None:
     """Raise ValueError when --nccl-comm-warmup is combined with a non-NCCL backend."""
-    if getattr(args, "nccl_comm_warmup", False) and args.distributed_backend != "nccl":
+    if args.nccl_comm_warmup and args.distributed_backend != "nccl":
         raise ValueError(
             f"--nccl-comm-warmup warms NCCL communicators, but --distributed-backend is "
             f"{args.distributed_backend!r}, so it would warm nothing; drop --nccl-comm-warmup or use "

@@ -50,9 +50,9 @@ BACKEND_ENV: dict[str, dict[str, str]] = {
 
 
 def _has_te_attention(args: Any) -> bool:
-    if getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine":
+    if args.transformer_impl != "transformer_engine":
         return False
-    pattern = getattr(args, "hybrid_layer_pattern", None)
+    pattern = args.hybrid_layer_pattern
     return pattern is None or ATTENTION_SYMBOL in pattern
 
 
@@ -66,8 +66,7 @@ def _nondeterministic_algos_allowed(environ: Mapping[str, str]) -> bool:
 
 
 def _backend_name(args: Any) -> str:
-    backend = getattr(args, "attention_backend", "auto")
-    return str(getattr(backend, "name", backend))
+    return str(args.attention_backend.name)  # an AttnBackend: the parser converts --attention-backend
 
 
 def _attention_env_problem(args: Any, env: Mapping[str, str]) -> str | None:
@@ -96,7 +95,7 @@ def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None) -> list
     env = os.environ if environ is None else environ
     problems = []
     if (
-        getattr(args, "deterministic_mode", False)
+        args.deterministic_mode
         and _has_te_attention(args)
         and _nondeterministic_algos_allowed(env)
     ):
@@ -111,9 +110,9 @@ def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None) -> list
     if attention_env is not None:
         problems.append(attention_env)
     if (
-        getattr(args, "moe_grouped_gemm", False)
-        and getattr(args, "num_experts", None)
-        and getattr(args, "transformer_impl", None) == "local"
+        args.moe_grouped_gemm
+        and args.num_experts
+        and args.transformer_impl == "local"
     ):
         problems.append(
             "--moe-grouped-gemm has no effect with --transformer-impl local: grouped-GEMM experts "
@@ -122,10 +121,10 @@ def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None) -> list
             "transformer_engine."
         )
     if (
-        getattr(args, "megatron_fsdp_max_pool_double_buffer", False)
-        and getattr(args, "fp8_param_gather", False)
-        and getattr(args, "fp8", None)
-        and getattr(args, "fp8_recipe", None) == "blockwise"
+        args.megatron_fsdp_max_pool_double_buffer
+        and args.fp8_param_gather
+        and args.fp8
+        and args.fp8_recipe == "blockwise"
     ):
         problems.append(
             "--megatron-fsdp-max-pool-double-buffer cannot hold blockwise-FP8 parameters "
