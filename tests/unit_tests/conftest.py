@@ -71,6 +71,23 @@ def _parse_megatron_args(monkeypatch: pytest.MonkeyPatch, flags: Sequence[str], 
 
 
 @pytest.fixture
+def call_cli(capsys: pytest.CaptureFixture[str]) -> Callable[[Callable[[list[str]], Any], list[str]], tuple[int, str]]:
+    """``call(main, argv)`` -> (exit status, stdout + stderr) of a CLI's ``main`` run in-process;
+    argparse's own usage errors (SystemExit) give their status too."""
+
+    def call(main: Callable[[list[str]], Any], argv: list[str]) -> tuple[int, str]:
+        capsys.readouterr()
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = exc.code
+        out = capsys.readouterr()
+        return int(rc or 0), out.out + out.err
+
+    return call
+
+
+@pytest.fixture
 def megatron_args(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
     """``make(flags=(), **fields)`` -> the args Megatron's own ``parse_args`` gives ``flags`` as
     rank 0 of a world of 1 (before ``validate_args``), then ``fields`` set on them (e.g.

@@ -141,17 +141,6 @@ ROWS: dict[str, Row] = {
                                     "is not a benchmark results file"),
 }
 
-
-def run(capsys, argv: list[str]) -> tuple[int, str]:
-    capsys.readouterr()
-    try:
-        rc = B.main(argv)
-    except SystemExit as exc:  # argparse's own usage errors
-        rc = exc.code
-    out = capsys.readouterr()
-    return int(rc or 0), out.out + out.err
-
-
 @pytest.fixture(autouse=True)
 def nothing_launches(monkeypatch):
     monkeypatch.delenv("HFSDP_DEBUG", raising=False)
@@ -159,10 +148,10 @@ def nothing_launches(monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(ROWS))
-def test_probe_row(name, tmp_path, capsys, monkeypatch):
+def test_probe_row(name, tmp_path, monkeypatch, call_cli):
     row = ROWS[name]
     monkeypatch.chdir(tmp_path)
-    rc, said = run(capsys, row.argv(tmp_path))
+    rc, said = call_cli(B.main, row.argv(tmp_path))
     assert "Traceback" not in said, said[-3000:]
     assert rc == row.rc, (rc, said[-3000:])
     assert row.says in said, said[-3000:]
@@ -175,36 +164,36 @@ def test_probe_row(name, tmp_path, capsys, monkeypatch):
         json.loads(text)
 
 
-def test_the_one_good_run_is_summarized_and_the_nan_one_listed(tmp_path, capsys):
-    rc, said = run(capsys, ROWS["one good run, one nan run"].argv(tmp_path))
+def test_the_one_good_run_is_summarized_and_the_nan_one_listed(tmp_path, call_cli):
+    rc, said = call_cli(B.main, ROWS["one good run, one nan run"].argv(tmp_path))
     assert rc == 1, said[-2000:]
     doc = json.loads((tmp_path / "r.json").read_text())
     assert [s["config"] for s in doc["summary"]] == ["no_db"]
     assert set(doc["meta"]["failures"]) == {"maxpool#0"} and "1 of 2 runs read" in said
 
 
-def test_zero_byte_peaks_give_no_ratio_instead_of_a_division_by_zero(tmp_path, capsys):
-    rc, said = run(capsys, ROWS["peaks of 0 bytes"].argv(tmp_path))
+def test_zero_byte_peaks_give_no_ratio_instead_of_a_division_by_zero(tmp_path, call_cli):
+    rc, said = call_cli(B.main, ROWS["peaks of 0 bytes"].argv(tmp_path))
     assert rc == 0, said[-2000:]
     summary = json.loads((tmp_path / "r.json").read_text())["summary"][0]
     assert summary["peak_allocated_ratio"] is None and summary["step_time_ratio"] == 1.0
 
 
-def test_ctrl_c_during_from_logs_writes_nothing(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_during_from_logs_writes_nothing(tmp_path, monkeypatch, call_cli):
     def interrupted(*_a, **_k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run_logs, "read_run", interrupted)
-    rc, said = run(capsys, from_logs(keep)(tmp_path))
+    rc, said = call_cli(B.main, from_logs(keep)(tmp_path))
     assert rc == 130 and said.rstrip().endswith("benchmark_double_buffer: interrupted"), said[-2000:]
     assert "Traceback" not in said and not (tmp_path / "r.json").exists()
     assert os.listdir(tmp_path) == ["kept"], "nothing but the folder read"
 
 
-def test_a_flag_written_with_equals_replaces_the_presets(tmp_path, capsys):
+def test_a_flag_written_with_equals_replaces_the_presets(tmp_path, call_cli):
     """``--seq-length=2048`` after -- is the sequence length the tokens per step are counted with,
     as Megatron reads it (the last spelling wins), not the preset's 1024."""
-    rc, said = run(capsys, ROWS["-- --seq-length=2048"].argv(tmp_path))
+    rc, said = call_cli(B.main, ROWS["-- --seq-length=2048"].argv(tmp_path))
     assert rc == 0, said[-2000:]
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["runs"][0]["tokens_per_step"] == 4 * 2048  # global batch 2 (mbs) x 1 rank x 2 micro-batches

@@ -199,16 +199,19 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def package_index(files: dict[str, bytes]) -> Iterator[str]:
-    """A local PEP 691 simple index for megatron-core serving ``files`` (name -> bytes) with their sha256;
-    yields its base URL (``<url>/simple``, ``<url>/files/<name>``)."""
+def package_index(files: dict[str, bytes], yanked: dict[str, str] | None = None) -> Iterator[str]:
+    """A local PEP 691 simple index for megatron-core serving ``files`` (name -> bytes) with their sha256,
+    the names in ``yanked`` marked yanked with that reason; yields its base URL (``<url>/simple``,
+    ``<url>/files/<name>``)."""
+    marks = yanked or {}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             host = f"http://127.0.0.1:{self.server.server_address[1]}"
             if self.path == "/simple/megatron-core/":
                 entries = [{"filename": name, "url": f"{host}/files/{name}",
-                            "hashes": {"sha256": hashlib.sha256(data).hexdigest()}} for name, data in files.items()]
+                            "hashes": {"sha256": hashlib.sha256(data).hexdigest()},
+                            "yanked": marks.get(name, False)} for name, data in files.items()]
                 body = json.dumps({"meta": {"api-version": "1.1"}, "files": entries}).encode()
             elif self.path.startswith("/files/") and self.path[7:] in files:
                 body = files[self.path[7:]]

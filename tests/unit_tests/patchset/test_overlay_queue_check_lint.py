@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-import hashlib
-import http.server
-import json
 import os
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from patchset_fake import ALLOC_PATCH, BASE_FILES, OVERLAY_FILES, TRAIN_PATCH, Env, make_sdist, patch_text, tree_digest
+from patchset_fake import (
+    ALLOC_PATCH,
+    BASE_FILES,
+    OVERLAY_FILES,
+    TRAIN_PATCH,
+    Env,
+    make_sdist,
+    package_index,
+    patch_text,
+    tree_digest,
+)
 
 from hfsdp.patchset.check import check_against, top_level_names
 from hfsdp.patchset.cli import main
@@ -271,46 +277,14 @@ def test_top_level_names() -> None:
     assert top_level_names(source) == {"A", "B", "C", "D", "E", "f", "g", "T"}
 
 
-class _Index(http.server.BaseHTTPRequestHandler):
-    """A PEP 691 simple index with one yanked release and one that is not, and their files."""
-
-    files: dict[str, bytes] = {}
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        host = f"http://127.0.0.1:{self.server.server_address[1]}"
-        if self.path == "/simple/megatron-core/":
-            entries = [{"filename": name, "url": f"{host}/files/{name}",
-                        "hashes": {"sha256": hashlib.sha256(data).hexdigest()},
-                        "yanked": "wrong version" if "0.18.1" in name else False}
-                       for name, data in self.files.items()]
-            body = json.dumps({"meta": {"api-version": "1.1"}, "files": entries}).encode()
-        elif self.path.startswith("/files/") and self.path[7:] in self.files:
-            body = self.files[self.path[7:]]
-        else:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: object) -> None:
-        pass
-
-
 @pytest.fixture
 def index(overlaid: Env, tmp_path: Path) -> Iterator[Env]:
     """``overlaid`` whose base.toml points at a local index serving 0.18.1 (yanked) and 0.19.2."""
-    _Index.files = {p.name: p.read_bytes() for p in (newer_release(tmp_path, "0.18.1"), newer_release(tmp_path))}
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Index)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    base = overlaid.project.patches_dir / "base.toml"
-    base.write_text(base.read_text().replace("http://127.0.0.1:9/simple",
-                                             f"http://127.0.0.1:{server.server_address[1]}/simple"))
-    yield overlaid
-    server.shutdown()
-    thread.join()
+    files = {p.name: p.read_bytes() for p in (newer_release(tmp_path, "0.18.1"), newer_release(tmp_path))}
+    with package_index(files, yanked={"megatron_core-0.18.1.tar.gz": "wrong version"}) as url:
+        base = overlaid.project.patches_dir / "base.toml"
+        base.write_text(base.read_text().replace("http://127.0.0.1:9/simple", f"{url}/simple"))
+        yield overlaid
 
 
 def test_check_against_a_yanked_release_says_so(index: Env, monkeypatch, capsys) -> None:

@@ -95,25 +95,14 @@ ROWS: dict[str, Row] = {
     "--data-parallel-sharding-strategy foo": Row(["--data-parallel-sharding-strategy", "foo"], 2, "invalid choice"),
 }
 
-
-def run(capsys, argv: list[str]) -> tuple[int, str]:
-    capsys.readouterr()
-    try:
-        rc = cli.main(argv)
-    except SystemExit as exc:  # argparse's own usage errors
-        rc = exc.code
-    out = capsys.readouterr()
-    return int(rc or 0), out.out + out.err
-
-
 @pytest.mark.parametrize("name", list(ROWS))
-def test_probe_row(name, tmp_path, capsys, monkeypatch):
+def test_probe_row(name, tmp_path, monkeypatch, call_cli):
     row = ROWS[name]
     monkeypatch.delenv("HFSDP_DEBUG", raising=False)
     monkeypatch.delenv(fsdp_units.ENV, raising=False)
     for key, value in row.env.items():
         monkeypatch.setenv(key, value)
-    rc, said = run(capsys, [a.replace("TMP", str(tmp_path)) for a in row.argv])
+    rc, said = call_cli(cli.main, [a.replace("TMP", str(tmp_path)) for a in row.argv])
     assert "Traceback" not in said, said[-3000:]
     assert rc == row.rc, (rc, said[-3000:])
     assert row.says in said, said[-3000:]
@@ -121,27 +110,27 @@ def test_probe_row(name, tmp_path, capsys, monkeypatch):
         assert "wrote the plan" not in said and list(tmp_path.iterdir()) == []
 
 
-def test_a_plan_json_is_strict_json(tmp_path, capsys):
-    rc, said = run(capsys, ["--plan-json", str(tmp_path / "new" / "plan.json")])
+def test_a_plan_json_is_strict_json(tmp_path, call_cli):
+    rc, said = call_cli(cli.main, ["--plan-json", str(tmp_path / "new" / "plan.json")])
     assert rc == 0, said[-2000:]
     text = (tmp_path / "new" / "plan.json").read_text()
     assert "NaN" not in text and json.loads(text)["allocators"]["weight"]["lane_plans"]["3"]["pool_bytes"] > 0
 
 
-def test_the_lanes_flag_plans_what_training_holds(capsys):
+def test_the_lanes_flag_plans_what_training_holds(call_cli):
     """Without --plan-lanes: only training's N-lane plan (not the default 3); with it: both."""
-    _, said = run(capsys, [*MAX_POOL, "--megatron-fsdp-max-pool-lanes", "4"])
+    _, said = call_cli(cli.main, [*MAX_POOL, "--megatron-fsdp-max-pool-lanes", "4"])
     assert "4-lane plan" in said and "3-lane plan" not in said
-    _, said = run(capsys, [*MAX_POOL, "--megatron-fsdp-max-pool-lanes", "4", "--plan-lanes", "2"])
+    _, said = call_cli(cli.main, [*MAX_POOL, "--megatron-fsdp-max-pool-lanes", "4", "--plan-lanes", "2"])
     assert "[weight] 2-lane plan" in said and "[weight] 4-lane plan" in said
 
 
-def test_transformer_engine_asked_for_but_missing_is_one_sentence(capsys, monkeypatch):
+def test_transformer_engine_asked_for_but_missing_is_one_sentence(monkeypatch, call_cli):
     monkeypatch.delenv("HFSDP_DEBUG", raising=False)
     real: Callable[[str], bool] = requirements.importable
     monkeypatch.setattr(requirements, "importable", lambda name: name != "transformer_engine" and real(name))
     argv = [a for a in SMALL if a not in ("--transformer-impl", "local")]
-    rc, said = run(capsys, ["--hybrid-layer-pattern", "M*", *argv])
+    rc, said = call_cli(cli.main, ["--hybrid-layer-pattern", "M*", *argv])
     assert rc == 2 and "Traceback" not in said, said[-3000:]
     assert "--transformer-impl transformer_engine needs Transformer Engine" in said
     assert "or pass --transformer-impl local" in said
@@ -159,13 +148,13 @@ def test_megatrons_log_lines_go_to_stderr():
     assert "INFO:megatron" not in done.stdout and "INFO:megatron" in done.stderr
 
 
-def test_ctrl_c_while_planning_is_one_line_and_writes_no_plan(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_while_planning_is_one_line_and_writes_no_plan(tmp_path, monkeypatch, call_cli):
     monkeypatch.delenv("HFSDP_DEBUG", raising=False)
 
     def interrupted(*_a, **_k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "plan_from_args", interrupted)
-    rc, said = run(capsys, ["--plan-json", str(tmp_path / "plan.json")])
+    rc, said = call_cli(cli.main, ["--plan-json", str(tmp_path / "plan.json")])
     assert rc == 130 and said.rstrip().endswith("fsdp_memory_planner: interrupted"), said[-2000:]
     assert "Traceback" not in said and list(tmp_path.iterdir()) == []
