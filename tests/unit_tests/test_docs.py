@@ -1,0 +1,61 @@
+"""The docs stay references: feature pages fit one read and carry no dates or commit hashes (those
+live in docs/results.md and CHANGELOG.md), the README's two set-up commands come early, and every
+local link points at a file the repo has."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs"
+JOURNALS = {"results.md"}  # measurements, each with its date and commit
+FEATURE_PAGES = sorted(p for p in DOCS.glob("*.md") if p.name not in JOURNALS)
+MAX_PAGE_LINES = 200
+MAX_COMMAND_LINE = 40
+
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+# A commit hash as written in prose: 7 to 40 hex digits, with a digit and a letter, standing alone.
+COMMIT = re.compile(r"(?<![\w./-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_there_are_feature_pages() -> None:
+    assert len(FEATURE_PAGES) >= 5, [p.name for p in FEATURE_PAGES]
+
+
+@pytest.mark.parametrize("page", FEATURE_PAGES, ids=[p.name for p in FEATURE_PAGES])
+def test_a_feature_page_is_a_reference(page: Path) -> None:
+    text = page.read_text()
+    lines = text.count("\n")
+    assert lines <= MAX_PAGE_LINES, f"{page.name} has {lines} lines (at most {MAX_PAGE_LINES})"
+    assert not DATE.findall(text), f"{page.name} has dates {DATE.findall(text)}: measurements go to results.md"
+    assert not COMMIT.findall(text), f"{page.name} names commits {COMMIT.findall(text)}: they go to results.md"
+
+
+def test_the_readme_gives_its_two_commands_early() -> None:
+    lines = (REPO / "README.md").read_text().splitlines()
+    where = {cmd: next((i + 1 for i, line in enumerate(lines) if line.startswith(f"bash scripts/{cmd}")), None)
+             for cmd in ("run_main.sh", "run_tests.sh")}
+    assert all(n is not None and n <= MAX_COMMAND_LINE for n in where.values()), where
+
+
+@pytest.mark.parametrize("page", [REPO / "README.md", REPO / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))],
+                         ids=lambda p: p.name)
+def test_local_links_point_at_files_the_repo_has(page: Path) -> None:
+    missing = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # a URL, or a heading of the same page
+        path = (page.parent / target.split("#", 1)[0]).resolve()
+        if not path.exists():
+            missing.append(target)
+    assert not missing, f"{page.name} links to files the repo lacks: {missing}"
+
+
+def test_the_patterns_catch_what_they_are_for() -> None:
+    assert DATE.findall("measured on 2026-11-24 on an H100") == ["2026-11-24"]
+    assert COMMIT.findall("at cf5c87a and (b794119)") == ["cf5c87a", "b794119"]
+    assert not COMMIT.findall("2000000 steps, deadbeef, results/cf5c87a.json, dgx_h100_shared")
