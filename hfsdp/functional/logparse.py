@@ -2,7 +2,7 @@
 
 Megatron prints, per logged iteration (``print_rank_last``)::
 
-    [2026-11-21 ...] iteration        3/      20 | consumed samples: ... |
+    [<date> <time>] iteration        3/      20 | consumed samples: ... |
     elapsed time per iteration (ms): 71.2 | ... | lm loss: 1.045678E+01 | ... | num zeros: 0 | ...
 
 and, with ``--log-memory-interval 1`` (``report_memory`` on data-parallel rank 0)::
