@@ -17,9 +17,9 @@ GPUs and the output pipe (``subprocess.run(timeout=...)`` does exactly that). Th
 
 A SIGTERM to the launcher itself (a job's time limit, ``scancel``, ``srun`` ending a step after
 another node failed) would kill it and leave the run's own session behind, and a Ctrl-C reaches
-the launcher only. Inside :func:`signals_interrupt` both raise :class:`Interrupted` instead, and
-:func:`run_group` ends its run before passing it on (after SIGTERM with steps 1-5, the stacks
-showing where the run was; after Ctrl-C with steps 3-5).
+the launcher only. Under ``run_cli`` both raise :class:`hfsdp.usererror.Interrupted` instead
+([Note: interrupts] in usererror.py), and :func:`run_group` ends its run before passing it on
+(after SIGTERM with steps 1-5, the stacks showing where the run was; after Ctrl-C with 3-5).
 
 With a timeout, the child also gets ``HFSDP_STACK_DUMP_AFTER_S`` (unless the caller set it):
 ranks dump their stacks on their own a little before the deadline, even where no signal
@@ -33,13 +33,13 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from hfsdp.diagnostics import AFTER_ENV, STACK_DUMP_SIGNAL, descendant_pids, handles_signal
+from hfsdp.usererror import Interrupted
 
 STACK_GRACE_S = 5.0  # time the ranks get to write their stacks before SIGTERM
 TERM_GRACE_S = 10.0  # time the group gets to exit on SIGTERM before SIGKILL
@@ -57,40 +57,6 @@ class GroupResult:
     seconds: float
     signals: list[str] = field(default_factory=list)  # what was sent, in order, e.g. USR1, TERM
     stragglers: list[int] = field(default_factory=list)  # pids still alive after the leader ended
-
-
-INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM reached the launcher (inside :func:`signals_interrupt`). A BaseException,
-    like KeyboardInterrupt, so that no ``except Exception`` swallows it on the way out."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"stopped by {self.name}")
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name
-
-
-@contextmanager
-def signals_interrupt() -> Iterator[None]:
-    """While active (main thread only), SIGINT and SIGTERM raise :class:`Interrupted` in the main
-    thread, so a :func:`run_group` in progress ends its whole run before the launcher exits."""
-
-    def stop(signum: int, _frame: object) -> None:
-        for sig in INTERRUPT_SIGNALS:  # a second signal must not cut the clean-up short
-            signal.signal(sig, signal.SIG_IGN)
-        raise Interrupted(signum)
-
-    saved = {sig: signal.signal(sig, stop) for sig in INTERRUPT_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def _state(pid: int) -> tuple[str, int, int] | None:

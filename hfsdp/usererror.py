@@ -17,20 +17,32 @@ output into a pipe whose reader has gone (``planner | head -1``) stops the tool 
 status 141 (128 + SIGPIPE, what a shell reports for ``seq 100000 | head -1``: coreutils die of
 SIGPIPE, which Python ignores and turns into ``BrokenPipeError``); stdout is pointed at
 ``/dev/null`` first, as Python's documentation on SIGPIPE advises, so that the flush at exit
-does not fail once more. Ctrl-C prints ``<prog>: interrupted`` and exits 130 (128 + SIGINT).
-Neither prints a traceback unless ``HFSDP_DEBUG=1``. Each tool parses its arguments inside
-``run_cli``, so ``--help | head`` is covered too.
+does not fail once more. Each tool parses its arguments inside ``run_cli``, so ``--help | head``
+is covered too.
+
+[Note: interrupts] While ``run_cli`` runs a tool (in the main thread), SIGINT and SIGTERM raise
+:class:`Interrupted` where the tool is, instead of Python's KeyboardInterrupt or its silent death
+on SIGTERM. Our launchers start torchrun in a session of its own (hfsdp/proc.py), so neither a
+Ctrl-C in the terminal nor a SIGTERM (``timeout``, ``scancel``, a Slurm time limit) reaches the
+run's processes: the exception unwinds through :func:`hfsdp.proc.run_group`, which ends its run
+on the way out, and through every ``finally`` of a writer. Then one line,
+``<prog>: interrupted by SIGTERM; <what became of the work>``, and exit status 128 + the signal's
+number (130, 143). Once one signal arrived, further ones are ignored, so that ending the run is
+not cut short. A KeyboardInterrupt raised otherwise reads ``<prog>: interrupted`` (130). Neither
+prints a traceback unless ``HFSDP_DEBUG=1``.
 
 Standard library only: ``hfsdp.patchset`` runs inside pip's isolated build environment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -177,18 +189,65 @@ def _silence_closed_pipe() -> None:
         os.close(devnull)
 
 
-def run_cli(prog: str, main: Callable[[], int | None]) -> int:
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the tool (inside :func:`signals_interrupt`). A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` swallows it on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {self.name}")
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """While active, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread (see the
+    note). Elsewhere than in the main thread, Python's own handling stays."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        for sig in INTERRUPT_SIGNALS:  # a second signal must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    saved = {sig: signal.signal(sig, stop) for sig in INTERRUPT_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def run_cli(prog: str, main: Callable[[], int | None], after: Callable[[], str] | None = None) -> int:
     """Call ``main``; a :class:`UserError` becomes the two-line message and exit status 2, a
-    closed output pipe status 141 and Ctrl-C status 130, each without a traceback (see the note)."""
+    closed output pipe status 141, and SIGINT or SIGTERM one line (ending in ``after()``, what
+    became of the work, when given) and 128 + the signal's number, each without a traceback
+    (see the notes)."""
+
+    def interrupted(what: str) -> None:
+        if debug_enabled():
+            traceback.print_exc()
+        print(f"{prog}: {what}" + (f"; {after()}" if after is not None else ""), file=sys.stderr, flush=True)
+
     try:
         try:
-            rc = int(main() or 0)
+            with signals_interrupt():
+                rc = int(main() or 0)
         except UserError as exc:
             rc = report(prog, exc)
+        except Interrupted as exc:
+            interrupted(f"interrupted by {exc.name}")
+            rc = 128 + exc.signum
         except KeyboardInterrupt:
-            if debug_enabled():
-                traceback.print_exc()
-            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+            interrupted("interrupted")
             rc = INTERRUPTED_EXIT
         finally:
             _flush_standard_streams()  # a closed pipe shows here, not at interpreter exit

@@ -35,13 +35,11 @@ from pathlib import Path
 from typing import IO
 
 from hfsdp.functional import golden, outdir
-from hfsdp.functional.interrupt import run_interruptible
 from hfsdp.functional.recipe import Recipe, load_recipe
 from hfsdp.functional.run_case import RESULT_MARK, output_dir_for
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, parse_assignments
-from hfsdp.proc import Interrupted
-from hfsdp.usererror import UserError, positive, run_cli
+from hfsdp.usererror import Interrupted, UserError, positive, run_cli
 
 ENVIRONMENT = "dev"
 STOP_GRACE_S = 60.0  # an interrupted case's time to end its run (run_case: stacks, SIGTERM, SIGKILL)
@@ -94,7 +92,7 @@ def ordered(cases: Sequence[Path]) -> list[list[Recipe]]:
 
 class Running:
     """The ``run_case`` processes of a batch, so that an interrupt ends them and starts no more
-    ([Note: interrupting the driver] in interrupt.py)."""
+    ([Note: interrupts] in hfsdp/usererror.py)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -258,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return (f"the running cases were ended (each one's log is beside its outputs) and no further case started; "
                 f"{len(outcomes)} case{'' if len(outcomes) == 1 else 's'} had finished")
 
-    return run_interruptible("functional.batch", lambda: run_cli("functional.batch", run), after)
+    return run_cli("functional.batch", run, after)
 
 
 if __name__ == "__main__":

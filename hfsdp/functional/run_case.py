@@ -44,11 +44,10 @@ from pathlib import Path
 from hfsdp import proc
 from hfsdp.atomic import write_json_atomic
 from hfsdp.functional import golden, logparse, outdir
-from hfsdp.functional.interrupt import run_interruptible
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
-from hfsdp.usererror import UserError, positive, run_cli
+from hfsdp.usererror import Interrupted, UserError, positive, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULT_MARK = "HFSDP-FUNCTIONAL RESULT"
@@ -517,9 +516,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="judge this existing log instead of launching (srun-per-GPU mode)")
     add_env_option(parser)
 
-    verdict: list[str] = []  # the verdict printed for an interrupted case, for run_interruptible's line
+    failed_verdict = False  # printed for an interrupted case: run_cli's line says so
 
     def run() -> int:
+        nonlocal failed_verdict
         ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         extra_env = parse_assignments(ns.env)
         recipe = load_recipe(ns.case_dir)
@@ -535,23 +535,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = run_case(ns.case_dir, launch=launch, record=ns.record, compare_to=ns.compare_to,
                               output_root=ns.output_dir, environment=ns.environment,
                               platform=ns.platform, evaluate_log=ns.evaluate_log, env=extra_env)
-        except proc.Interrupted as stop:
+        except Interrupted as stop:
             # Ctrl-C, a time limit, scancel, or srun ending the step after another node failed:
             # run_group ended the run's processes (hfsdp/proc.py); the case FAILs, and a job's
-            # summary reads this verdict line. run_interruptible then says so on stderr.
+            # summary reads this verdict line. run_cli then says so on stderr.
             print(f"  - {stop}: the run was ended (after SIGTERM its ranks' stacks are above, where they "
                   "caught the stack signal)")
             print(f"{RESULT_MARK} {recipe.model}/{recipe.name}: FAIL", flush=True)
-            verdict.append("FAIL")
+            failed_verdict = True
             raise
         for reason in result.reasons:
             print(f"  - {reason}")
         print(f"{RESULT_MARK} {result.case}: {result.status}", flush=True)
         return 0 if result.status == "PASS" else 1
 
-    return run_interruptible("run_case", lambda: run_cli("run_case", run),
-                             lambda: "the run's processes were ended, and the case FAILed" if verdict
-                             else "no case was run")
+    return run_cli("run_case", run, lambda: "the run's processes were ended, and the case FAILed"
+                   if failed_verdict else "no case was run")
 
 
 if __name__ == "__main__":

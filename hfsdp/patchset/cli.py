@@ -16,7 +16,7 @@ import errno
 import sys
 from pathlib import Path
 
-from hfsdp.usererror import debug_enabled, run_cli
+from hfsdp.usererror import run_cli
 
 from .check import check_against, check_base
 from .diff import local_diff, series_diff
@@ -247,12 +247,6 @@ def main(argv: list[str] | None = None) -> int:
             raise PatchsetError(f"{exc.strerror}{where}; nothing was left half-written",
                                 "make that path writable (or free space), then run the command again; "
                                 "`scripts/patchset status` lists anything a writer left to clean up") from exc
-        except KeyboardInterrupt:
-            if debug_enabled():
-                raise
-            # Said here rather than by run_cli: a patchset writer's interrupt also says what is left.
-            print("patchset: interrupted; nothing was left half-written\n"
-                  "  -> `scripts/patchset status` lists anything the next writing command cleans up", file=sys.stderr)
-            return 130
 
-    return run_cli("patchset", run)
+    return run_cli("patchset", run, lambda: "nothing was left half-written\n"
+                   "  -> `scripts/patchset status` lists anything the next writing command cleans up")

@@ -1,5 +1,5 @@
-"""Ctrl-C or SIGTERM of the functional driver ends its runs, then one sentence ([Note: interrupting
-the driver] in hfsdp/functional/interrupt.py). Each test starts a real torchrun of a trainer that
+"""Ctrl-C or SIGTERM of the functional driver ends its runs, then one sentence ([Note: interrupts]
+in hfsdp/usererror.py). Each test starts a real torchrun of a trainer that
 logs one step and sleeps, interrupts the driver alone, and checks that the trainer is gone too."""
 
 from __future__ import annotations

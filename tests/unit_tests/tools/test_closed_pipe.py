@@ -109,3 +109,58 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
     assert run() == 130
     err = capsys.readouterr().err
     assert "Traceback" in err and "in interrupted" in err and err.endswith("tool: interrupted\n")
+
+
+@pytest.mark.parametrize("signum", [2, 15])  # SIGINT, SIGTERM
+def test_a_signal_is_one_line_with_what_became_of_the_work(monkeypatch, capsys, signum):
+    import signal
+
+    monkeypatch.delenv("HFSDP_DEBUG", raising=False)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def signalled() -> int:
+        os.kill(os.getpid(), signum)
+        pytest.fail("the signal did not interrupt the tool")
+
+    assert run_cli("tool", signalled, lambda: "nothing was written") == 128 + signum
+    name = signal.Signals(signum).name
+    assert capsys.readouterr().err == f"tool: interrupted by {name}; nothing was written\n"
+    assert {sig: signal.getsignal(sig) for sig in before} == before  # the handlers are put back
+
+
+def test_sigterm_to_a_launcher_ends_its_run(tmp_path):
+    """A launcher's run has a session of its own, which a SIGTERM to the launcher (a Slurm time
+    limit, scancel, timeout) does not reach: under run_cli, run_group ends the run first."""
+    import signal
+    import time
+
+    pidfile = tmp_path / "run.pid"
+    launcher = (
+        "import sys\n"
+        "from hfsdp.proc import run_group\n"
+        "from hfsdp.usererror import run_cli\n"
+        f"child = [sys.executable, '-c', \"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
+        "time.sleep(300)\"]\n"
+        "sys.exit(run_cli('launcher', lambda: run_group(child, timeout_s=600).returncode,\n"
+        "                 lambda: 'its run was ended'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
+    proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=REPO_ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.is_file() and pidfile.read_text()) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        child = int(pidfile.read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "launcher: interrupted by SIGTERM; its run was ended", err
+    gone = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < gone:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists(), f"the run ({child}) outlived its launcher"
