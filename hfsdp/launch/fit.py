@@ -50,23 +50,22 @@ def data_parallel_size(flags: Sequence[str], world_size: int) -> int:
 def rank_memory(flags: Sequence[str], world_size: int, environ: Mapping[str, str] | None = None) -> RankMemory:
     """One rank's planned memory for pretrain ``flags`` at ``world_size`` ranks (CPU only).
 
-    ``environ``: the launched job's environment, which Megatron's argument checks read (e.g.
-    ``--deterministic-mode`` asks for ``NCCL_ALGO``); it applies during the parse only.
+    ``environ``: the launched job's environment, which Megatron's argument checks (e.g.
+    ``--deterministic-mode`` asks for ``NCCL_ALGO``) and the unit list
+    (``$HFSDP_FSDP_UNIT_MODULES``) read; it applies during the parse and the plan only.
 
     The model is planned with local layer specs: Transformer Engine's give each unit the same
-    parameters. Pools: the lane plan with ``--megatron-fsdp-max-pool-lanes`` 3 or more, else the
-    max-pool plan (also what two live unsharded units take without double buffering).
+    parameters. Pools: the lanes training holds (``--megatron-fsdp-max-pool-lanes`` 3 or more with
+    the max-pool double buffer), else the max-pool plan (also what two live unsharded units take
+    without double buffering).
     """
     from hfsdp.planner import cli, setup
 
-    lanes = _flag(flags, "--megatron-fsdp-max-pool-lanes", "2")
-    lane_count = int(lanes) if lanes.isdigit() and int(lanes) >= 3 else None
     with mock.patch.dict(os.environ, dict(environ or {})):
         args = setup.parse([*flags, "--transformer-impl", "local",
-                            "--plan-dp-size", str(data_parallel_size(flags, world_size)),
-                            *(["--plan-lanes", str(lane_count)] if lane_count else [])])
-    layout, results = cli.plan_from_args(args)
-    return planned_memory(args, layout, results, lane_count)
+                            "--plan-dp-size", str(data_parallel_size(flags, world_size))])
+        layout, results = cli.plan_from_args(args)
+    return planned_memory(args, layout, results, cli.training_lanes(args))
 
 
 def check_fits(memory: RankMemory, ranks_per_gpu: int, gpu_bytes: int) -> str:
@@ -108,7 +107,8 @@ def preflight(placement: Placement, flags: Sequence[str] | None, gpus: Sequence[
     ``environ``: the job's environment (:func:`rank_memory`)."""
     if not placement.shared:
         return None
-    gpus = gpu_memory() if gpus is None else list(gpus)
+    if gpus is None:  # the GPUs the job's ranks will see (its CUDA_VISIBLE_DEVICES)
+        gpus = gpu_memory(env=None if environ is None else {**os.environ, **environ})
     check_gpus(placement, len(gpus))
     if flags is None:
         return f"{placement.ranks_per_gpu} ranks per GPU on {placement.gpus} GPU(s); no model to plan memory for"

@@ -185,6 +185,29 @@ def test_the_plan_reads_the_jobs_environment(monkeypatch):
     assert "NCCL_ALGO" not in os.environ
 
 
+def test_the_plan_takes_the_jobs_unit_list(monkeypatch):
+    """$HFSDP_FSDP_UNIT_MODULES of the job (a recipe's ENV_VARS, --env), not the launcher's, names
+    the units the plan has: the plan once read the launcher's."""
+    from hfsdp.training import fsdp_units
+
+    monkeypatch.setenv(fsdp_units.ENV, "none")  # the launcher's: would leave the model no unit
+    job = {fsdp_units.ENV: "MambaLayer,MoETransformerLayer,TransformerLayer"}
+    assert fit.rank_memory(DEFAULT_MODEL_FLAGS, 2, job).pools > 0
+    monkeypatch.delenv(fsdp_units.ENV)
+    with pytest.raises(UserError, match="no FSDP unit"):
+        fit.rank_memory(DEFAULT_MODEL_FLAGS, 2, {fsdp_units.ENV: "none"})
+
+
+def test_lanes_are_planned_as_training_holds_them():
+    """The plan takes its lanes from training's rule (the planner's training_lanes): lanes with the
+    max-pool double buffer, and lanes without it refused in training's sentence."""
+    lanes = ["--megatron-fsdp-max-pool-lanes", "3"]
+    maxpool = [*DEFAULT_MODEL_FLAGS, "--fsdp-double-buffer", "--megatron-fsdp-max-pool-double-buffer"]
+    assert fit.rank_memory([*maxpool, *lanes], 2).pools < fit.rank_memory(maxpool, 2).pools
+    with pytest.raises(UserError, match="--megatron-fsdp-max-pool-lanes 3 needs --megatron-fsdp-max-pool-double"):
+        fit.rank_memory([*DEFAULT_MODEL_FLAGS, *lanes], 2)
+
+
 @pytest.mark.parametrize("value", ["auto", "AUTO"])
 def test_auto_is_named_where_only_a_count_is_taken(value, capsys):
     import argparse
