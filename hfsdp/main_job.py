@@ -261,7 +261,7 @@ def rehearse(base: Sequence[str], steps: int, graphed: bool, workdir: str) -> Re
             return out
         try:
             reports[name] = run_report.read(report, REHEARSAL_NPROC)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError) as exc:  # read() names a file that is not a report
             out.failed = f"the {name} run left no complete run report ({exc})"
             return out
         losses[name] = logparse.parse_file(log).get("lm loss", {})

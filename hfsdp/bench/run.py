@@ -319,24 +319,20 @@ def _main(argv: Sequence[str]) -> int:
                                                               else [], extra))
     check_counted_flags(flags)
     wanted = wanted_configs(opts.configs)
-    te_wanted = [n for n in wanted if n in cfgs.CONFIGS and cfgs.CONFIGS[n].spec == "te"]
+    te_wanted = [n for n in wanted if cfgs.CONFIGS[n].spec == "te"]
     if te_wanted and not opts.from_logs and not requirements.importable("transformer_engine"):
         raise UserError(f"{', '.join(te_wanted)} need Transformer Engine, which is not importable here",
                         f"install the TE extra, "
                         f"{extras.install_hint(extras.te_extra(requirements.torch_cuda_version()))}, "
                         "or drop the te_* configurations from --configs")
-    graphed = [n for n in wanted if n in cfgs.CONFIGS and cfgs.CONFIGS[n].graphed]
+    graphed = [n for n in wanted if cfgs.CONFIGS[n].graphed]
     if graphed and profiling(opts):
-        print(f"error: {', '.join(graphed)} run under a CUDA graph inside pretrain; the profiling "
-              "passes (--profile-dir, --pyprofile-dir, --memory-trace-dir) use the bench worker "
-              "and cannot time them. Drop those configurations or the profiling option.",
-              file=sys.stderr)
-        return 2
+        raise UserError(f"{', '.join(graphed)} run under a CUDA graph inside pretrain, which the profiling "
+                        "passes (--profile-dir, --pyprofile-dir, --memory-trace-dir) cannot time: they use "
+                        "the bench worker", "drop those configurations or the profiling option")
     if graphed and opts.warmup_steps < cfgs.GRAPH_WARMUP_STEPS + 2:
-        print(f"error: --warmup-steps {opts.warmup_steps} would time the eager warm-up or the "
-              f"capture step of {', '.join(graphed)}; use at least {cfgs.GRAPH_WARMUP_STEPS + 2}.",
-              file=sys.stderr)
-        return 2
+        raise UserError(f"--warmup-steps {opts.warmup_steps} would time the eager warm-up or the capture step "
+                        f"of {', '.join(graphed)}", f"give --warmup-steps {cfgs.GRAPH_WARMUP_STEPS + 2} or more")
     shared = opts.ranks_per_gpu > 1
     check_paths(opts, shared)
     if shared and (opts.profile_dir or opts.pyprofile_dir):
@@ -389,7 +385,7 @@ def _main(argv: Sequence[str]) -> int:
         "repeats": opts.repeats, "warmup_steps": opts.warmup_steps,
         "timed_steps": opts.timed_steps, "order": order, "skipped": skipped,
         "failures": failures, "primed": primed, "env": opts.env, "from_logs": opts.from_logs,
-        "configs": {n: cfgs.CONFIGS[n].description for n in wanted if n in cfgs.CONFIGS},
+        "configs": {n: cfgs.CONFIGS[n].description for n in wanted},
         # The runs' own machine (their reports); profiling runs report none: this process's torch.
         "torch": _torch_version(), **res.machine(runs),
         "optional_packages": requirements.installed_versions(),  # the runs inherit this environment

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hfsdp.slurm.scontrol import JobInfo, show_job
 from hfsdp.slurm.submit import MANIFEST, load_manifest
-from hfsdp.usererror import UserError, run_cli
+from hfsdp.usererror import UserError, positive, run_cli
 
 STILL_RUNNING = 3  # 2 is every tool's "bad input" status (hfsdp/usererror.py)
 # Job output lines. ``srun --label`` puts "<task>: " before each line of a task (the node's index
@@ -69,11 +69,6 @@ def read_output(stdout: str | None) -> JobOutput:
     return JobOutput(verdicts, reasons, first, stopped)
 
 
-def driver_result(stdout: str | None) -> str | None:
-    """The drivers' verdict in a job's output file: FAIL if any failed (see JobOutput.verdict)."""
-    return read_output(stdout).verdict
-
-
 def cause(info: JobInfo, out: JobOutput) -> str:
     """Why a finished job failed, in a few words: the time limit, the node where it began, the
     drivers' first reason; Slurm's own Reason if the output says nothing."""
@@ -116,21 +111,10 @@ def summarize(log_dir: Path) -> list[CaseStatus]:
     return [judge(e, show_job(e["job_id"])) for e in submitted]
 
 
-def _seconds(text: str) -> float:
-    """argparse ``type=``: a number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="summary", description=__doc__.split("\n")[0])
     parser.add_argument("--log-dir", type=Path, required=True)
-    parser.add_argument("--wait", type=_seconds, default=0.0, help="poll until done, up to N s")
+    parser.add_argument("--wait", type=positive(float, zero=True), default=0.0, help="poll until done, up to N s")
 
     def run() -> int:
         ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly

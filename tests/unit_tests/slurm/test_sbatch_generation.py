@@ -239,7 +239,7 @@ def test_one_failing_node_fails_the_case_whatever_the_order(tmp_path: Path) -> N
     """Every node's driver prints a verdict; the last line is not the verdict of the job."""
     out = tmp_path / "job.out"
     out.write_text("1: HFSDP-FUNCTIONAL RESULT smoke/x: FAIL\n0: HFSDP-FUNCTIONAL RESULT smoke/x: PASS\n")
-    assert summary.driver_result(str(out)) == "FAIL"
+    assert summary.read_output(str(out)).verdict == "FAIL"
 
 
 def test_local_cluster_conf_has_one_slurmd_per_node_on_loopback(tmp_path: Path) -> None:
