@@ -81,26 +81,19 @@ def one_logger_flags(flags: Sequence[str]) -> list[str]:
 
 def capture_problems(flags: Sequence[str], nproc: int) -> list[str]:
     """Why ``flags`` + full-iteration graphs cannot be captured (Megatron's own parse, CPU)."""
-    import argparse
-    import contextlib
-    import io
     from unittest import mock
 
-    import megatron.training.arguments as margs
+    from hfsdp.training.entry import megatron_parser
     from megatron.training.cuda_graph_checks import cuda_graph_arg_problems
 
     # Megatron's parser reads the launcher's WORLD_SIZE and RANK for some defaults; give them
     # for this parse only, where the caller has not, so the job's own environment stays as it was.
     launch = {k: v for k, v in (("WORLD_SIZE", str(nproc)), ("RANK", "0")) if k not in os.environ}
-    parser = margs.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    said = io.StringIO()
     try:
-        with mock.patch.dict(os.environ, launch), contextlib.redirect_stderr(said):
-            args = parser.parse_args([*flags, *GRAPH_FLAGS])
-    except SystemExit as exc:  # argparse refused the flags; its reason is the last line it wrote
-        why = (said.getvalue().strip().splitlines() or ["no reason given"])[-1].split(": error: ", 1)[-1]
-        raise UserError(f"Megatron's parser refuses the job's flags: {why}",
-                        "fix the extra flags; `python pretrain_hybrid.py --help` lists every flag") from exc
+        with mock.patch.dict(os.environ, launch):
+            args = megatron_parser().parse_args([*flags, *GRAPH_FLAGS])  # a bad flag: one sentence
+    except UserError as exc:
+        raise UserError(f"Megatron's parser refuses the job's flags: {exc.cause}", exc.fix) from exc
     args.world_size = nproc  # Megatron's parse_args sets it from WORLD_SIZE; the bare parser does not
     return cuda_graph_arg_problems(args, run_env(os.environ, nproc, flags))
 
