@@ -114,15 +114,15 @@ def megatron_validator(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Callabl
     """``make(base_flags, world_size)`` -> ``run(extra_flags)``: the args after Megatron's own
     ``parse_args`` + ``validate_args``, on a CPU box (this process is rank 0 of ``world_size``)."""
     import megatron.training.arguments as arguments
+    from hfsdp.training.assumed_device import assumed_device
 
     def make(base: Sequence[str], world_size: int) -> Callable[[list[str]], Any]:
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-        # validate_args queries the GPU arch late; pretend Hopper on a CPU box.
-        monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
 
         def run(extra: list[str]) -> Any:
             args = _parse_megatron_args(monkeypatch, [*base, *extra], world_size)
-            arguments.validate_args(args, {})
+            with assumed_device():  # validate_args asks for the GPU; the entry's assumed one answers
+                arguments.validate_args(args, {})
             return args
 
         return run
