@@ -124,6 +124,7 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> Digest | None:
         except Exception:  # before argument parsing: nothing to record yet
             return -1
         # curr_iteration counts completed steps; the log's "iteration N" is the N-th (1-based).
+        # Not a flag: pretrain() sets it only after model setup (the bench worker never), so it may be absent.
         it = getattr(args, "curr_iteration", None)
         return 0 if it is None else int(it) + 1
 

@@ -149,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         loss_dict = train_step(forward_step.forward_step, data, model, optimizer, scheduler,
                                config, fwd_bwd, iteration=it)[0]
         torch.cuda.synchronize()
-        if it == 0 and getattr(args, "nccl_ub", False) and getattr(
-                args, "fsdp_manual_registration", False):
+        if it == 0 and args.nccl_ub and args.fsdp_manual_registration:
             # train() registers FSDP buffers once, after the first iteration; do the same.
             for chunk in model:
                 buf = getattr(chunk, "param_and_grad_buffer", None)

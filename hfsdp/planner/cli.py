@@ -73,8 +73,8 @@ TRAINING_LANES_SETTING = "megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool
 
 def training_lanes(args: Any) -> int | None:
     """The lane count training's max-pool allocators hold for these flags, when above the shared 2."""
-    lanes = getattr(args, "megatron_fsdp_max_pool_lanes", 2)
-    return lanes if getattr(args, "megatron_fsdp_max_pool_double_buffer", False) and lanes > 2 else None
+    lanes = args.megatron_fsdp_max_pool_lanes
+    return lanes if args.megatron_fsdp_max_pool_double_buffer and lanes > 2 else None
 
 
 def lanes_to_plan(args: Any) -> tuple[int, ...] | None:

@@ -54,10 +54,9 @@ def grad_dtypes(args: Any) -> tuple[Any, Any]:
     """(main_grads_dtype, grad_comm_dtype) as the Megatron-FSDP adapter derives them."""
     import torch
 
-    if getattr(args, "accumulate_allreduce_grads_in_fp32", False):
+    if args.accumulate_allreduce_grads_in_fp32:
         return torch.float32, torch.float32
-    return (getattr(args, "megatron_fsdp_main_grads_dtype", None),
-            getattr(args, "megatron_fsdp_grad_comm_dtype", None))
+    return args.megatron_fsdp_main_grads_dtype, args.megatron_fsdp_grad_comm_dtype
 
 
 def planned_memory(args: Any, layout: Any, results: list[dict[str, Any]], lane_count: int | None) -> RankMemory:
@@ -71,11 +70,11 @@ def planned_memory(args: Any, layout: Any, results: list[dict[str, Any]], lane_c
     shard_grads = strategy in ("optim_grads", "optim_grads_params")
     main_grads_dtype = grad_dtypes(args)[0]
     memory = dict.fromkeys(("weights", "main_params", "main_grads", "optimizer"), 0)
-    moments = _MOMENTS.get(str(getattr(args, "optimizer", "adam")), 2)
+    moments = _MOMENTS.get(str(args.optimizer), 2)
     for b in layout.buckets:
         shard = b.numel // b.dp_size if b.dp_size > 1 else b.numel
         param_size = _itemsize(b.dtype, 2)
-        main_size = _itemsize(getattr(args, "megatron_fsdp_main_params_dtype", None), param_size)
+        main_size = _itemsize(args.megatron_fsdp_main_params_dtype, param_size)
         memory["weights"] += (shard if shard_weights else b.numel) * param_size
         if not b.requires_grad:
             continue

@@ -73,11 +73,10 @@ def replaced_defaults(user: Sequence[str]) -> list[str]:
 
 def describe_model(args: argparse.Namespace) -> str:
     """The model in a few words: its layers, hidden size and experts (what the flags give)."""
-    pattern = getattr(args, "hybrid_layer_pattern", None)
-    parts = [f"hybrid layers {pattern}" if pattern else
-             f"{args.num_layers} layers" if getattr(args, "num_layers", None) else "",
-             f"hidden size {args.hidden_size}" if getattr(args, "hidden_size", None) else "",
-             f"{args.num_experts} experts" if getattr(args, "num_experts", None) else ""]
+    pattern = args.hybrid_layer_pattern
+    parts = [f"hybrid layers {pattern}" if pattern else f"{args.num_layers} layers" if args.num_layers else "",
+             f"hidden size {args.hidden_size}" if args.hidden_size else "",
+             f"{args.num_experts} experts" if args.num_experts else ""]
     return ", ".join(p for p in parts if p) or "no layers given"
 
 
@@ -124,10 +123,10 @@ def check_model(args: argparse.Namespace) -> None:
     if args.hidden_size and args.num_attention_heads and args.hidden_size % args.num_attention_heads:
         raise UserError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
                         f"{args.num_attention_heads}, so the heads cannot split it", FIX)
-    experts, topk = getattr(args, "num_experts", None), getattr(args, "moe_router_topk", None)
+    experts, topk = args.num_experts, args.moe_router_topk
     if experts and topk and topk > experts:
         raise UserError(f"--moe-router-topk {topk} is larger than --num-experts {experts}", FIX)
-    pattern = getattr(args, "hybrid_layer_pattern", None)
+    pattern = args.hybrid_layer_pattern
     if pattern is not None:
         from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 
@@ -229,7 +228,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         core_transformer_config_from_args(args)  # TransformerConfig's own checks, before any build
     except (AssertionError, ValueError) as exc:
         raise rejection(exc, "Megatron rejects these flags", FIX) from exc
-    if getattr(args, "padded_vocab_size", None) is None:
+    if args.padded_vocab_size is None:
         args.padded_vocab_size = padded_vocab_size(args)
     # A token dispatcher owns no parameters, and the alltoall one creates a CUDA stream when it
     # is built: plan with the allgather one, which builds anywhere and gives the same plan.

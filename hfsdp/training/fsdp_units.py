@@ -194,17 +194,16 @@ def units_per_chunk(args: Any, value: str | None) -> dict[str, int] | None:
     one chunk), with unit list ``value`` (as ``HFSDP_FSDP_UNIT_MODULES``); None when the flags
     do not tell ([Note: FSDP units from the flags])."""
     which = _unit_layers(value, args.data_parallel_sharding_strategy)
-    if which is None or getattr(args, "pipeline_model_parallel_layout", None) is not None \
-            or getattr(args, "heterogeneous_layers_config_path", None) \
-            or getattr(args, "heterogeneous_layers_config_encoded_json", None) or getattr(args, "spec", None):
+    if which is None or args.pipeline_model_parallel_layout is not None or args.heterogeneous_layers_config_path \
+            or args.heterogeneous_layers_config_encoded_json or args.spec:
         return None
-    if getattr(args, "hybrid_layer_pattern", None):
+    if args.hybrid_layer_pattern:
         symbols = _hybrid_chunks(args)
         mtp = bool(args.mtp_num_layers) or "/" in args.hybrid_layer_pattern
         counts = {label: (0 if which == "none" else len(layers) if which == "all"
                           else sum(s != MAMBA for s in layers)) for label, layers in symbols.items()}
     else:
-        mtp = bool(getattr(args, "mtp_num_layers", None))
+        mtp = bool(args.mtp_num_layers)
         counts = {label: 0 if which == "none" else n for label, n in _gpt_chunks(args).items()}
     if mtp:  # the last chunk also holds the multi-token-prediction layers, units of their own
         counts.pop(list(counts)[-1])
@@ -217,8 +216,8 @@ def lanes_problem(args: Any, value: str | None) -> str | None:
     from the flags, with the chunk named when the model has several."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan import SHARED_LANES, lanes_units_problem
 
-    lanes = getattr(args, "megatron_fsdp_max_pool_lanes", SHARED_LANES)
-    if not getattr(args, "megatron_fsdp_max_pool_double_buffer", False) or lanes <= SHARED_LANES:
+    lanes = args.megatron_fsdp_max_pool_lanes
+    if not args.megatron_fsdp_max_pool_double_buffer or lanes <= SHARED_LANES:
         return None
     if _unit_layers(value, args.data_parallel_sharding_strategy) == "none":
         return None  # no unit classes: no double-buffer pools are built

@@ -78,12 +78,12 @@ class Need:
 def te_flags(args: Namespace) -> list[tuple[str, str]]:
     """(flag as the user would write it, how to do without it) for every flag needing TE."""
     flags: list[tuple[str, str]] = []
-    if getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine":
+    if args.transformer_impl == "transformer_engine":
         flags.append(("--transformer-impl transformer_engine",
                       "pass --transformer-impl local (the local, non-TE layer specs)"))
-        if getattr(args, "moe_grouped_gemm", False) and getattr(args, "num_experts", None):
+        if args.moe_grouped_gemm and args.num_experts:
             flags.append(("--moe-grouped-gemm", "drop --moe-grouped-gemm"))
-    if getattr(args, "cuda_graph_impl", "none") == "transformer_engine":
+    if args.cuda_graph_impl == "transformer_engine":
         flags.append(("--cuda-graph-impl transformer_engine",
                       "pass --cuda-graph-impl full_iteration (or none)"))
     for dest, flag in (("fp8", "--fp8-format"), ("fp4", "--fp4-format")):
@@ -94,7 +94,7 @@ def te_flags(args: Namespace) -> list[tuple[str, str]]:
                        ("moe_router_fusion", "--moe-router-fusion")):
         if getattr(args, dest, False):
             flags.append((flag, f"drop {flag}"))
-    if getattr(args, "position_embedding_type", None) == "rope" and getattr(args, "apply_rope_fusion", True):
+    if args.position_embedding_type == "rope" and args.apply_rope_fusion:
         flags.append(("--position-embedding-type rope (rope fusion is on unless --no-rope-fusion)",
                       "pass --no-rope-fusion"))
     return flags
@@ -109,10 +109,10 @@ def needs(args: Namespace) -> list[Need]:
     out = []
     if te := te_flags(args):
         out.append(Need("transformer_engine", _and([f for f, _ in te]), _and([a for _, a in te])))
-    if MAMBA_SYMBOL in (getattr(args, "hybrid_layer_pattern", None) or ""):
+    if MAMBA_SYMBOL in (args.hybrid_layer_pattern or ""):
         out.append(Need("mamba_ssm", "Mamba layers ('M' in --hybrid-layer-pattern)",
                         "use a --hybrid-layer-pattern without 'M'"))
-        if getattr(args, "use_mamba_mem_eff_path", True):
+        if args.use_mamba_mem_eff_path:
             out.append(Need("causal_conv1d",
                             "Mamba's fused path (use_mamba_mem_eff_path, on unless "
                             "--disable-mamba-mem-eff-path)",

@@ -33,7 +33,7 @@ def resolve_family(args: Namespace, forced: str | None = None) -> Family:
 
     A forced family must be consistent with the args (hybrid needs a layer pattern).
     """
-    pattern = getattr(args, "hybrid_layer_pattern", None)
+    pattern = args.hybrid_layer_pattern
     if forced is not None:
         if forced not in FAMILIES:
             raise SpecError(f"unknown model family {forced!r}; expected one of {FAMILIES}")
@@ -50,7 +50,7 @@ def resolve_family(args: Namespace, forced: str | None = None) -> Family:
     if pattern:
         check_hybrid_pattern(args)
         return "hybrid"
-    if getattr(args, "num_experts", None):
+    if args.num_experts:
         return "moe"
     return "gpt"
 
@@ -62,13 +62,13 @@ def check_hybrid_pattern(args: Namespace) -> None:
     and the memory planner both ask this (through :func:`resolve_family`)."""
     from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 
-    pattern = getattr(args, "hybrid_layer_pattern", None) or ""
+    pattern = args.hybrid_layer_pattern or ""
     te_only = sorted({Symbols.GDN, Symbols.DS_ATTENTION} & set(pattern))
-    if te_only and getattr(args, "transformer_impl", "transformer_engine") == "local":
+    if te_only and args.transformer_impl == "local":
         raise SpecError(f"--hybrid-layer-pattern {pattern!r} has {' and '.join(te_only)} layers (Gated DeltaNet, "
                         "DeepSeek sparse attention), which --transformer-impl local has no layers for; use "
                         f"--transformer-impl transformer_engine, or drop {' and '.join(te_only)} from the pattern")
-    if Symbols.MOE in pattern and not getattr(args, "num_experts", None):
+    if Symbols.MOE in pattern and not args.num_experts:
         raise SpecError(f"--hybrid-layer-pattern {pattern!r} has MoE layers ({Symbols.MOE}) but no --num-experts "
                         f"says how many experts each holds; add --num-experts N, or drop {Symbols.MOE} from the "
                         "pattern")
@@ -76,7 +76,7 @@ def check_hybrid_pattern(args: Namespace) -> None:
 
 def use_transformer_engine(args: Namespace) -> bool:
     """Whether args ask for TE specs; raises :class:`SpecError` if TE is asked for but missing."""
-    impl = getattr(args, "transformer_impl", "transformer_engine")
+    impl = args.transformer_impl
     if impl == "transformer_engine":
         if not requirements.importable("transformer_engine"):
             need = next(n for n in requirements.needs(args) if n.package == "transformer_engine")
@@ -94,7 +94,7 @@ def _import_attr(module: str, attr: str) -> Any:
 
 def custom_spec(args: Namespace) -> Any | None:
     """Spec named by upstream's ``--spec <module> <function-or-attr>``, if given."""
-    spec_arg = getattr(args, "spec", None)
+    spec_arg = args.spec
     if not spec_arg:
         return None
     if len(spec_arg) != 2:
@@ -111,13 +111,13 @@ def gpt_layer_spec(args: Namespace, config: Any, vp_stage: int | None = None) ->
     if override is not None:
         return override
     te = use_transformer_engine(args)
-    if getattr(args, "num_experts", None):
+    if args.num_experts:
         # The block spec honours --moe-layer-freq (dense/MoE interleaving) and PP slicing.
         return specs.get_gpt_decoder_block_spec(
             config,
             use_transformer_engine=te,
             normalization=args.normalization,
-            qk_l2_norm=getattr(args, "qk_l2_norm", False),
+            qk_l2_norm=args.qk_l2_norm,
             vp_stage=vp_stage,
         )
     common = dict(
@@ -125,7 +125,7 @@ def gpt_layer_spec(args: Namespace, config: Any, vp_stage: int | None = None) ->
         moe_grouped_gemm=False,
         qk_layernorm=args.qk_layernorm,
         multi_latent_attention=args.multi_latent_attention,
-        qk_l2_norm=getattr(args, "qk_l2_norm", False),
+        qk_l2_norm=args.qk_l2_norm,
     )
     if te:
         return specs.get_gpt_layer_with_transformer_engine_spec(**common)
@@ -135,7 +135,7 @@ def gpt_layer_spec(args: Namespace, config: Any, vp_stage: int | None = None) ->
 def gpt_mtp_block_spec(args: Namespace, config: Any, layer_spec: Any,
                        vp_stage: int | None = None) -> Any | None:
     """Multi-token-prediction block spec when ``--mtp-num-layers`` is set."""
-    if not getattr(args, "mtp_num_layers", None):
+    if not args.mtp_num_layers:
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -157,14 +156,14 @@ def test_mock_dataset_provider_builds_on_cpu() -> None:
     assert "DATA" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_family_resolution() -> None:
+def test_family_resolution(megatron_args) -> None:
     from hfsdp.training.specs import SpecError, resolve_family
 
-    assert resolve_family(Namespace(hybrid_layer_pattern=None, num_experts=None)) == "gpt"
-    assert resolve_family(Namespace(hybrid_layer_pattern=None, num_experts=8)) == "moe"
-    assert resolve_family(Namespace(hybrid_layer_pattern="M*", num_experts=8)) == "hybrid"
+    assert resolve_family(megatron_args()) == "gpt"
+    assert resolve_family(megatron_args(["--num-experts", "8"])) == "moe"
+    assert resolve_family(megatron_args(["--hybrid-layer-pattern", "M*", "--num-experts", "8"])) == "hybrid"
     with pytest.raises(SpecError, match="--hybrid-layer-pattern"):
-        resolve_family(Namespace(hybrid_layer_pattern=None, num_experts=None), forced="hybrid")
+        resolve_family(megatron_args(), forced="hybrid")
 
 
 FORK_FLAGS = {"--megatron-fsdp-max-pool-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail",
