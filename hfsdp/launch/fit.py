@@ -60,12 +60,13 @@ def rank_memory(flags: Sequence[str], world_size: int, environ: Mapping[str, str
     without double buffering).
     """
     from hfsdp.planner import cli, setup
+    from hfsdp.training import fsdp_units
 
     with mock.patch.dict(os.environ, dict(environ or {})):
         args = setup.parse([*flags, "--transformer-impl", "local",
                             "--plan-dp-size", str(data_parallel_size(flags, world_size))])
         layout, results = cli.plan_from_args(args)
-    return planned_memory(args, layout, results, cli.training_lanes(args))
+    return planned_memory(args, layout, results, fsdp_units.training_lanes(args))
 
 
 def check_fits(memory: RankMemory, ranks_per_gpu: int, gpu_bytes: int) -> str:

@@ -71,16 +71,10 @@ def resolve_unit_classes(value: str | None, strategy: str = "optim_grads_params"
 TRAINING_LANES_SETTING = "megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes)"  # as LaneMaxPool says it
 
 
-def training_lanes(args: Any) -> int | None:
-    """The lane count training's max-pool allocators hold for these flags, when above the shared 2."""
-    lanes = args.megatron_fsdp_max_pool_lanes
-    return lanes if args.megatron_fsdp_max_pool_double_buffer and lanes > 2 else None
-
-
 def lanes_to_plan(args: Any) -> tuple[int, ...] | None:
     """``--plan-lanes`` and the lanes training would hold (``--megatron-fsdp-max-pool-lanes``);
     None: the default (:data:`report.DEFAULT_LANES`)."""
-    training = training_lanes(args)
+    training = fsdp_units.training_lanes(args)
     if args.plan_lanes is None:
         return None if training is None else (training,)
     return tuple(dict.fromkeys([*args.plan_lanes, *([training] if training else [])]))
@@ -131,7 +125,7 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
                 else "it names no unit class")
         raise UserError(f"{source} {value!r} gives the model no FSDP unit ({what}), so there is no double "
                         "buffer to plan", NO_UNITS_FIX)
-    lanes = training_lanes(args)
+    lanes = fsdp_units.training_lanes(args)
     if lanes is not None and (problem := report.lanes_units_problem(lay, lanes, TRAINING_LANES_SETTING)):
         raise UserError(problem, f"give --megatron-fsdp-max-pool-lanes between 3 and {len(lay.units)}, "
                                  "or leave it at 2 (the shared pool)")
@@ -148,7 +142,7 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
 def check_fits(args: Any, lay: layout_mod.Layout, results: list[dict[str, Any]]) -> str | None:
     """Refuse a plan no GPU can hold; the warning to print when a rank's whole memory exceeds the
     largest GPU at this data-parallel size (None when it does not). See [Note: cannot fit]."""
-    memory = planned_memory(args, lay, results, training_lanes(args))
+    memory = planned_memory(args, lay, results, fsdp_units.training_lanes(args))
     largest = f"the {LARGEST_GPU_BYTES / GIB:.0f} GiB of the largest GPU known ({LARGEST_GPU})"
     if memory.pools > LARGEST_GPU_BYTES:
         raise UserError(f"this model cannot fit any GPU: its double-buffer pools alone take "

@@ -210,14 +210,24 @@ def units_per_chunk(args: Any, value: str | None) -> dict[str, int] | None:
     return counts
 
 
+def training_lanes(args: Any) -> int | None:
+    """The lane count training's max-pool allocators hold for ``args``, when above the shared
+    pool's (None: the shared pool, or no max-pool double buffer). The one reading of the lanes flag
+    for the entry's check, the planner and the several-ranks-per-GPU memory check."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan import SHARED_LANES
+
+    lanes = args.megatron_fsdp_max_pool_lanes
+    return lanes if args.megatron_fsdp_max_pool_double_buffer and lanes > SHARED_LANES else None
+
+
 def lanes_problem(args: Any, value: str | None) -> str | None:
     """Why ``--megatron-fsdp-max-pool-lanes`` cannot serve a model chunk of ``args``, or None: the
     sentence the runtime gives when the buffer is built (maxpool_plan.lanes_units_problem), found
     from the flags, with the chunk named when the model has several."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan import SHARED_LANES, lanes_units_problem
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan import lanes_units_problem
 
-    lanes = args.megatron_fsdp_max_pool_lanes
-    if not args.megatron_fsdp_max_pool_double_buffer or lanes <= SHARED_LANES:
+    lanes = training_lanes(args)
+    if lanes is None:
         return None
     if _unit_layers(value, args.data_parallel_sharding_strategy) == "none":
         return None  # no unit classes: no double-buffer pools are built

@@ -199,7 +199,7 @@ def test_the_plan_takes_the_jobs_unit_list(monkeypatch):
 
 
 def test_lanes_are_planned_as_training_holds_them():
-    """The plan takes its lanes from training's rule (the planner's training_lanes): lanes with the
+    """The plan takes its lanes from training's rule (fsdp_units.training_lanes): lanes with the
     max-pool double buffer, and lanes without it refused in training's sentence."""
     lanes = ["--megatron-fsdp-max-pool-lanes", "3"]
     maxpool = [*DEFAULT_MODEL_FLAGS, "--fsdp-double-buffer", "--megatron-fsdp-max-pool-double-buffer"]
