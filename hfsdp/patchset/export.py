@@ -17,7 +17,7 @@
    those that the patch of the same name already creates in ``patches/`` (``lint`` names these,
    and a queue of such a series still round-trips unchanged);
 5. the rendered overlay and patches, applied to a fresh pristine base, give exactly the queue's
-   tree.
+   tree (not checked when ``patches/`` already holds them: nothing is written then).
 
 Then the new ``patches/`` (series and overlay included) is built beside the old one and swapped in
 with the guarded swap (guarded_swap.py), against a snapshot of ``patches/`` taken before any of it was read:
@@ -68,6 +68,7 @@ class ExportPlan:
     tree: str  # the queue's HEAD tree, which the overlay and the texts must reproduce
     overlay: Overlay
     series: str | None  # the new series file, or None to keep it as it is (same patches, same order)
+    already_there: bool = False  # patches/ holds exactly this already (:func:`holds`): export writes nothing
 
     def patches(self, patches_dir: Path) -> list[Patch]:
         return [parse_patch(name, text, patches_dir / name) for name, text in self.texts.items()]
@@ -217,8 +218,10 @@ def _refuse_changed_since(project: Project, repo: Path, then_series: list[list[s
 def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist: Path | None = None,
                 check_state: bool = True, keep: dict[str, str] | None = None) -> ExportPlan:
     """Steps 1-4 of the note, then step 5 (:func:`validate`): what ``repo`` exports to; raises before anything
-    is written. ``keep`` (refresh): patch name -> its diff as the queue was built; a patch whose diff is still
-    that keeps its file byte for byte, and ``series`` is kept when it lists the same patches."""
+    is written. With ``check_state`` (export), a plan that ``patches/`` already holds is returned as it is,
+    ``already_there``, without the rest of step 2 and step 5: it writes nothing. ``keep`` (refresh): patch
+    name -> its diff as the queue was built; a patch whose diff is still that keeps its file byte for byte,
+    and ``series`` is kept when it lists the same patches."""
     drop = tuple(patch_name(name, "--drop") for name in drop)
     repo = repo.absolute()
     base = _queue_base(repo)
@@ -285,8 +288,12 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
     same_series = keep is not None and list(texts) == list(old)
     series = None if same_series else SERIES_HEADER + "".join(f"{n}\n" for n in texts)
     plan = ExportPlan(texts, sorted(drop), gitops.tree_of(repo, "HEAD"), overlay, series)
-    if state is not None and not holds(project, plan):  # patches/ holding it already: a second export, or a
-        _refuse_changed_since(project, repo, state.series, state.overlay)  # killed one that wrote it
+    if check_state:  # export (refresh writes what it plans)
+        plan.already_there = holds(project, plan)  # a second export, or a killed one that wrote patches/
+        if plan.already_there:  # nothing will be written: nothing to undo (step 2), nothing to check (step 5)
+            return plan
+        if state is not None:
+            _refuse_changed_since(project, repo, state.series, state.overlay)
     validate(project, plan, sdist)
     return plan
 
@@ -378,7 +385,7 @@ def export_queue(project: Project, repo: Path, sdist: Path | None = None, drop: 
     """gbp-pq export (see the note); the caller holds the checkout lock."""
     snapshot = snapshot_patches(project)
     plan = plan_export(project, repo, drop, sdist)
-    if holds(project, plan):
+    if plan.already_there:
         log(f"patchset: patches/ already holds what {repo} exports (the overlay, {len(plan.texts)} patches); "
             "nothing was written")
         return list(plan.texts)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from .errors import SeriesError
+from .pin import is_relative_path
 from .scan import KEPT_SUFFIXES, is_cache
 
 OVERLAY_DIR_NAME = "overlay"  # patches/overlay
@@ -69,8 +70,7 @@ def source_name(path: str) -> str:
 
 def path_problem(path: str, members: tuple[str, ...]) -> str | None:
     """Why ``path`` (a ``megatron/...`` path) cannot be an overlay file, or None if it can (see the note)."""
-    parts = PurePosixPath(path).parts
-    if not path or PurePosixPath(path).is_absolute() or ".." in parts or "." in parts:
+    if not is_relative_path(path):
         return f"{path!r} is not a relative path"
     if not any(path.startswith(member + "/") for member in members):
         return f"is outside {', '.join(members)}; the overlay holds files of those folders only"

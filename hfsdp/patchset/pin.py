@@ -69,12 +69,22 @@ def _text(pattern: re.Pattern[str] | None = None) -> Callable[[object], bool]:
     return lambda v: isinstance(v, str) and bool(v) and (pattern is None or pattern.fullmatch(v) is not None)
 
 
-def _member(value: object) -> bool:
-    """A folder of the sdist that is materialized: ``megatron/<something>``, relative, no ``.``/``..``."""
-    if not isinstance(value, str):
-        return False
-    parts = value.split("/")
-    return len(parts) >= 2 and parts[0] == "megatron" and all(p not in ("", ".", "..") for p in parts)
+def is_relative_path(value: object) -> bool:
+    """A relative posix path that stays where it is put: no empty, ``.`` or ``..`` part (so no leading, doubled
+    or trailing ``/``), no NUL."""
+    return isinstance(value, str) and "\0" not in value and all(p not in ("", ".", "..") for p in value.split("/"))
+
+
+def is_tree_path(value: object) -> bool:
+    """A path of the tree as this tool writes it: ``megatron/<something>``, a relative path (see above). A pinned
+    member, and every path a stamp names, is one (a stamp naming a path outside the tree is never read: diff
+    and refresh write and delete the paths it names); an overlay file is one below a member."""
+    return isinstance(value, str) and value.startswith("megatron/") and is_relative_path(value)
+
+
+def is_digest(value: object) -> bool:
+    """A sha256 as this tool writes it: 64 lowercase hex digits."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def load_pin(path: Path) -> BasePin:
@@ -94,7 +104,7 @@ def load_pin(path: Path) -> BasePin:
     url = "an http(s) or file URL"
     members = _field(path, base, "base", "members", "a non-empty list of folders of the sdist under megatron/, "
                      "e.g. [\"megatron/core\", \"megatron/training\"]",
-                     lambda v: isinstance(v, list) and bool(v) and all(_member(m) for m in v)
+                     lambda v: isinstance(v, list) and bool(v) and all(is_tree_path(m) for m in v)
                      and len(set(v)) == len(v))
     pin = BasePin(
         distribution=_field(path, base, "base", "distribution", "a PyPI project name, e.g. \"megatron-core\"",
@@ -103,7 +113,7 @@ def load_pin(path: Path) -> BasePin:
         filename=_field(path, base, "base", "filename", "the sdist's file name, e.g. \"megatron_core-0.18.2.tar.gz\"",
                         _text()),
         sha256=_field(path, base, "base", "sha256", "the sdist's sha256: 64 hex digits, as a string",
-                      lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-fA-F]{64}", v) is not None).lower(),
+                      lambda v: isinstance(v, str) and is_digest(v.lower())).lower(),  # upper case is read too
         url=_field(path, base, "base", "url", url, _text(_URL)),
         index_url=_field(path, base, "base", "index_url", url, _text(_URL), default="https://pypi.org/simple"),
         members=tuple(members),

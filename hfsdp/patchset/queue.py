@@ -194,7 +194,8 @@ def _scratch_prefix(dest: Path) -> str:
 
 def _remove_dead_scratch(dest: Path, log: Callable[[str], None]) -> None:
     """Delete the scratch folders of killed ``queue --dir DEST`` runs beside ``dest``: a live run holds a lock
-    on its own (see :func:`make_queue`), so one that can be locked has no owner; a copy only, never a queue."""
+    on its own (see :func:`_new_scratch`, which calls this), so one that can be locked has no owner; a copy
+    only, never a queue."""
     for path in sorted(dest.parent.glob(_scratch_prefix(dest) + "*")):
         if path.is_symlink() or not path.is_dir():
             continue
@@ -208,6 +209,23 @@ def _remove_dead_scratch(dest: Path, log: Callable[[str], None]) -> None:
             log(f"patchset: removed {path}, left by a killed `scripts/patchset queue`")
         finally:
             os.close(fd)
+
+
+def _new_scratch(dest: Path, log: Callable[[str], None]) -> tuple[Path, int]:
+    """A new scratch folder beside ``dest`` and a descriptor holding its lock, the dead ones removed first. This
+    is done under a lock on the folder beside ``dest``, which every run takes for it: another run cleaning up
+    never finds a scratch folder that is made but not locked yet (and deletes it as left over)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    beside = os.open(dest.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(beside, fcntl.LOCK_EX)
+        _remove_dead_scratch(dest, log)
+        scratch = Path(tempfile.mkdtemp(prefix=_scratch_prefix(dest), dir=dest.parent))
+        held = os.open(scratch, os.O_RDONLY)  # held until the end: a later run knows this scratch is not left over
+        fcntl.flock(held, fcntl.LOCK_EX)
+        return scratch, held
+    finally:
+        os.close(beside)  # releases the lock on the folder beside dest
 
 
 def make_queue(project: Project, dest: Path, sdist: Path | None = None, log: Callable[[str], None] = print) -> Queue:
@@ -230,14 +248,10 @@ def make_queue(project: Project, dest: Path, sdist: Path | None = None, log: Cal
     overlay = project.overlay()
     source = locate_sdist(pin, sdist)
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        _remove_dead_scratch(dest, log)
-        scratch = Path(tempfile.mkdtemp(prefix=_scratch_prefix(dest), dir=dest.parent))
+        scratch, held = _new_scratch(dest, log)
     except OSError as exc:
         raise PatchsetError(f"--dir {dest}: cannot make a folder beside it ({exc.strerror}: {exc.filename}); "
                             "nothing was written", "pick a new folder in a place you can write") from exc
-    held = os.open(scratch, os.O_RDONLY)  # held until the end: a later run knows this scratch is not left over
-    fcntl.flock(held, fcntl.LOCK_EX)
     repo = scratch / "queue"
     stopped: QueueStopped | None = None
     try:

@@ -21,13 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from hfsdp.atomic import json_text, write_text_atomic
 
 from .errors import PatchsetError
 from .overlay import Overlay, text_sha256
-from .pin import BasePin
+from .pin import BasePin, is_digest, is_tree_path
 from .scan import STAMP_NAME
 from .series import Patch
 
@@ -112,21 +112,6 @@ def make_stamp(pin: BasePin, patches: list[Patch], overlay: Overlay, files: dict
 def write_stamp_file(tree_root: Path, stamp: Stamp) -> None:
     """Write ``tree_root/megatron/<stamp>`` in one step."""
     write_text_atomic(tree_root / "megatron" / STAMP_NAME, stamp.to_json())
-
-
-def is_digest(value: object) -> bool:
-    """A sha256 as this tool writes it: 64 lowercase hex digits."""
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
-
-
-def is_tree_path(value: object) -> bool:
-    """A path of the tree as this tool writes it: ``megatron/...``, relative, no ``.``/``..`` parts (a stamp
-    naming a path outside the tree is never read: diff and refresh write and delete the paths it names)."""
-    if not isinstance(value, str) or "\0" in value:
-        return False
-    parts = PurePosixPath(value).parts
-    return (len(parts) >= 2 and parts[0] == "megatron" and not PurePosixPath(value).is_absolute()
-            and ".." not in parts and "." not in value.split("/") and "" not in value.split("/"))
 
 
 def _corrupt(path: Path, why: str) -> CorruptStamp:

@@ -13,6 +13,7 @@ import pytest
 from patchset_fake import Env
 
 from hfsdp.patchset.cli import main
+from hfsdp.patchset.pin import is_digest, is_relative_path, is_tree_path
 from hfsdp.patchset.series import crlf_line
 
 
@@ -28,6 +29,19 @@ def test_crlf_line_counts_the_patch_syntax_not_the_content_of_a_crlf_file() -> N
     assert crlf_line(of_a_crlf_file.replace("+++ b/megatron/core/w.py\n", "+++ b/megatron/core/w.py\r\n")) == 3
     assert crlf_line("@@ -1 +1 @@\r\n") == 1
     assert crlf_line("Description: x\r\n---\n", header_lines=1) == 1
+
+
+@pytest.mark.parametrize("path", ["megatron", "megatron/", "/megatron/core", "megatron//core", "megatron/./core",
+                                  "megatron/../core", "megatron/core/", "megatron/co\0re", "core/x.py", None, 3])
+def test_a_path_outside_the_tree_is_never_a_tree_path(path: object) -> None:
+    """One check for the pin's members, a stamp's paths and (below a member) overlay files."""
+    assert not is_tree_path(path)
+    assert is_tree_path("megatron/core") and is_tree_path("megatron/core/x.py")
+    assert is_relative_path("core/x.py") and not is_relative_path("../x.py") and not is_relative_path("")
+
+
+def test_a_digest_is_64_lowercase_hex_digits() -> None:
+    assert is_digest("0" * 64) and not is_digest("A" * 64) and not is_digest("0" * 63) and not is_digest(None)
 
 
 def test_sdist_a_folder_is_called_a_folder(fake: Env, tmp_path: Path, capsys) -> None:

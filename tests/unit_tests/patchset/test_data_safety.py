@@ -503,7 +503,8 @@ def test_a_refresh_killed_around_its_swap(fake: Env, after_swap: bool, capsys) -
     assert cli(fake, "status") == 0 and not list(fake.project.megatron_dir.glob(".patchset-stamp.next*"))
 
 
-def test_exporting_a_queue_twice_writes_nothing_the_second_time(fake: Env, tmp_path: Path, capsys) -> None:
+def test_exporting_a_queue_twice_writes_nothing_the_second_time(fake: Env, tmp_path: Path, capsys,
+                                                                  monkeypatch) -> None:
     """A second export of the same queue (or one after an export killed once it wrote patches/) finds
     patches/ holding what it exports: nothing is written, not even a new Last-Update."""
     queue = tmp_path / "q"
@@ -516,6 +517,13 @@ def test_exporting_a_queue_twice_writes_nothing_the_second_time(fake: Env, tmp_p
     first = patches_digest(fake)
     assert b"Last-Update: 2026-" in first["value-two.patch"]  # a new patch: dated by the export
     capsys.readouterr()
+    from hfsdp.patchset import export as export_mod
+
+    calls: list[str] = []
+    real_holds = export_mod.holds
+    monkeypatch.setattr(export_mod, "holds", lambda *a: calls.append("holds") or real_holds(*a))
+    monkeypatch.setattr(export_mod, "validate", lambda *a: calls.append("validate"))
     assert cli(fake, "export", "--queue", str(queue)) == 0
     assert "patches/ already holds what" in capsys.readouterr().out
     assert patches_digest(fake) == first
+    assert calls == ["holds"]  # read once; nothing is rebuilt for an export that writes nothing

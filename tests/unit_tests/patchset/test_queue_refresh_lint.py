@@ -203,3 +203,32 @@ def test_check_against_reports_declared_backports_that_do_not_reverse_apply(fake
     (tmp_path / "old").mkdir()
     older = make_sdist(tmp_path / "old", version="0.18.9", files=newer)  # predates the backport
     assert {r.patch: r.state for r in check_against(fake.project, str(older)).patches}["train.patch"] == "conflicts"
+
+
+def test_a_run_cleaning_up_beside_the_queue_never_deletes_a_scratch_folder_not_locked_yet(
+        fake: Env, tmp_path: Path, monkeypatch) -> None:
+    """Another `queue --dir` to the same folder, cleaning up right after this run made its scratch folder (and
+    before it locked it), leaves it alone: making and locking it is one step for other runs."""
+    from hfsdp.patchset import queue as queue_mod
+
+    dest = tmp_path / "q"
+    other = ("import os, shutil, sys; from pathlib import Path; from hfsdp.patchset.queue import _new_scratch; "
+             "scratch, held = _new_scratch(Path(sys.argv[1]), print); shutil.rmtree(scratch)")
+    real = queue_mod.tempfile.mkdtemp
+    procs: list[subprocess.Popen[str]] = []
+
+    def mkdtemp(*args: object, **kwargs: object) -> str:
+        made = real(*args, **kwargs)  # type: ignore[call-overload]
+        procs.append(subprocess.Popen([sys.executable, "-c", other, str(dest)], cwd=REPO_ROOT, text=True,
+                                      stdout=subprocess.PIPE))
+        try:  # the other run's clean-up: done, or waiting for this one
+            procs[0].wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+        return made
+
+    monkeypatch.setattr(queue_mod.tempfile, "mkdtemp", mkdtemp)
+    queue = make_queue(fake.project, dest, log=quiet)
+    out, _ = procs[0].communicate(timeout=60)
+    assert procs[0].returncode == 0 and out == "", out  # it removed nothing
+    assert gitops.git(["rev-list", "--count", "HEAD"], cwd=queue.repo).stdout.strip() != "0"
