@@ -346,6 +346,44 @@ def test_an_output_dir_that_is_or_lies_under_a_file_is_refused(tmp_path, where):
     assert blocker.read_text() == "mine\n"
 
 
+def test_a_case_output_folder_under_a_file_or_a_dead_link_is_refused_and_nothing_changes(tmp_path):
+    from hfsdp.functional import outdir
+
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    for out in (blocker, blocker / "gpt" / "case"):
+        with pytest.raises(UserError) as info:
+            outdir.prepare(out, clear=True)
+        assert info.value.cause.startswith(f"output folder {out} ") and str(blocker) in info.value.cause
+        assert info.value.fix == outdir.FIX
+    dead = tmp_path / "dead"
+    dead.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(UserError, match="which is a symbolic link to nothing"):
+        outdir.check_root(dead / "out")
+    assert blocker.read_text() == "mine\n" and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
+def test_an_output_dir_in_a_folder_that_is_not_writable_is_refused_before_the_case_runs(tmp_path):
+    from hfsdp.functional import outdir
+
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    case = make_case(tmp_path / "cases", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        with pytest.raises(UserError) as info:
+            run_case(case, launch=Launch(nproc=1, timeout_s=60), output_root=locked / "out")
+        assert info.value.cause == f"--output-dir {locked / 'out'}: {locked} is not writable"
+        with pytest.raises(UserError, match=f"{locked} is not writable"):
+            outdir.check(locked / "gpt" / "case", clear=True)
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)
+
+
 def test_a_bad_compare_to_is_refused_before_the_case_runs(tmp_path):
     trainer = tmp_path / "trainer.py"
     trainer.write_text(TRAINER)
