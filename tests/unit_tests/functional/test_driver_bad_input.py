@@ -399,12 +399,42 @@ def test_batch_refuses_a_summary_path_it_cannot_write_before_running(tmp_path):
     from hfsdp.functional import batch
 
     case = make_case(tmp_path / "cases")
-    for summary, expected in ((tmp_path, "is a folder"), (case / "model_config.yaml" / "s.txt", "which is a file")):
+    for summary, expected in ((tmp_path, "is a folder, not a file"),
+                              (case / "model_config.yaml" / "s.txt", "which is a file")):
         with pytest.raises(UserError) as info:
             batch.check_summary(summary)
         assert expected in info.value.cause
     assert batch.main([str(case), "--summary", str(tmp_path), "--output-dir", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_batch_refuses_a_summary_under_a_file_before_running(tmp_path, capsys):
+    from hfsdp.functional import batch
+
+    case = make_case(tmp_path / "cases")
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    summary = blocker / "s.txt"
+    assert batch.main([str(case), "--summary", str(summary), "--output-dir", str(tmp_path / "out")]) == 2
+    assert f"--summary {summary} lies under {blocker}, which is a file" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and blocker.read_text() == "mine\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
+def test_batch_refuses_a_summary_in_a_folder_that_is_not_writable_before_running(tmp_path, capsys):
+    from hfsdp.functional import batch
+
+    case = make_case(tmp_path / "cases")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        summary = locked / "s.txt"
+        assert batch.main([str(case), "--summary", str(summary), "--output-dir", str(tmp_path / "out")]) == 2
+        assert f"--summary {summary}: {locked} is not writable" in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()
+    finally:
+        locked.chmod(0o755)
 
 
 def test_batch_refuses_gpu_cases_where_no_gpu_is_visible_before_running_any(tmp_path, monkeypatch, capsys):
