@@ -149,3 +149,51 @@ def test_a_download_cache_that_is_not_writable_is_refused_before_any_download(fa
             locate_sdist(fake.project.pin(), env={"MEGATRON_PATCHSET_CACHE": str(locked / "cache")})
     finally:
         locked.chmod(0o755)
+
+
+def _no_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hfsdp.patchset import queue
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("looked for the sdist although --dir was refused")
+
+    monkeypatch.setattr(queue, "locate_sdist", refuse)
+
+
+def test_a_queue_dir_under_a_file_or_a_dead_link_is_refused_before_anything_runs(fake: Env, tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    from hfsdp.patchset.errors import PatchsetError
+    from hfsdp.patchset.queue import make_queue
+
+    _no_source(monkeypatch)
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    with pytest.raises(PatchsetError) as info:
+        make_queue(fake.project, blocker / "q")
+    assert info.value.cause == f"--dir {blocker / 'q'} lies under {blocker}, which is a file"
+    dead = tmp_path / "dead"
+    dead.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(PatchsetError, match="which is a symbolic link to nothing"):
+        make_queue(fake.project, dead / "q")
+    assert blocker.read_text() == "mine\n" and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
+def test_a_queue_dir_in_a_folder_that_is_not_writable_is_refused_before_anything_runs(fake: Env, tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    from hfsdp.patchset.errors import PatchsetError
+    from hfsdp.patchset.queue import make_queue
+
+    _no_source(monkeypatch)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "empty").mkdir()
+    locked.chmod(0o555)
+    try:
+        with pytest.raises(PatchsetError, match=f"--dir {locked / 'new'}: {locked} is not writable"):
+            make_queue(fake.project, locked / "new")
+        with pytest.raises(PatchsetError, match=f"--dir {locked / 'empty'}: {locked} is not writable"):
+            make_queue(fake.project, locked / "empty")  # replaced from beside it
+        assert sorted(p.name for p in locked.iterdir()) == ["empty"]
+    finally:
+        locked.chmod(0o755)
