@@ -100,8 +100,10 @@ def env_number(name: str, default: float | int, *, kind: type = int, zero: bool 
 
 
 def _nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that is there; a symbolic link to nothing counts (nothing
+    can be made through it)."""
     path = path.absolute()
-    while not path.exists() and path != path.parent:
+    while not os.path.lexists(path) and path != path.parent:
         path = path.parent
     return path
 
@@ -115,7 +117,7 @@ def output_file(option: str, path: str | Path) -> None:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{option} {path} is a folder, not a file", fix)
-    _check_parent(option, path, fix)
+    _check_parent(option, path, path.parent, fix)
 
 
 def output_folder(option: str, path: str | Path) -> None:
@@ -124,15 +126,19 @@ def output_folder(option: str, path: str | Path) -> None:
     if not str(path):
         raise UserError(f"{option} is empty", fix)
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{option} {path} is a file, not a folder", fix)
-    _check_parent(option, path / "x", fix)
+    if os.path.lexists(path) and not path.is_dir():
+        what = "a symbolic link to nothing" if not path.exists() else "a file"
+        raise UserError(f"{option} {path} is {what}, not a folder", fix)
+    _check_parent(option, path, path, fix)
 
 
-def _check_parent(option: str, path: Path, fix: str) -> None:
-    existing = _nearest_existing(path.parent)
+def _check_parent(option: str, path: Path, folder: Path, fix: str) -> None:
+    """Refuse ``path`` unless ``folder`` (where it is written), or the nearest ancestor of it that is
+    there, is a folder we may write to."""
+    existing = _nearest_existing(folder)
     if not existing.is_dir():
-        raise UserError(f"{option} {path} lies under {existing}, which is a file", fix)
+        what = "a symbolic link to nothing" if existing.is_symlink() and not existing.exists() else "a file"
+        raise UserError(f"{option} {path} lies under {existing}, which is {what}", fix)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{option} {path}: {existing} is not writable", fix)
 

@@ -39,7 +39,7 @@ from hfsdp.functional.recipe import Recipe, load_recipe
 from hfsdp.functional.run_case import RESULT_MARK, output_dir_for
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, parse_assignments
-from hfsdp.usererror import Interrupted, UserError, positive, run_cli
+from hfsdp.usererror import Interrupted, UserError, output_file, positive, run_cli
 
 ENVIRONMENT = "dev"
 STOP_GRACE_S = 60.0  # an interrupted case's time to end its run (run_case: stacks, SIGTERM, SIGKILL)
@@ -189,10 +189,7 @@ def check_gpus(recipes: Sequence[Recipe], ns: argparse.Namespace) -> None:
 
 def check_summary(path: Path) -> None:
     """Refuse a ``--summary`` that cannot be written, before any case runs (not after all of them)."""
-    if path.is_dir():
-        raise UserError(f"--summary {path} is a folder", "name the file to write, e.g. --summary out/summary.txt")
-    if blocker := next((p for p in path.parents if p.exists() and not p.is_dir()), None):
-        raise UserError(f"--summary {path} lies under {blocker}, which is a file", "name a file in a folder")
+    output_file("--summary", path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-from hfsdp.usererror import UserError
+from hfsdp.usererror import UserError, output_folder
 
 MARKER = ".hfsdp-functional-output"
 # Everything the driver (and the training it launches, through the path variables) puts at
@@ -69,9 +69,10 @@ def foreign_entries(out: Path) -> list[str]:
 def check(out: Path, clear: bool) -> None:
     """Refuse an ``out`` that :func:`prepare` may not use (see the note), changing nothing."""
     check_not_a_case(out)
-    if blocker := next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None):
-        what = "exists and is a file" if blocker == out else f"lies under {blocker}, which is a file"
-        raise UserError(f"output folder {out} {what}", FIX)
+    try:
+        output_folder("output folder", out)
+    except UserError as exc:
+        raise UserError(exc.cause, FIX) from None  # the way out is --output-dir, which names its parent
     if out.exists() and clear and (foreign := foreign_entries(out)):
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise UserError(
@@ -95,8 +96,7 @@ def prepare(out: Path, clear: bool) -> Path:
 
 
 def check_root(root: Path) -> None:
-    """Refuse an ``--output-dir`` that is or holds test cases (they sit a few levels down), or a file."""
+    """Refuse an ``--output-dir`` that is or holds test cases (they sit a few levels down), or that
+    cannot be made or written (:func:`hfsdp.usererror.output_folder`)."""
     check_not_a_case(root, max_depth=ROOT_SCAN_DEPTH)
-    if blocker := next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None):
-        what = "is a file" if blocker == root else f"lies under {blocker}, which is a file"
-        raise UserError(f"--output-dir {root} {what}", "pick a folder (it is made if missing) with --output-dir")
+    output_folder("--output-dir", root)

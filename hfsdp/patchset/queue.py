@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hfsdp.atomic import write_json_atomic
+from hfsdp.usererror import UserError, output_folder
 
 from . import gitops
 from .errors import PatchDoesNotApply, PatchsetError
@@ -236,9 +237,14 @@ def make_queue(project: Project, dest: Path, sdist: Path | None = None, log: Cal
                 else "a folder that is not empty")
         raise PatchsetError(f"--dir {dest} exists and is {what}; the queue goes in a new (or empty) folder",
                             "pick a new folder for the queue")
-    above = next(p for p in dest.parents if os.path.lexists(p))
-    if not above.is_dir():
-        raise PatchsetError(f"--dir {dest}: {above} is a file, not a folder", "pick a new folder for the queue")
+    fix = "pick a new folder for the queue, in a place you can write to"
+    try:
+        output_folder("--dir", dest)
+    except UserError as exc:
+        raise PatchsetError(exc.cause, fix) from None
+    if dest.is_dir() and not os.access(dest.parent, os.W_OK | os.X_OK):  # replaced from beside it (the note)
+        raise PatchsetError(f"--dir {dest}: {dest.parent} is not writable, and the queue replaces the empty "
+                            "folder from there", fix)
     if project.root.resolve() in dest.resolve().parents:
         raise PatchsetError(f"{dest} is inside the checkout {project.root}",
                             "make the queue outside the checkout, e.g. "

@@ -25,6 +25,8 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
+from hfsdp.usererror import UserError, output_folder
+
 from .errors import HashMismatch, SourceUnavailable, WrongBaseVersion
 from .pin import BasePin
 
@@ -243,13 +245,12 @@ def locate_sdist(
             f"{pin.distribution}=={pin.version} -d wheelhouse/`, copy it over, then set "
             "MEGATRON_PATCHSET_SDIST=wheelhouse/" + pin.filename + " (see README, Offline install)",
         )
-    folder = cache_dir(env)
-    if (blocker := next((p for p in (folder, *folder.parents) if os.path.lexists(p)), folder)).is_file():
-        where = "is a file" if blocker == folder else f"is below the file {blocker}"
-        raise SourceUnavailable(f"the download cache {folder} {where}, not a folder, so {pin.filename} cannot be "
-                                "downloaded into it",
-                                "point MEGATRON_PATCHSET_CACHE (or XDG_CACHE_HOME) at a folder, or pass the sdist "
-                                "with --sdist")
+    try:
+        output_folder("the download cache", cache_dir(env))
+    except UserError as exc:
+        raise SourceUnavailable(f"{exc.cause}, so {pin.filename} cannot be downloaded into it",
+                                "point MEGATRON_PATCHSET_CACHE (or XDG_CACHE_HOME) at a folder you can write to, or "
+                                "pass the sdist with --sdist") from None
     errors: list[str] = []
     for resolve in (lambda: pin.url, lambda: _index_url_for(pin, timeout)):
         try:

@@ -28,7 +28,7 @@ from hfsdp.functional.recipe import load_recipe
 from hfsdp.launch.env import add_env_option, parse_assignments
 from hfsdp.launch.torchrun import add_ranks_per_gpu_option
 from hfsdp.slurm.sbatch import JobSpec, write_sbatch
-from hfsdp.usererror import UserError, positive, run_cli
+from hfsdp.usererror import UserError, output_folder, positive, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = "jobs.json"
@@ -59,14 +59,9 @@ def load_manifest(log_dir: Path, required: bool = False) -> list[dict]:
 
 
 def check_log_dir(log_dir: Path) -> None:
-    """Refuse a ``--log-dir`` that is, or lies under, something other than a folder."""
-    for folder in (log_dir, *log_dir.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                what = "is a file" if folder == log_dir else f"lies under {folder}, which is a file"
-                raise UserError(f"--log-dir {log_dir} {what}; the job scripts and outputs go into a folder",
-                                "pass a folder (new or existing) for --log-dir")
-            break
+    """Refuse a ``--log-dir`` that is, or lies under, something other than a folder, or that we may
+    not write to (:func:`hfsdp.usererror.output_folder`), before any job script is written."""
+    output_folder("--log-dir", log_dir)
 
 
 def submit(spec: JobSpec, dry_run: bool = False) -> dict:

@@ -346,6 +346,44 @@ def test_an_output_dir_that_is_or_lies_under_a_file_is_refused(tmp_path, where):
     assert blocker.read_text() == "mine\n"
 
 
+def test_a_case_output_folder_under_a_file_or_a_dead_link_is_refused_and_nothing_changes(tmp_path):
+    from hfsdp.functional import outdir
+
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    for out in (blocker, blocker / "gpt" / "case"):
+        with pytest.raises(UserError) as info:
+            outdir.prepare(out, clear=True)
+        assert info.value.cause.startswith(f"output folder {out} ") and str(blocker) in info.value.cause
+        assert info.value.fix == outdir.FIX
+    dead = tmp_path / "dead"
+    dead.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(UserError, match="which is a symbolic link to nothing"):
+        outdir.check_root(dead / "out")
+    assert blocker.read_text() == "mine\n" and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
+def test_an_output_dir_in_a_folder_that_is_not_writable_is_refused_before_the_case_runs(tmp_path):
+    from hfsdp.functional import outdir
+
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    case = make_case(tmp_path / "cases", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        with pytest.raises(UserError) as info:
+            run_case(case, launch=Launch(nproc=1, timeout_s=60), output_root=locked / "out")
+        assert info.value.cause == f"--output-dir {locked / 'out'}: {locked} is not writable"
+        with pytest.raises(UserError, match=f"{locked} is not writable"):
+            outdir.check(locked / "gpt" / "case", clear=True)
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)
+
+
 def test_a_bad_compare_to_is_refused_before_the_case_runs(tmp_path):
     trainer = tmp_path / "trainer.py"
     trainer.write_text(TRAINER)
@@ -361,12 +399,42 @@ def test_batch_refuses_a_summary_path_it_cannot_write_before_running(tmp_path):
     from hfsdp.functional import batch
 
     case = make_case(tmp_path / "cases")
-    for summary, expected in ((tmp_path, "is a folder"), (case / "model_config.yaml" / "s.txt", "which is a file")):
+    for summary, expected in ((tmp_path, "is a folder, not a file"),
+                              (case / "model_config.yaml" / "s.txt", "which is a file")):
         with pytest.raises(UserError) as info:
             batch.check_summary(summary)
         assert expected in info.value.cause
     assert batch.main([str(case), "--summary", str(tmp_path), "--output-dir", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_batch_refuses_a_summary_under_a_file_before_running(tmp_path, capsys):
+    from hfsdp.functional import batch
+
+    case = make_case(tmp_path / "cases")
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    summary = blocker / "s.txt"
+    assert batch.main([str(case), "--summary", str(summary), "--output-dir", str(tmp_path / "out")]) == 2
+    assert f"--summary {summary} lies under {blocker}, which is a file" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and blocker.read_text() == "mine\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
+def test_batch_refuses_a_summary_in_a_folder_that_is_not_writable_before_running(tmp_path, capsys):
+    from hfsdp.functional import batch
+
+    case = make_case(tmp_path / "cases")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        summary = locked / "s.txt"
+        assert batch.main([str(case), "--summary", str(summary), "--output-dir", str(tmp_path / "out")]) == 2
+        assert f"--summary {summary}: {locked} is not writable" in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()
+    finally:
+        locked.chmod(0o755)
 
 
 def test_batch_refuses_gpu_cases_where_no_gpu_is_visible_before_running_any(tmp_path, monkeypatch, capsys):

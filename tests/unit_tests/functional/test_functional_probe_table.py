@@ -84,7 +84,7 @@ ROWS = [
     ("batch: no cases", [*BATCH], 2, "the following arguments are required: cases", False),
     ("batch: missing case", [*BATCH, "{tmp}/nowhere"], 2, "is not a test case", False),
     ("batch: bad recipe among good", [*BATCH, SMOKE, "{tmp}/bad_yaml"], 2, "is not valid YAML", False),
-    ("batch: --summary a folder", [*BATCH, SMOKE, "--summary", "{tmp}"], 2, "is a folder", False),
+    ("batch: --summary a folder", [*BATCH, SMOKE, "--summary", "{tmp}"], 2, "is a folder, not a file", False),
     ("batch: --jobs 2 on own GPUs", [*BATCH, SMOKE, "--jobs", "2"], 2, "would run cases side by side", False),
     ("batch: --jobs 0", [*BATCH, SMOKE, "--jobs", "0"], 2, "--jobs: must be > 0, got 0", False),
     ("batch: --ranks-per-gpu auto", [*BATCH, SMOKE, "--ranks-per-gpu", "auto"], 2, "'auto' is taken only", False),

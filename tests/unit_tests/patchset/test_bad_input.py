@@ -7,6 +7,7 @@ Driven through the command line (``hfsdp.patchset.cli.main``); the probe table
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,95 @@ def test_a_full_disk_is_a_sentence_not_a_traceback(fake: Env, monkeypatch, capsy
     monkeypatch.setattr(materialize_mod.tempfile, "mkdtemp", lambda *a, **k: (_ for _ in ()).throw(KeyError("bug")))
     with pytest.raises(KeyError):  # anything else is a bug, and keeps its traceback
         cli(fake, "materialize")
+
+
+def _no_download(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hfsdp.patchset import source
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("downloaded although the cache was refused")
+
+    monkeypatch.setattr(source, "_download", refuse)
+    monkeypatch.setattr(source, "_index_url_for", refuse)
+
+
+def test_a_download_cache_under_a_file_is_refused_before_any_download(fake: Env, tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    from hfsdp.patchset.errors import SourceUnavailable
+    from hfsdp.patchset.source import locate_sdist
+
+    _no_download(monkeypatch)
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    for cache in (blocker, blocker / "cache"):
+        with pytest.raises(SourceUnavailable) as info:
+            locate_sdist(fake.project.pin(), env={"MEGATRON_PATCHSET_CACHE": str(cache)})
+        assert info.value.cause.startswith(f"the download cache {cache} ") and str(blocker) in info.value.cause
+        assert info.value.cause.endswith(f"so {fake.project.pin().filename} cannot be downloaded into it")
+        assert "MEGATRON_PATCHSET_CACHE" in info.value.fix
+    assert blocker.read_text() == "mine\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
+def test_a_download_cache_that_is_not_writable_is_refused_before_any_download(fake: Env, tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    from hfsdp.patchset.errors import SourceUnavailable
+    from hfsdp.patchset.source import locate_sdist
+
+    _no_download(monkeypatch)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        with pytest.raises(SourceUnavailable, match=f"{locked} is not writable, so"):
+            locate_sdist(fake.project.pin(), env={"MEGATRON_PATCHSET_CACHE": str(locked / "cache")})
+    finally:
+        locked.chmod(0o755)
+
+
+def _no_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hfsdp.patchset import queue
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("looked for the sdist although --dir was refused")
+
+    monkeypatch.setattr(queue, "locate_sdist", refuse)
+
+
+def test_a_queue_dir_under_a_file_or_a_dead_link_is_refused_before_anything_runs(fake: Env, tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    from hfsdp.patchset.errors import PatchsetError
+    from hfsdp.patchset.queue import make_queue
+
+    _no_source(monkeypatch)
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    with pytest.raises(PatchsetError) as info:
+        make_queue(fake.project, blocker / "q")
+    assert info.value.cause == f"--dir {blocker / 'q'} lies under {blocker}, which is a file"
+    dead = tmp_path / "dead"
+    dead.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(PatchsetError, match="which is a symbolic link to nothing"):
+        make_queue(fake.project, dead / "q")
+    assert blocker.read_text() == "mine\n" and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
+def test_a_queue_dir_in_a_folder_that_is_not_writable_is_refused_before_anything_runs(fake: Env, tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    from hfsdp.patchset.errors import PatchsetError
+    from hfsdp.patchset.queue import make_queue
+
+    _no_source(monkeypatch)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "empty").mkdir()
+    locked.chmod(0o555)
+    try:
+        with pytest.raises(PatchsetError, match=f"--dir {locked / 'new'}: {locked} is not writable"):
+            make_queue(fake.project, locked / "new")
+        with pytest.raises(PatchsetError, match=f"--dir {locked / 'empty'}: {locked} is not writable"):
+            make_queue(fake.project, locked / "empty")  # replaced from beside it
+        assert sorted(p.name for p in locked.iterdir()) == ["empty"]
+    finally:
+        locked.chmod(0o755)

@@ -263,7 +263,7 @@ PROBES = [
     Probe("root-patches-empty", ("status",), 2, "is not a checkout of this project",
           then(move("patches", "patches.away"), folder("patches"))),
     Probe("queue-dir-a-file", ("queue", "--dir", "{tmp}/f"), 2, "exists and is a file", write("{tmp}/f", "x")),
-    Probe("queue-dir-below-a-file", ("queue", "--dir", "{tmp}/f/q"), 2, "f is a file, not a folder",
+    Probe("queue-dir-below-a-file", ("queue", "--dir", "{tmp}/f/q"), 2, "/f, which is a file",
           write("{tmp}/f", "x")),
     Probe("queue-dir-not-empty", ("queue", "--dir", "{store}"), 2, "exists and is a folder that is not empty"),
     Probe("queue-dir-empty", ("queue", "--dir", "{tmp}/empty"), 0, "queue at",

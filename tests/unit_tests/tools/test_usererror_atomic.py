@@ -123,3 +123,45 @@ def test_a_bad_smoke_knob_is_one_sentence():
     assert proc.returncode == 2, proc.stderr
     assert "cpu_smoke: error: HFSDP_SMOKE_GLOO_TIMEOUT_S='soon': 'soon' is not a number" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_output_paths_name_the_path_given_and_refuse_a_link_to_nothing(tmp_path):
+    from hfsdp.usererror import output_file, output_folder
+
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    with pytest.raises(UserError) as info:
+        output_folder("--log-dir", blocker / "logs")
+    assert info.value.cause == f"--log-dir {blocker / 'logs'} lies under {blocker}, which is a file"
+    with pytest.raises(UserError) as info:
+        output_file("--summary", blocker / "s.txt")
+    assert info.value.cause == f"--summary {blocker / 's.txt'} lies under {blocker}, which is a file"
+    dangling = tmp_path / "gone"
+    dangling.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(UserError, match="gone is a symbolic link to nothing, not a folder"):
+        output_folder("--log-dir", dangling)
+    with pytest.raises(UserError, match="which is a symbolic link to nothing"):
+        output_folder("--log-dir", dangling / "logs")
+    with pytest.raises(UserError, match="which is a symbolic link to nothing"):
+        output_file("--summary", dangling / "s.txt")
+    assert blocker.read_text() == "mine\n"
+    output_folder("--log-dir", tmp_path / "new" / "logs")  # missing folders are made later
+    output_file("--summary", tmp_path / "new" / "s.txt")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
+def test_output_paths_refuse_a_folder_that_is_not_writable(tmp_path):
+    from hfsdp.usererror import output_file, output_folder
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        with pytest.raises(UserError, match=f"{locked} is not writable"):
+            output_folder("--log-dir", locked / "logs")
+        with pytest.raises(UserError, match=f"--log-dir {locked}: {locked} is not writable"):
+            output_folder("--log-dir", locked)
+        with pytest.raises(UserError, match=f"{locked} is not writable"):
+            output_file("--summary", locked / "s.txt")
+    finally:
+        locked.chmod(0o755)
