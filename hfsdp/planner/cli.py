@@ -109,7 +109,7 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
                 raise
             raise rejection(exc, "Megatron cannot build this model", setup.FIX) from exc
         except SpecError as exc:  # the training entry's own refusals (e.g. TE asked for, not installed)
-            raise UserError(getattr(exc, "cause", str(exc)), getattr(exc, "fix", setup.FIX)) from exc
+            raise exc.user_error(setup.FIX) from exc
         lay = layout_mod.compute_layout(
             model,
             unit_classes=unit_classes,

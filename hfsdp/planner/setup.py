@@ -212,7 +212,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     try:
         specs.resolve_family(args)  # the training entry's own model checks (e.g. MoE layers need experts)
     except SpecError as exc:
-        raise UserError(str(exc), FIX) from exc
+        raise exc.user_error(FIX) from exc
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     tp = args.tensor_model_parallel_size
     pp = args.pipeline_model_parallel_size

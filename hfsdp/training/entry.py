@@ -206,7 +206,6 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     from hfsdp.step_digest import ENV as DIGEST_ENV
     from hfsdp.step_digest import install_from_env as install_digest_from_env
     from hfsdp.training import data, forward_step, model_provider, run_report
-    from hfsdp.training.requirements import MissingPackage
     from hfsdp.training.spec_error import SpecError
     from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
     from megatron.core.enums import ModelType
@@ -217,10 +216,8 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     set_startup_timestamps(program_start=program_start, main_entry=time.time())
     try:
         args, family = parse_args(argv, forced_family)
-    except MissingPackage as exc:  # carries its own way out: install the extra, or a flag that avoids it
-        raise UserError(exc.cause, exc.fix) from exc
-    except SpecError as exc:
-        raise UserError(str(exc), flags_fix()) from exc
+    except SpecError as exc:  # a MissingPackage carries its own way out: the extra, or a flag that avoids it
+        raise exc.user_error(flags_fix()) from exc
     units = unit_override()  # an environment setting: checked before the GPU is
     require_cuda()
     if install_digest_from_env() is not None:

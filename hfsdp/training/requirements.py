@@ -61,6 +61,9 @@ LABEL = {"transformer_engine": "Transformer Engine", "mamba_ssm": "mamba-ssm",
 class MissingPackage(SpecError):
     """Flags need an optional package that is not usable: ``cause`` and ``fix`` (a UserError's)."""
 
+    cause: str
+    fix: str
+
     def __init__(self, cause: str, fix: str) -> None:
         self.cause, self.fix = cause, fix
         super().__init__(f"{cause}; {fix}")
