@@ -27,13 +27,6 @@ def arch_name(arch: int) -> str:
     return f"a{' ' + known[arch] if arch in known else ''} GPU (compute capability {arch})"
 
 
-def cuda_available() -> bool:
-    """Whether torch finds a usable CUDA device (no CUDA context is created)."""
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
 @contextlib.contextmanager
 def assumed_device(arch: int = ASSUMED_ARCH) -> Iterator[None]:
     """Answer Megatron's device queries of argument validation with GPU architecture ``arch``
@@ -57,10 +50,13 @@ def assumed_device(arch: int = ASSUMED_ARCH) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def validation_device() -> Iterator[bool]:
-    """The training entry's use (see the note): yields whether the device was assumed (no CUDA)."""
-    if cuda_available():
-        yield False
+def validation_device() -> Iterator[None]:
+    """The training entry's use (see the note): the real device where torch finds one, else
+    :func:`assumed_device` (no CUDA context is created either way)."""
+    import torch
+
+    if torch.cuda.is_available():
+        yield
         return
     with assumed_device(ASSUMED_ARCH):
-        yield True
+        yield
