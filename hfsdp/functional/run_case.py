@@ -263,7 +263,10 @@ def prepare_resume(ckpt_dir: Path, half: int, final: int) -> None:
 # exception's traceback, and then exits 0 like the ranks did: a race inside torch elastic, after
 # every rank has finished, not a failure of the run. That one log record is left out of the
 # forbidden-pattern checks (its lines share the record's prefix: level, time, pid, source line).
-_EXIT_BARRIER = re.compile(r"^(?P<prefix>E\d{4} [\d:.]+ \d+ torch/distributed/elastic/agent/server/api\.py:\d+\]) "
+# torch names its source file relative to where it was imported from: "torch/..." or, with a
+# virtual environment inside the working folder, ".venv/lib/python3.12/site-packages/torch/...".
+_EXIT_BARRIER = re.compile(r"^(?P<prefix>E\d{4} [\d:.]+ \d+ (?:\S*/)?"
+                           r"torch/distributed/elastic/agent/server/api\.py:\d+\]) "
                            r"Error waiting on exit barrier", re.M)
 
 
