@@ -12,7 +12,9 @@
 #   suite       the max-pool GPU suite at 2 ranks (tests/gpu/run_maxpool_gpu.sh)
 #   bench2 bench4   the benchmark at DP=2 / DP=4, deterministic: no_db, maxpool, maxpool_lanes3,
 #               no_db_graph, maxpool_graph: losses, pool vs plan, home misses, per-rank peak memory
-#   te          Transformer Engine at DP=2, deterministic: te_no_db vs te_maxpool_graph (TE site needed)
+#               (BENCH_CONFIGS=a,b,... runs those configurations instead)
+#   te te4      Transformer Engine at DP=2 / DP=4, deterministic: te_no_db vs te_maxpool_graph (TE site
+#               needed)
 #   f2          the fused-Mamba FixedPool scenario at 2 ranks (TE and causal-conv1d site needed)
 #   main        the main job (python -m hfsdp.main_job): graphed DP=1, then the DP=2 rehearsal
 # Transformer Engine and causal-conv1d change the local-spec numerics (TE's FusedAdam, conv1d in the
@@ -30,7 +32,7 @@ summary="$out/shared_dp_summary.txt"
 platform=$(python3 -c 'import torch; n = torch.cuda.get_device_name(); print(next((f"dgx_{k.lower()}" for k in ("H100", "H200", "B200", "A100") if k in n), "dgx_" + n.split()[-1].lower()))')
 mapfile -t two_rank < <(cd tests/functional_tests/test_cases && grep -L '^NPROC: 1' */*/model_config.yaml \
   | xargs -n1 dirname | grep -v '^smoke/')
-bench_configs=no_db,maxpool,maxpool_lanes3,no_db_graph,maxpool_graph
+bench_configs=${BENCH_CONFIGS:-no_db,maxpool,maxpool_lanes3,no_db_graph,maxpool_graph}
 bench() {  # bench DP CONFIGS: the benchmark in this mode (no step times: it reports memory and losses)
   # 6 steps: 3 eager warm-up steps, the capture, 2 replays (graphed configurations); nothing is timed.
   python scripts/benchmark_double_buffer.py --nproc "$1" --ranks-per-gpu "$1" --preset default --configs "$2" \
@@ -54,6 +56,7 @@ stage() {  # stage NAME: run it with its output in $work/NAME.log
     bench2) timeout -k 10 "${STAGE_TIMEOUT:-560}" bash -c 'bench 2 "$bench_configs" bench2' ;;
     bench4) timeout -k 10 "${STAGE_TIMEOUT:-560}" bash -c 'bench 4 "$bench_configs" bench4' ;;
     te) timeout -k 10 "${STAGE_TIMEOUT:-560}" bash -c 'with_extra bench 2 te_no_db,te_maxpool_graph te' ;;
+    te4) timeout -k 10 "${STAGE_TIMEOUT:-560}" bash -c 'with_extra bench 4 te_no_db,te_maxpool_graph te4' ;;
     f2) OUT="$work/f2" timeout -k 10 "${STAGE_TIMEOUT:-560}" bash -c 'with_extra bash tests/gpu/run_fused_mamba_fixedpool.sh' ;;
     main) TRAIN_ITERS=${TRAIN_ITERS:-12} EAGER_ITERS=${EAGER_ITERS:-6} \
       timeout -k 10 "${STAGE_TIMEOUT:-560}" python -m hfsdp.main_job ;;
@@ -79,7 +82,7 @@ done
   grep -h "exit:" "$work/exit.log" 2>/dev/null
   cat "$work/functional/functional_summary.txt" 2>/dev/null
   grep -h "^summary:" "$work/suite.log" 2>/dev/null
-  for b in bench2 bench4 te; do
+  for b in bench2 bench4 te te4; do
     [ -f "$work/$b.log" ] && { echo "== $b"; sed -n '/^config /,$p' "$work/$b.log" | grep -v "^wrote"; }
   done
   [ -f "$work/f2.log" ] && sed -n '/^summary:/,$p' "$work/f2.log"
