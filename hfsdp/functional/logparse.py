@@ -35,6 +35,14 @@ _FIELD = re.compile(r"\s*([^:|]+?):\s*([-+0-9.eEnaif]+)\s*(?=\|)")
 _VALID = re.compile(r"\bvalidation loss at iteration (\d+)(?: on validation set)?\s*\|(.*)$")
 _VALID_FIELD = re.compile(r"\s*([^:|]+?) value:\s*([-+0-9.eEnaif]+)\s*(?=\|)")
 _MEM = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\)(.*)$")
+_MEM_FIELD = re.compile(r"(?:^|\|)\s*(max allocated|allocated|max reserved|reserved):\s*([-+0-9.eE]+)")
+# [Note: one line, several records]
+# Ranks that share one stdout (torchrun without --tee) interleave: Python's print writes a record
+# and its newline in two writes, so another rank's whole record can land between them. A line can
+# then hold two records ("... max reserved: 326.00 [<date>] iteration 7/ 20 | ..."), and each is
+# read from where its head starts to where the next one's starts.
+_HEAD = re.compile(r"\biteration\s+\d+/\s*\d+\s*\||\bvalidation loss at iteration \d+"
+                   r"|\[Rank \d+\] \(after \d+ iterations\) memory \(MB\)")
 _MEM_FIELDS = {
     "allocated": "mem-allocated-bytes",
     "max allocated": "mem-max-allocated-bytes",
@@ -51,6 +59,14 @@ def is_step_line(line: str) -> bool:
     return _ITER.search(line) is not None
 
 
+def records(lines: Iterable[str]) -> Iterable[str]:
+    """Each record of ``lines`` on its own, however the ranks' writes were interleaved."""
+    for line in lines:
+        starts = [m.start() for m in _HEAD.finditer(line)]
+        for start, end in zip(starts, [*starts[1:], len(line)], strict=True):
+            yield line[start:end]
+
+
 def parse_log(lines: Iterable[str]) -> Metrics:
     """Per-iteration metrics found in ``lines`` (later duplicates of a step win)."""
     metrics: Metrics = {}
@@ -58,7 +74,7 @@ def parse_log(lines: Iterable[str]) -> Metrics:
     def put(name: str, step: int, value: float) -> None:
         metrics.setdefault(name, {})[step] = value
 
-    for line in lines:
+    for line in records(lines):
         m = _ITER.search(line)
         if m:
             step = int(m.group(1))
@@ -89,12 +105,8 @@ def parse_log(lines: Iterable[str]) -> Metrics:
         m = _MEM.search(line)
         if m and m.group(1) == "0":
             step = int(m.group(2))
-            for part in m.group(3).split("|"):
-                if ":" not in part:
-                    continue
-                key, raw = (s.strip() for s in part.split(":", 1))
-                if key in _MEM_FIELDS:
-                    put(_MEM_FIELDS[key], step, float(raw) * _MB)
+            for key, raw in _MEM_FIELD.findall(m.group(3)):
+                put(_MEM_FIELDS[key], step, float(raw) * _MB)
     return metrics
 
 

@@ -38,6 +38,24 @@ def test_parse_megatron_stdout() -> None:
     assert m["grad-norm"] == {1: 3.21}
 
 
+# Two ranks on one stdout: rank 0's memory record and the last rank's step record share a line
+# (print writes a record and its newline separately), the newlines landing elsewhere.
+INTERLEAVED_LOG = """\
+ [t] iteration        6/      20 | consumed samples:           48 | elapsed time per iteration (ms): 571.8 | lm loss: 8.328976E+00 | num zeros: 796.0 |
+
+[Rank 0] (after 7 iterations) memory (MB) | allocated: 138.69 | max allocated: 259.07 | reserved: 326.00 | max reserved: 326.00 [2026-11-25 16:08:19.194505] iteration        7/      20 | consumed samples:           56 | elapsed time per iteration (ms): 365.6 | lm loss: 8.116722E+00 | num zeros: 676.0 | number of nan iterations:   0 |
+ [t] iteration        8/      20 | consumed samples:           64 | elapsed time per iteration (ms): 398.8 | lm loss: 7.973492E+00 | num zeros: 840.0 |[Rank 0] (after 8 iterations) memory (MB) | allocated: 138.69 | max allocated: 259.07 | reserved: 326.00 | max reserved: 326.00
+"""
+
+
+def test_parse_records_that_ranks_wrote_onto_one_line() -> None:
+    m = logparse.parse_log(INTERLEAVED_LOG.splitlines())
+    assert m["lm loss"] == {6: 8.328976, 7: 8.116722, 8: 7.973492}
+    assert m["num-zeros"] == {6: 796.0, 7: 676.0, 8: 840.0}
+    assert m["mem-allocated-bytes"] == {7: 138.69 * 2**20, 8: 138.69 * 2**20}
+    assert m["mem-max-reserved-bytes"] == {7: 326.0 * 2**20, 8: 326.0 * 2**20}
+
+
 VALID_LOG = """\
  [t] iteration        4/       8 | consumed samples:           32 | elapsed time per iteration (ms): 80.0 | lm loss: 8.250000E+00 | num zeros: 0 |
 ----------------------------------------------------------------------------------------------------
