@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from itertools import pairwise
 
 _ITER = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 _FIELD = re.compile(r"\s*([^:|]+?):\s*([-+0-9.eEnaif]+)\s*(?=\|)")
@@ -63,8 +64,9 @@ def records(lines: Iterable[str]) -> Iterable[str]:
     """Each record of ``lines`` on its own, however the ranks' writes were interleaved."""
     for line in lines:
         starts = [m.start() for m in _HEAD.finditer(line)]
-        for start, end in zip(starts, [*starts[1:], len(line)], strict=True):
-            yield line[start:end]
+        if starts:
+            for start, end in pairwise([*starts, len(line)]):
+                yield line[start:end]
 
 
 def parse_log(lines: Iterable[str]) -> Metrics:
