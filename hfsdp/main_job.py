@@ -16,8 +16,9 @@ double buffering, both deterministic. It prints the pool against the plan, the h
 whether the losses are bit-identical; it says nothing about speed.
 
 Each run's whole output (Megatron's arguments, warnings, every log line) goes to a log file in a
-new folder under ``out/main_job/`` (:func:`job_folder`); the console shows the steps, the results
-and, for a run that fails, the end of its output. On a machine without CUDA GPUs
+new folder under ``out/main_job/`` (:func:`job_folder`), and what Megatron prints while the job
+itself checks arguments and plans memory goes to ``main_job.log`` there (:func:`stderr_into`); the
+console shows the steps, the results and, for a run that fails, the end of its output. On a machine without CUDA GPUs
 ``scripts/run_main.sh`` calls :func:`cpu_main` instead: the memory planner, the CUDA-graph capture
 check and the CPU smoke, each summed up in a few lines, their whole output in one log file.
 
@@ -31,6 +32,7 @@ is set (see ``ALLOC_CONF_ENV``). ``HFSDP_MAIN_JOB_OUT`` puts the job's folder el
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -40,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -77,6 +79,28 @@ def one_logger_flags(flags: Sequence[str]) -> list[str]:
     if NO_ONE_LOGGER in flags or importlib.util.find_spec("one_logger") is not None:
         return []
     return [NO_ONE_LOGGER]
+
+
+@contextlib.contextmanager
+def stderr_into(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Inside the block, this process's stderr goes to the end of ``path``.
+
+    What the job does in its own process (Megatron's argument checks, the planner's model build)
+    makes Megatron print import warnings and log lines that say nothing to a user; they belong in
+    the job's log. The redirect is of file descriptor 2, not of ``sys.stderr``, so a logging
+    handler made inside the block keeps writing to the console after it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "a") as log:
+            os.dup2(log.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
 
 
 def capture_problems(flags: Sequence[str], nproc: int) -> list[str]:
@@ -192,6 +216,8 @@ def train(flags: Sequence[str], nproc: int, steps: int, log_path: str, ranks_per
 
 
 REHEARSAL_NPROC = 2
+# Megatron's warnings and log lines from this process's own work (argument checks, planning).
+IN_PROCESS_LOG = "main_job.log"
 # Both rehearsal runs: deterministic kernels and reductions (hfsdp/te_determinism.py; Triton's
 # choice pinned), so the max-pool run must reproduce its twin bit for bit.
 REHEARSAL_FLAGS = ("--deterministic-mode",)
@@ -242,8 +268,11 @@ def rehearse(base: Sequence[str], steps: int, graphed: bool, workdir: str) -> Re
     # Pinned Triton choices: the DP=1 runs cached timed choices for some kernels only, and two
     # ranks timing one kernel at once may choose differently; pinned, both runs take the same.
     deterministic = te_determinism.env("pin")
-    print(fit.preflight(placement, pretrain_launch.training_flags(runs["maxpool"], REHEARSAL_NPROC, steps),
-                        environ={**deterministic, **os.environ}))
+    in_process = os.path.join(workdir, IN_PROCESS_LOG)
+    with stderr_into(in_process):
+        fits = fit.preflight(placement, pretrain_launch.training_flags(runs["maxpool"], REHEARSAL_NPROC, steps),
+                             environ={**deterministic, **os.environ})
+    print(fits)
     reports: dict[str, dict] = {}
     losses: dict[str, dict[int, float]] = {}
     for name, flags in runs.items():
@@ -264,8 +293,9 @@ def rehearse(base: Sequence[str], steps: int, graphed: bool, workdir: str) -> Re
     out.pool_bytes = pooled.get("pool_bytes_measured")
     out.home_misses = (pooled.get("maxpool_stats") or {}).get("home_misses")
     out.peak_allocated = (reports["twin"]["peak_allocated_bytes"], pooled["peak_allocated_bytes"])
-    out.planned_pool_bytes = planned_pools(base, REHEARSAL_NPROC, names=["maxpool"]).get("maxpool", {}).get(
-        "pool_bytes")
+    with stderr_into(in_process):
+        planned = planned_pools(base, REHEARSAL_NPROC, names=["maxpool"])
+    out.planned_pool_bytes = planned.get("maxpool", {}).get("pool_bytes")
     return out
 
 
@@ -288,7 +318,10 @@ def _main(argv: Sequence[str] | None) -> int:
               "CPU part instead).", file=sys.stderr)
         return 2
     base = [*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *TRAIN_FLAGS, *one_logger_flags(extra), *extra]
-    problems = capture_problems(base, nproc)
+    job = job_folder("gpu")
+    in_process = job / IN_PROCESS_LOG
+    with stderr_into(in_process):
+        problems = capture_problems(base, nproc)
     graphed = not problems and steps > SETTLE_STEPS
     if problems:
         print("main_job: this configuration cannot run under a full-iteration CUDA graph, so it "
@@ -296,7 +329,6 @@ def _main(argv: Sequence[str] | None) -> int:
     elif not graphed:
         print(f"main_job: TRAIN_ITERS={steps} leaves no step after the CUDA-graph capture "
               f"(it needs more than {SETTLE_STEPS}); training eagerly.")
-    job = job_folder("gpu")
     print(f"main_job: each run's whole output goes to a log file in {shown(job)}; here, its steps.", flush=True)
     label = "max-pool + full-iteration CUDA graph" if graphed else "max-pool, eager"
     print(f"== main_job: training on {nproc} GPU(s): {label} ==", flush=True)
@@ -318,7 +350,8 @@ def _main(argv: Sequence[str] | None) -> int:
     idle = fit.data_parallel_size(base, nproc) == 1
     rehearsal = None
     if idle and rehearsal_iters > 0:
-        rehearsal_graphed = not capture_problems(base, REHEARSAL_NPROC) and rehearsal_iters > SETTLE_STEPS
+        with stderr_into(in_process):
+            rehearsal_graphed = not capture_problems(base, REHEARSAL_NPROC) and rehearsal_iters > SETTLE_STEPS
         print(f"== main_job: data-parallel size 2 on this GPU (2 ranks share it), {rehearsal_iters} steps: "
               "max-pool " + ("graphed" if rehearsal_graphed else "eager")
               + " vs no double buffer, deterministic ==", flush=True)

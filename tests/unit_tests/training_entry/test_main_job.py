@@ -55,6 +55,40 @@ def test_uncapturable_model_trains_eagerly_and_says_why(fake_train, capsys):
     assert "faster" not in out  # no comparison of eager with itself
 
 
+def test_the_jobs_own_megatron_noise_goes_to_its_log(fake_train, monkeypatch, capfd, tmp_path):
+    """Megatron's import warnings from the job's own argument checks land in the job's log."""
+    def noisy(flags, nproc):
+        os.write(2, b"UserWarning: Apex is not installed. Falling back to Torch Norm\n")
+        return []
+
+    monkeypatch.setattr(M, "capture_problems", noisy)
+    assert M.main([]) == 0
+    assert "Apex" not in capfd.readouterr().err
+    (log,) = (tmp_path / "jobs").glob("*/" + M.IN_PROCESS_LOG)
+    assert "Apex is not installed" in log.read_text()
+
+
+def test_stderr_into_moves_the_descriptor_and_gives_it_back(tmp_path):
+    """Warnings and a logging handler made inside the block go to the file; after it, stderr is
+    the console again, and that handler writes there."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "noise.log"
+    code = ("import logging, sys, warnings\n"
+            "from hfsdp.main_job import stderr_into\n"
+            "with stderr_into(sys.argv[1]):\n"
+            "    warnings.warn('import noise')\n"
+            "    logging.basicConfig()\n"
+            "    logging.getLogger('megatron').warning('log noise')\n"
+            "logging.getLogger('megatron').warning('after the block')\n")
+    run = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True,
+                         cwd=M.REPO_ROOT, check=False)
+    assert run.returncode == 0, run.stderr
+    assert "import noise" in log.read_text() and "log noise" in log.read_text()
+    assert "noise" not in run.stderr and "after the block" in run.stderr
+
+
 def test_no_gpu_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.delenv("NPROC", raising=False)
@@ -242,7 +276,8 @@ def test_each_job_keeps_its_logs_in_a_new_folder(fake_train, monkeypatch, tmp_pa
     monkeypatch.setenv("EAGER_ITERS", "4")
     assert M.main([]) == 0 and M.main([]) == 0
     jobs = sorted((tmp_path / "jobs").iterdir())
-    assert len(jobs) == 2 and all(sorted(p.name for p in job.iterdir()) == ["eager.log", "main.log"] for job in jobs)
+    assert len(jobs) == 2 and all(sorted(p.name for p in job.iterdir()) == ["eager.log", "main.log", M.IN_PROCESS_LOG]
+                              for job in jobs)
     out = capsys.readouterr().out
     assert all(f"The runs' whole output: {job}" in out for job in jobs)
 
