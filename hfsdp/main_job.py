@@ -257,7 +257,6 @@ def rehearse(base: Sequence[str], steps: int, graphed: bool, workdir: str) -> Re
     """Data-parallel size 2 on this GPU: the max-pool run (graphed when ``graphed``) and its twin
     without double buffering, with run reports (pool, home misses, peaks) and the planned pool."""
     from hfsdp.bench.run import planned_pools
-    from hfsdp.launch import fit
     from hfsdp.training import run_report
 
     twin = [f for f in base if f not in MAXPOOL_FLAGS]
@@ -571,8 +570,6 @@ def capture_step(extra: Sequence[str], job: Path, log: TextIO, log_path: Path) -
 
 def smoke_summary(result: Mapping[str, Any], steps: int) -> list[str]:
     """The CPU smoke's verdict from the functional driver's ``result.json``: steps and loss."""
-    from hfsdp.functional import logparse
-
     runs = result.get("runs") or []
     loss = logparse.parse_file(runs[0]["log"]).get("lm loss", {}) if runs else {}
     trend = f", lm loss {loss[min(loss)]:.4f} -> {loss[max(loss)]:.4f}" if loss else ", no lm loss logged"

@@ -8,7 +8,10 @@ at the CPU while the buffer allocates its temporary buckets.
 
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -18,7 +21,22 @@ FAKE_DP = 2
 MAMBA_OPT_OUT = "HFSDP_WITH_MAMBA"  # =0: the Mamba tests may skip (scripts/setup_env.sh, run_tests.sh)
 
 
+@functools.cache
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU here; asked once, in a child, so this process never touches CUDA."""
+    code = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.no_cuda`` tests describe a machine without CUDA: they skip where torch sees a
+    GPU. ``@pytest.mark.mamba`` tests need mamba_ssm (below)."""
+    if item.get_closest_marker("no_cuda") is not None and cuda_available():
+        pytest.skip("the test describes a machine without CUDA, and this one has a GPU")
+    mamba_needed(item)
+
+
+def mamba_needed(item: pytest.Item) -> None:
     """``@pytest.mark.mamba`` tests need mamba_ssm, imported the way Megatron imports it. Without
     it they fail, unless ``HFSDP_WITH_MAMBA=0`` opts out: then they skip, naming the opt-out. Mamba
     units are what this fork is for; a missing mamba_ssm must not pass their tests by skipping."""

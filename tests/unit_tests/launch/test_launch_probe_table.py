@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-HAVE_CUDA = subprocess.run([sys.executable, "-c", "import torch, sys; sys.exit(torch.cuda.is_available())"]
-                           ).returncode == 1
 
 # (id, arguments, exit status, fragment of stderr)
 ROWS = [
@@ -32,7 +30,7 @@ ROWS = [
 ]
 
 
-@pytest.mark.skipif(HAVE_CUDA, reason="the rows describe a machine without a GPU")
+@pytest.mark.no_cuda  # the rows describe a machine without a GPU
 @pytest.mark.parametrize(("args", "rc", "says"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_probe(args, rc, says):
     env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}

@@ -15,8 +15,6 @@ import pytest
 from test_entry import TINY  # the tiny dense GPT every entry test uses
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-HAVE_CUDA = subprocess.run([sys.executable, "-c", "import torch, sys; sys.exit(torch.cuda.is_available())"]
-                           ).returncode == 1
 
 
 def pretrain(*extra: str, debug: bool = False, script: str = "pretrain_gpt.py") -> subprocess.CompletedProcess:
@@ -64,7 +62,7 @@ def test_hfsdp_debug_shows_the_traceback():
     assert proc.returncode == 2 and "Traceback" in proc.stderr and "validate_double_buffer_args" in proc.stderr
 
 
-@pytest.mark.skipif(HAVE_CUDA, reason="checks the message on a machine without CUDA")
+@pytest.mark.no_cuda  # checks the message on a machine without CUDA
 def test_a_valid_configuration_on_a_cpu_machine_says_training_needs_gpus():
     script = "pretrain_gpt.py"
     proc = pretrain(script=script)
@@ -114,7 +112,7 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads
         "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
 
 
-@pytest.mark.skipif(HAVE_CUDA, reason="checks validation on a machine without CUDA")
+@pytest.mark.no_cuda  # checks validation on a machine without CUDA
 def test_megatron_fsdp_flags_are_validated_without_a_gpu():
     """validate_args asks the GPU's architecture with Megatron-FSDP (and with tensor parallelism);
     without a driver an assumed GPU answers ([Note: validation without a GPU] in
@@ -126,7 +124,7 @@ def test_megatron_fsdp_flags_are_validated_without_a_gpu():
     assert "Traceback" not in proc.stderr and "Found no NVIDIA driver" not in proc.stderr
 
 
-@pytest.mark.skipif(HAVE_CUDA, reason="checks validation on a machine without CUDA")
+@pytest.mark.no_cuda  # checks validation on a machine without CUDA
 def test_checks_after_the_gpu_query_run_without_a_gpu():
     """The checks validate_args runs after its device queries (CUDA-graph and TE checks) and the
     device queries themselves (--moe-grouped-gemm, tensor parallelism) reject flags on a CPU machine."""
