@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -317,10 +318,13 @@ def _main(argv: Sequence[str] | None) -> int:
               "CPU part instead).", file=sys.stderr)
         return 2
     base = [*DEFAULT_MODEL_FLAGS, *MAXPOOL_FLAGS, *TRAIN_FLAGS, *one_logger_flags(extra), *extra]
-    job = job_folder("gpu")
-    in_process = job / IN_PROCESS_LOG
-    with stderr_into(in_process):
-        problems = capture_problems(base, nproc)
+    with tempfile.TemporaryDirectory() as scratch:  # a refused flag leaves no job folder behind
+        early = Path(scratch) / IN_PROCESS_LOG
+        with stderr_into(early):
+            problems = capture_problems(base, nproc)
+        job = job_folder("gpu")
+        in_process = job / IN_PROCESS_LOG
+        shutil.move(early, in_process)  # /tmp may be another file system
     graphed = not problems and steps > SETTLE_STEPS
     if problems:
         print("main_job: this configuration cannot run under a full-iteration CUDA graph, so it "

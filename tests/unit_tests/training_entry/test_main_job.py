@@ -351,6 +351,7 @@ def test_flags_megatron_refuses_are_one_sentence(fake_train, tmp_path, capsys):
     with pytest.raises(M.UserError, match="Megatron's parser refuses the job's flags: unrecognized arguments: --bogus"):
         M.capture_problems(["--bogus"], 1)
     assert M.main(["--bogus"]) == 2 and not fake_train
+    assert not (tmp_path / "jobs").exists()  # a refused job leaves no folder
     assert "main_job: error: Megatron's parser refuses" in capsys.readouterr().err
     assert M.write_capture_problems(str(tmp_path / "problems.json"), ["--bogus"]) == 2
 
