@@ -10,15 +10,65 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 FAKE_DP = 2
 MAMBA_OPT_OUT = "HFSDP_WITH_MAMBA"  # =0: the Mamba tests may skip (scripts/setup_env.sh, run_tests.sh)
+
+
+@pytest.fixture
+def lock_folder() -> Iterator[Callable[[Path], Path]]:
+    """``lock_folder(path)`` makes ``path`` (creating it) read-only for the test and writable again
+    after it. The tests that use it skip as root, who may write anywhere (os.access says so)."""
+    if os.geteuid() == 0:
+        pytest.skip("root may write anywhere (os.access says so)")
+    locked: list[Path] = []
+
+    def lock(path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o555)
+        locked.append(path)
+        return path
+
+    yield lock
+    for path in locked:
+        path.chmod(0o755)
+
+
+Interrupted = tuple[int, tuple[str, str], bool]  # (the run's pid, proc.communicate(), whether it is gone)
+
+
+@pytest.fixture
+def sigterm_once_started() -> Callable[[subprocess.Popen, Path, float, float], Interrupted]:
+    """``sigterm_once_started(proc, pidfile, start_s, gone_s)``: wait up to ``start_s`` for the run
+    that ``proc`` launches to write its pid to ``pidfile``, SIGTERM ``proc``, collect its output,
+    then give the run ``gone_s`` to disappear (a launcher must end the run it started)."""
+    def run(proc: subprocess.Popen, pidfile: Path, start_s: float, gone_s: float) -> Interrupted:
+        try:
+            deadline = time.monotonic() + start_s
+            while not (pidfile.is_file() and pidfile.read_text()) and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.communicate()
+                time.sleep(0.1)
+            pid = int(pidfile.read_text())
+            proc.send_signal(signal.SIGTERM)
+            output = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        gone = time.monotonic() + gone_s
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < gone:
+            time.sleep(0.1)
+        return pid, output, not Path(f"/proc/{pid}").exists()
+
+    return run
 
 
 @functools.cache

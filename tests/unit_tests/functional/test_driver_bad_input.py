@@ -363,25 +363,19 @@ def test_a_case_output_folder_under_a_file_or_a_dead_link_is_refused_and_nothing
     assert blocker.read_text() == "mine\n" and not (tmp_path / "nowhere").exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
-def test_an_output_dir_in_a_folder_that_is_not_writable_is_refused_before_the_case_runs(tmp_path):
+def test_an_output_dir_in_a_folder_that_is_not_writable_is_refused_before_the_case_runs(tmp_path, lock_folder):
     from hfsdp.functional import outdir
 
     trainer = tmp_path / "trainer.py"
     trainer.write_text(TRAINER)
     case = make_case(tmp_path / "cases", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o555)
-    try:
-        with pytest.raises(UserError) as info:
-            run_case(case, launch=Launch(nproc=1, timeout_s=60), output_root=locked / "out")
-        assert info.value.cause == f"--output-dir {locked / 'out'}: {locked} is not writable"
-        with pytest.raises(UserError, match=f"{locked} is not writable"):
-            outdir.check(locked / "gpt" / "case", clear=True)
-        assert list(locked.iterdir()) == []
-    finally:
-        locked.chmod(0o755)
+    locked = lock_folder(tmp_path / "locked")
+    with pytest.raises(UserError) as info:
+        run_case(case, launch=Launch(nproc=1, timeout_s=60), output_root=locked / "out")
+    assert info.value.cause == f"--output-dir {locked / 'out'}: {locked} is not writable"
+    with pytest.raises(UserError, match=f"{locked} is not writable"):
+        outdir.check(locked / "gpt" / "case", clear=True)
+    assert list(locked.iterdir()) == []
 
 
 def test_a_bad_compare_to_is_refused_before_the_case_runs(tmp_path):
@@ -420,21 +414,15 @@ def test_batch_refuses_a_summary_under_a_file_before_running(tmp_path, capsys):
     assert not (tmp_path / "out").exists() and blocker.read_text() == "mine\n"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
-def test_batch_refuses_a_summary_in_a_folder_that_is_not_writable_before_running(tmp_path, capsys):
+def test_batch_refuses_a_summary_in_a_folder_that_is_not_writable_before_running(tmp_path, capsys, lock_folder):
     from hfsdp.functional import batch
 
     case = make_case(tmp_path / "cases")
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o555)
-    try:
-        summary = locked / "s.txt"
-        assert batch.main([str(case), "--summary", str(summary), "--output-dir", str(tmp_path / "out")]) == 2
-        assert f"--summary {summary}: {locked} is not writable" in capsys.readouterr().err
-        assert not (tmp_path / "out").exists()
-    finally:
-        locked.chmod(0o755)
+    locked = lock_folder(tmp_path / "locked")
+    summary = locked / "s.txt"
+    assert batch.main([str(case), "--summary", str(summary), "--output-dir", str(tmp_path / "out")]) == 2
+    assert f"--summary {summary}: {locked} is not writable" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_batch_refuses_gpu_cases_where_no_gpu_is_visible_before_running_any(tmp_path, monkeypatch, capsys):

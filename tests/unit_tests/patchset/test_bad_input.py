@@ -7,7 +7,6 @@ Driven through the command line (``hfsdp.patchset.cli.main``); the probe table
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -148,21 +147,15 @@ def test_a_download_cache_under_a_file_is_refused_before_any_download(fake: Env,
     assert blocker.read_text() == "mine\n"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
 def test_a_download_cache_that_is_not_writable_is_refused_before_any_download(fake: Env, tmp_path: Path,
-                                                                                monkeypatch) -> None:
+                                                                                monkeypatch, lock_folder) -> None:
     from hfsdp.patchset.errors import SourceUnavailable
     from hfsdp.patchset.source import locate_sdist
 
     _no_download(monkeypatch)
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o555)
-    try:
-        with pytest.raises(SourceUnavailable, match=f"{locked} is not writable, so"):
-            locate_sdist(fake.project.pin(), env={"MEGATRON_PATCHSET_CACHE": str(locked / "cache")})
-    finally:
-        locked.chmod(0o755)
+    locked = lock_folder(tmp_path / "locked")
+    with pytest.raises(SourceUnavailable, match=f"{locked} is not writable, so"):
+        locate_sdist(fake.project.pin(), env={"MEGATRON_PATCHSET_CACHE": str(locked / "cache")})
 
 
 def _no_source(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,22 +185,16 @@ def test_a_queue_dir_under_a_file_or_a_dead_link_is_refused_before_anything_runs
     assert blocker.read_text() == "mine\n" and not (tmp_path / "nowhere").exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
-def test_a_queue_dir_in_a_folder_that_is_not_writable_is_refused_before_anything_runs(fake: Env, tmp_path: Path,
-                                                                                         monkeypatch) -> None:
+def test_a_queue_dir_in_a_folder_that_is_not_writable_is_refused_before_anything_runs(
+        fake: Env, tmp_path: Path, monkeypatch, lock_folder) -> None:
     from hfsdp.patchset.errors import PatchsetError
     from hfsdp.patchset.queue import make_queue
 
     _no_source(monkeypatch)
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    (locked / "empty").mkdir()
-    locked.chmod(0o555)
-    try:
-        with pytest.raises(PatchsetError, match=f"--dir {locked / 'new'}: {locked} is not writable"):
-            make_queue(fake.project, locked / "new")
-        with pytest.raises(PatchsetError, match=f"--dir {locked / 'empty'}: {locked} is not writable"):
-            make_queue(fake.project, locked / "empty")  # replaced from beside it
-        assert sorted(p.name for p in locked.iterdir()) == ["empty"]
-    finally:
-        locked.chmod(0o755)
+    (tmp_path / "locked" / "empty").mkdir(parents=True)
+    locked = lock_folder(tmp_path / "locked")
+    with pytest.raises(PatchsetError, match=f"--dir {locked / 'new'}: {locked} is not writable"):
+        make_queue(fake.project, locked / "new")
+    with pytest.raises(PatchsetError, match=f"--dir {locked / 'empty'}: {locked} is not writable"):
+        make_queue(fake.project, locked / "empty")  # replaced from beside it
+    assert sorted(p.name for p in locked.iterdir()) == ["empty"]

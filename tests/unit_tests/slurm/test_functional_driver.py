@@ -447,7 +447,7 @@ def test_only_the_last_node_judges_the_loss(tmp_path: Path, node_rank: int, log:
     assert result.status == status, result.reasons
 
 
-def test_sigterm_to_the_driver_ends_its_run_and_fails_the_case(tmp_path: Path) -> None:
+def test_sigterm_to_the_driver_ends_its_run_and_fails_the_case(tmp_path: Path, sigterm_once_started) -> None:
     """A job's time limit, scancel or srun's --kill-on-bad-exit sends the driver SIGTERM. The run
     (torchrun and its ranks, in their own session) must end with it, and the case FAIL saying why;
     the driver once died at once and left the ranks running."""
@@ -455,7 +455,6 @@ def test_sigterm_to_the_driver_ends_its_run_and_fails_the_case(tmp_path: Path) -
     import signal
     import subprocess
     import sys
-    import time
 
     pidfile = tmp_path / "rank.pid"
     trainer = tmp_path / "sleeper.py"
@@ -469,23 +468,10 @@ def test_sigterm_to_the_driver_ends_its_run_and_fails_the_case(tmp_path: Path) -
     driver = subprocess.Popen([sys.executable, "-m", "hfsdp.functional.run_case", str(case), "--output-dir",
                                str(tmp_path / "out")], cwd=REPO_ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not (pidfile.is_file() and pidfile.read_text()) and time.monotonic() < deadline:
-            assert driver.poll() is None, driver.communicate()[0]
-            time.sleep(0.1)
-        rank = int(pidfile.read_text())
-        driver.send_signal(signal.SIGTERM)
-        out, _ = driver.communicate(timeout=60)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
+    rank, (out, _), gone = sigterm_once_started(driver, pidfile, 120, 5)
     assert driver.returncode == 128 + signal.SIGTERM, out
     assert "stopped by SIGTERM" in out and "HFSDP-FUNCTIONAL RESULT smoke/sleeper: FAIL" in out, out
-    gone = time.monotonic() + 5
-    while Path(f"/proc/{rank}").exists() and time.monotonic() < gone:
-        time.sleep(0.1)
-    assert not Path(f"/proc/{rank}").exists(), f"rank {rank} outlived the driver:\n{out}"
+    assert gone, f"rank {rank} outlived the driver:\n{out}"
 
 
 # What a node's torchrun agent logged in a 4-node CI job after every rank had passed.

@@ -40,19 +40,13 @@ def test_a_log_dir_under_a_file_is_refused_before_anything_is_written(tmp_path):
     assert sorted(tmp_path.iterdir()) == [blocker] and blocker.read_text() == "mine\n"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
-def test_a_log_dir_in_a_folder_that_is_not_writable_is_refused_before_anything_runs(tmp_path):
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o555)
-    try:
-        logs = locked / "logs"
-        proc = cli("hfsdp.slurm.submit", str(CASE), "--log-dir", str(logs), "--dry-run")
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr
-        assert f"--log-dir {logs}: {locked} is not writable" in proc.stderr
-        assert list(locked.iterdir()) == []
-    finally:
-        locked.chmod(0o755)
+def test_a_log_dir_in_a_folder_that_is_not_writable_is_refused_before_anything_runs(tmp_path, lock_folder):
+    locked = lock_folder(tmp_path / "locked")
+    logs = locked / "logs"
+    proc = cli("hfsdp.slurm.submit", str(CASE), "--log-dir", str(logs), "--dry-run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"--log-dir {logs}: {locked} is not writable" in proc.stderr
+    assert list(locked.iterdir()) == []
 
 
 @pytest.mark.parametrize(("args", "expected"), [

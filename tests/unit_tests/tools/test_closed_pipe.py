@@ -128,11 +128,10 @@ def test_a_signal_is_one_line_with_what_became_of_the_work(monkeypatch, capsys, 
     assert {sig: signal.getsignal(sig) for sig in before} == before  # the handlers are put back
 
 
-def test_sigterm_to_a_launcher_ends_its_run(tmp_path):
+def test_sigterm_to_a_launcher_ends_its_run(tmp_path, sigterm_once_started):
     """A launcher's run has a session of its own, which a SIGTERM to the launcher (a Slurm time
     limit, scancel, timeout) does not reach: under run_cli, run_group ends the run first."""
     import signal
-    import time
 
     pidfile = tmp_path / "run.pid"
     launcher = (
@@ -147,20 +146,7 @@ def test_sigterm_to_a_launcher_ends_its_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
     proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=REPO_ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while not (pidfile.is_file() and pidfile.read_text()) and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-        child = int(pidfile.read_text())
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    child, (_, err), gone = sigterm_once_started(proc, pidfile, 60, 10)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert err.strip().splitlines()[-1] == "launcher: interrupted by SIGTERM; its run was ended", err
-    gone = time.monotonic() + 10
-    while Path(f"/proc/{child}").exists() and time.monotonic() < gone:
-        time.sleep(0.1)
-    assert not Path(f"/proc/{child}").exists(), f"the run ({child}) outlived its launcher"
+    assert gone, f"the run ({child}) outlived its launcher"

@@ -149,19 +149,13 @@ def test_output_paths_name_the_path_given_and_refuse_a_link_to_nothing(tmp_path)
     output_file("--summary", tmp_path / "new" / "s.txt")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere (os.access says so)")
-def test_output_paths_refuse_a_folder_that_is_not_writable(tmp_path):
+def test_output_paths_refuse_a_folder_that_is_not_writable(tmp_path, lock_folder):
     from hfsdp.usererror import output_file, output_folder
 
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o555)
-    try:
-        with pytest.raises(UserError, match=f"{locked} is not writable"):
-            output_folder("--log-dir", locked / "logs")
-        with pytest.raises(UserError, match=f"--log-dir {locked}: {locked} is not writable"):
-            output_folder("--log-dir", locked)
-        with pytest.raises(UserError, match=f"{locked} is not writable"):
-            output_file("--summary", locked / "s.txt")
-    finally:
-        locked.chmod(0o755)
+    locked = lock_folder(tmp_path / "locked")
+    with pytest.raises(UserError, match=f"{locked} is not writable"):
+        output_folder("--log-dir", locked / "logs")
+    with pytest.raises(UserError, match=f"--log-dir {locked}: {locked} is not writable"):
+        output_folder("--log-dir", locked)
+    with pytest.raises(UserError, match=f"{locked} is not writable"):
+        output_file("--summary", locked / "s.txt")
