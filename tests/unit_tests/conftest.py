@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pristine_release import extract_pristine
 
 FAKE_DP = 2
 MAMBA_OPT_OUT = "HFSDP_WITH_MAMBA"  # =0: the Mamba tests may skip (scripts/setup_env.sh, run_tests.sh)
@@ -69,6 +70,12 @@ def sigterm_once_started() -> Callable[[subprocess.Popen, Path, float, float], I
         return pid, output, not Path(f"/proc/{pid}").exists()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def pristine_megatron(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pinned release's own megatron/, extracted once per test session (pristine_release.py)."""
+    return extract_pristine(tmp_path_factory.mktemp("pristine"))
 
 
 @functools.cache

@@ -219,3 +219,129 @@ def _package(root: Path, files: Mapping[str, str]) -> Path:
 ])
 def test_cycles_are_found_and_named(tmp_path: Path, files: dict[str, str], expected: list[str]) -> None:
     assert cycles(import_graph(_package(tmp_path, files))) == expected
+
+
+# [Note: cycles at import time]
+# The tests above read imports as ties between modules. What breaks a program is narrower: a
+# module that, while it runs, causes an import of itself before it has defined what is asked of
+# it ("partially initialized module"). Upstream modules often take an ``except ImportError:``
+# fallback then, without a word (Megatron-FSDP's standalone mode). Such a loop only runs through
+# imports that execute at import time, and through packages: importing ``a.b.c`` first runs
+# ``a/__init__`` and ``a/b/__init__``. The release already has loops of that kind, which it
+# survives, so the fork is held to this: no import-time edge the release lacks may close a loop.
+
+def import_time_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements that run when the module is imported: not inside a function, nor
+    under ``if TYPE_CHECKING:``."""
+    def visit(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for orelse in child.orelse:
+                    yield from visit(ast.Module(body=[orelse], type_ignores=[]))
+            else:
+                yield from visit(child)
+    yield from visit(tree)
+
+
+def import_time_graph(package_dir: Path) -> Graph:
+    """Module -> the modules of the package that importing it runs: each import-time import's
+    module and every package above it (their ``__init__`` runs first), but the module's own
+    packages."""
+    root = package_dir.parent
+    modules = {module_name(p, root): p for p in sorted(package_dir.rglob("*.py"))}
+    graph: Graph = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        targets: set[str] = set()
+        for node in import_time_imports(tree):
+            for name in imported_names(module, path.name == "__init__.py", node):
+                parts = name.split(".")
+                targets.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in modules)
+        # Its own packages are already running when a module runs: importing them again runs nothing.
+        ancestors = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+        graph[module] = targets - ancestors - {module}
+    return graph
+
+
+def path_between(graph: Graph, start: str, goal: str) -> list[str] | None:
+    """A shortest path ``[start, ..., goal]`` along the graph's edges, or None."""
+    came_from: dict[str, str | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        v = queue.popleft()
+        if v == goal:
+            path = [v]
+            while (prev := came_from[path[-1]]) is not None:
+                path.append(prev)
+            return path[::-1]
+        for w in sorted(graph.get(v, ())):
+            if w not in came_from:
+                came_from[w] = v
+                queue.append(w)
+    return None
+
+
+def new_import_time_loops(fork: Graph, release: Graph) -> list[str]:
+    """Each edge the fork adds to the release's graph that closes a loop, as ``a -> b -> ... -> a``."""
+    found = []
+    for u in sorted(fork):
+        for v in sorted(fork[u] - release.get(u, set())):
+            back = path_between(fork, v, u)
+            if back is not None:
+                found.append(" -> ".join([u, *back]))
+    return found
+
+
+@pytest.fixture(scope="module")
+def release_graph(pristine_megatron: Path) -> Graph:
+    return import_time_graph(pristine_megatron / "megatron")
+
+
+DDPC = "megatron.core.distributed.distributed_data_parallel_config"
+RULES = "megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer_rules"
+
+
+def test_the_fork_adds_no_import_time_loop(release_graph: Graph) -> None:
+    fork = import_time_graph(REPO_ROOT / "megatron")
+    # The reader sees the release's own loops through packages, which the fork must not add to.
+    assert "megatron.core" in release_graph["megatron.core.utils"] or any(
+        "megatron.core" in targets for targets in release_graph.values()), "package edges are missing"
+    found = new_import_time_loops(fork, release_graph)
+    assert not found, ("imports the release does not have close a loop at import time (a module would "
+                       "meet itself half-initialized; import inside the function that needs it, or move "
+                       "the shared piece): " + "; ".join(found))
+
+
+def test_the_check_finds_the_loop_of_a_config_that_imports_the_rules_at_its_top(release_graph: Graph) -> None:
+    """Megatron Core's DDP config importing the double-buffer rules at module level put Megatron-FSDP
+    in its standalone mode: the package's ``__init__`` imports ``fully_shard``, which imports the
+    half-built config."""
+    fork = import_time_graph(REPO_ROOT / "megatron")
+    assert RULES not in fork[DDPC]
+    fork[DDPC] = fork[DDPC] | {RULES, *(RULES.rsplit(".", i)[0] for i in range(1, 3))}
+    found = new_import_time_loops(fork, release_graph)
+    assert any(loop.startswith(DDPC + " -> ") and ".megatron_fsdp.fully_shard" in loop for loop in found), found
+
+
+@pytest.mark.parametrize("files, expected", [
+    # a config that imports the rules at its top, through a package whose __init__ imports the config
+    ({"__init__.py": "", "cfg.py": "from .sub.rules import r\n", "sub/__init__.py": "from . import user\n",
+      "sub/user.py": "from pkg.cfg import C\n", "sub/rules.py": "r = 1\n"},
+     ["pkg.cfg -> pkg.sub -> pkg.sub.user -> pkg.cfg"]),
+    # the same import inside a function, or only for type checkers, runs later or never
+    ({"__init__.py": "", "cfg.py": "def f():\n    from .sub.rules import r\n",
+      "sub/__init__.py": "from . import user\n", "sub/user.py": "from pkg.cfg import C\n", "sub/rules.py": "r = 1\n"},
+     []),
+    ({"__init__.py": "",
+      "cfg.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sub.rules import r\n",
+      "sub/__init__.py": "from . import user\n", "sub/user.py": "from pkg.cfg import C\n", "sub/rules.py": "r = 1\n"},
+     []),
+])
+def test_new_import_time_loops_are_found_and_named(tmp_path: Path, files: dict[str, str], expected: list[str]) -> None:
+    release = {k: v for k, v in files.items() if k != "cfg.py"} | {"cfg.py": ""}
+    release_graph = import_time_graph(_package(tmp_path / "release", release))
+    assert new_import_time_loops(import_time_graph(_package(tmp_path / "fork", files)), release_graph) == expected

@@ -98,11 +98,17 @@ def test_ddp_configs_check_the_same_rules_as_the_command_line(cfg_cls, fields, m
         cfg_cls(**{**UNITS[cfg_cls], **fields})
 
 
-def test_megatron_core_config_needs_megatron_fsdp_for_max_pool():
-    with pytest.raises(ValueError, match="requires use_megatron_fsdp"):
-        MCoreDDPConfig(megatron_fsdp_max_pool_double_buffer=True, data_parallel_sharding_strategy="optim_grads_params")
-    assert MCoreDDPConfig(megatron_fsdp_max_pool_double_buffer=True, use_custom_fsdp=True,
-                          data_parallel_sharding_strategy="optim_grads_params").fsdp_double_buffer
+def test_fully_shard_builds_megatron_cores_config_and_max_pool_passes_it():
+    """With Megatron Core importable, fully_shard builds Megatron Core's config, without
+    use_megatron_fsdp: the config must take max-pool from it (only the command line, where that
+    flag picks the wrapper, asks for --use-megatron-fsdp), and name fully_shard's keywords."""
+    assert fs.DistributedDataParallelConfig is MCoreDDPConfig
+    cfg = fs.DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params",
+                                           megatron_fsdp_max_pool_double_buffer=True, megatron_fsdp_max_pool_lanes=3)
+    assert cfg.fsdp_double_buffer and not cfg.use_megatron_fsdp
+    with pytest.raises(ValueError, match=r"\(fully_shard: maxpool_double_buffer\) requires .*\(fully_shard: zero_dp"):
+        fs.DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads",
+                                         megatron_fsdp_max_pool_double_buffer=True)
 
 
 def kwargs_fully_shard_passes_on(monkeypatch, **kwargs):

@@ -22,18 +22,12 @@ print("\\n".join(s for a in parser._actions for s in a.option_strings))
 
 
 @pytest.fixture(scope="module")
-def pristine_options(tmp_path_factory) -> set[str]:
+def pristine_options(pristine_megatron: Path) -> set[str]:
     """Every option string of the parser of the pinned release itself (no overlay, no patches)."""
-    from hfsdp.patchset.project import Project
-    from hfsdp.patchset.source import locate_sdist
-    from hfsdp.patchset.tree import extract_base
-
-    pin = Project.default().pin()
-    base = tmp_path_factory.mktemp("pristine")
-    extract_base(pin, locate_sdist(pin), base)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", PRISTINE_OPTIONS], cwd=base,
-                          env={**env, "PYTHONPATH": str(base)}, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", PRISTINE_OPTIONS], cwd=pristine_megatron,
+                          env={**env, "PYTHONPATH": str(pristine_megatron)}, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return set(proc.stdout.split())
 

@@ -36,11 +36,11 @@ from typing import Any
 
 import pytest
 import test_maxpool_hybrid_gpu as base  # the sibling module: model, runs and the child runner
+from pristine_release import extract_pristine
 from test_maxpool_hybrid_gpu import dist_env  # noqa: F401  (its module-scoped process group)
 
 from hfsdp.training.requirements import importable
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
 OUT = os.environ.get("OUT") or "/tmp"
 needs_conv1d = pytest.mark.skipif(not importable("causal_conv1d"),
                                   reason="causal_conv1d not importable (Mamba's fused path)")
@@ -93,19 +93,6 @@ def test_fused_mamba(spec: str, variant: str) -> None:
         check_crashed(rec)
 
 
-def pristine_tree(dest: Path) -> Path:
-    """megatron/ of the pinned 0.18.2 sdist, unpatched, under ``dest`` (the sdist is found as
-    ``scripts/patchset`` finds it: MEGATRON_PATCHSET_SDIST, wheelhouses, cache; never downloaded)."""
-    from hfsdp.patchset.project import Project
-    from hfsdp.patchset.source import locate_sdist
-    from hfsdp.patchset.tree import extract_base
-
-    pin = Project(REPO_ROOT).pin()
-    sdist = locate_sdist(pin, env=dict(os.environ, MEGATRON_PATCHSET_OFFLINE="1"))
-    extract_base(pin, sdist, dest)
-    return dest
-
-
 @pytest.mark.gpu
 @base.needs_two_gpus
 @needs_conv1d
@@ -114,7 +101,7 @@ def pristine_tree(dest: Path) -> Path:
 def test_fused_mamba_on_unpatched_0182() -> None:
     name = "fused_mamba_te_unpatched-0.18.2"
     with tempfile.TemporaryDirectory(prefix="hfsdp-0182-") as tmp:
-        tree = pristine_tree(Path(tmp)) if base.dist.get_rank() == 0 else Path(tmp)
+        tree = extract_pristine(Path(tmp)) if base.dist.get_rank() == 0 else Path(tmp)
         path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
         rec = base.run_repro_child(name, ["--fused", "--te"], os.path.join(OUT, f"{name}.json"),
                                    env_extra={"PYTHONPATH": path})

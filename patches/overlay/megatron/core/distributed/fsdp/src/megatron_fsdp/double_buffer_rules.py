@@ -8,7 +8,9 @@ Megatron-FSDP's) and through ``fully_shard``. Each rule is one function below th
 a combination cannot work (None when it can). The command line's checks
 (megatron/training/double_buffer_args.py) and both configs' ``__post_init__``
 (:func:`check_config`) call the same functions, each passing the :class:`Names` its user
-wrote, so that a message names the setting as the user spelled it. What the settings imply
+wrote, so that a message names the setting as the user spelled it. With Megatron-Core
+importable, ``fully_shard`` builds Megatron-Core's config, so both configs share one
+:data:`CONFIG_NAMES` that gives the field and the ``fully_shard`` keyword. What the settings imply
 (:func:`implied_double_buffer`) is one function too.
 """
 
@@ -34,15 +36,7 @@ class Names:
     megatron_fsdp: str
 
 
-CONFIG_NAMES = Names(  # Megatron-Core's DistributedDataParallelConfig
-    max_pool="megatron_fsdp_max_pool_double_buffer",
-    lanes="megatron_fsdp_max_pool_lanes",
-    double_buffer="fsdp_double_buffer",
-    persistent_fallback="fsdp_db_use_persist_buf_on_alloc_fail",
-    sharding_strategy="data_parallel_sharding_strategy",
-    megatron_fsdp="use_megatron_fsdp",
-)
-FULLY_SHARD_NAMES = Names(  # Megatron-FSDP's own config, which fully_shard builds
+CONFIG_NAMES = Names(  # both DistributedDataParallelConfigs; fully_shard builds one of them
     max_pool="megatron_fsdp_max_pool_double_buffer (fully_shard: maxpool_double_buffer)",
     lanes="megatron_fsdp_max_pool_lanes (fully_shard: maxpool_lanes)",
     double_buffer="fsdp_double_buffer (fully_shard: fsdp_double_buffer)",
@@ -97,15 +91,15 @@ def persistent_fallback_problem(persistent: bool, double_buffer: bool, names: Na
     return None
 
 
-def check_config(config: Any, names: Names, use_megatron_fsdp: bool = True) -> None:
+def check_config(config: Any, names: Names = CONFIG_NAMES) -> None:
     """Both configs' ``__post_init__``: apply the implication, then raise ValueError for the
-    first rule the config breaks, spelled with ``names``. ``use_megatron_fsdp``: Megatron-Core's
-    config says whether it drives Megatron-FSDP; Megatron-FSDP's own config always does."""
+    first rule the config breaks, spelled with ``names``. Whether Megatron-FSDP is used is not
+    the config's to say (``fully_shard`` builds Megatron-Core's config without
+    ``use_megatron_fsdp``): the command line checks that rule."""
     config.fsdp_double_buffer = implied_double_buffer(
         config.fsdp_double_buffer, config.megatron_fsdp_max_pool_double_buffer
     )
     for problem in (
-        max_pool_fsdp_problem(config.megatron_fsdp_max_pool_double_buffer, use_megatron_fsdp, names),
         max_pool_strategy_problem(
             config.megatron_fsdp_max_pool_double_buffer,
             config.data_parallel_sharding_strategy,
