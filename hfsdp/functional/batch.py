@@ -6,10 +6,12 @@
 
 Each case is one ``run_case`` process with its log beside the case's outputs. A case's
 ``COMPARE_TO`` twin runs before it (added to the batch when it is not named), so no two cases
-ever run one twin at once. ``--jobs N`` runs N cases at a time (after a first case alone, which
-fills the kernel caches), only with several ranks per GPU,
-where no step time is judged ([Note: goldens of the several-ranks-per-GPU mode] in golden.py);
-with one rank per GPU cases run one after another, as their step times are compared.
+ever run one twin at once. ``--jobs N`` runs up to N cases at a time, after a first case alone,
+which fills the kernel caches. With one rank per GPU each case then gets GPUs of its own
+(:class:`GpuSlots`): a 4-GPU machine runs two 2-GPU cases, or four 1-GPU cases, side by side.
+Neighbours share only the host, so step times are still judged, within the goldens' tolerance.
+With several ranks per GPU cases share the GPUs, and no step time is judged ([Note: goldens of
+the several-ranks-per-GPU mode] in golden.py).
 
 Goldens (:func:`golden_for`): on its own GPUs a case is held to ``--platform``'s golden. With
 several ranks per GPU, to the mode's golden of that GPU kind (``<platform>_shared``), else to
@@ -23,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +39,7 @@ from typing import IO
 
 from hfsdp.functional import golden, outdir
 from hfsdp.functional.recipe import Recipe, load_recipe
-from hfsdp.functional.run_case import RESULT_MARK, output_dir_for
+from hfsdp.functional.run_case import RESULT_MARK, output_dir_for, trains_on_gpus
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, parse_assignments
 from hfsdp.usererror import Interrupted, UserError, output_file, positive, run_cli
@@ -129,7 +132,56 @@ class Running:
         return len(procs)
 
 
-def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool, running: Running | None = None) -> Outcome:
+class GpuSlots:
+    """This host's GPUs, handed out whole to cases that run side by side with one rank per GPU: a
+    case waits until as many are free as it has ranks, and its ranks see only those
+    (``CUDA_VISIBLE_DEVICES``)."""
+
+    def __init__(self, gpus: Sequence[str]) -> None:
+        self.free = list(gpus)
+        self.size = len(self.free)
+        self.changed = threading.Condition()
+
+    @classmethod
+    def of_host(cls, environ: Mapping[str, str]) -> GpuSlots:
+        """The GPUs the caller's ``CUDA_VISIBLE_DEVICES`` names, else every GPU torch sees."""
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            return cls([g.strip() for g in visible.split(",") if g.strip()])
+        return cls([str(i) for i in range(len(fit.gpu_memory()))])
+
+    def check(self, rank_counts: Sequence[int]) -> None:
+        """Refuse, before any case runs, a case with more ranks than there are GPUs to hand out."""
+        if rank_counts and max(rank_counts) > self.size:
+            raise UserError(f"a case of {max(rank_counts)} ranks needs as many GPUs of its own and {self.size} "
+                            f"{'is' if self.size == 1 else 'are'} visible here",
+                            "run it on a larger machine, or give --jobs 1 (torchrun then reports it)")
+
+    @contextlib.contextmanager
+    def take(self, count: int) -> Iterator[str]:
+        """``count`` free GPUs as a ``CUDA_VISIBLE_DEVICES`` value, given back on exit (:meth:`check`
+        has made sure there are that many)."""
+        with self.changed:
+            self.changed.wait_for(lambda: len(self.free) >= count)
+            taken, self.free = self.free[:count], self.free[count:]
+        try:
+            yield ",".join(taken)
+        finally:
+            with self.changed:
+                self.free.extend(taken)
+                self.changed.notify_all()
+
+
+def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool, running: Running | None = None,
+            slots: GpuSlots | None = None) -> Outcome:
+    """One case through run_case; with ``slots``, a case that trains on GPUs gets its own."""
+    if slots is None or not trains_on_gpus(recipe):
+        return run_case(recipe, ns, shared, running or Running(), [])
+    with slots.take(ns.nproc or recipe.nproc) as gpus:
+        return run_case(recipe, ns, shared, running or Running(), [f"CUDA_VISIBLE_DEVICES={gpus}"])
+
+
+def run_case(recipe: Recipe, ns: argparse.Namespace, shared: bool, running: Running, env: list[str]) -> Outcome:
     platform, record = golden_for(recipe, ns.platform, shared, ns.record)
     out = output_dir_for(recipe, ns.output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,9 +191,8 @@ def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool, running: Runni
            *(["--nproc", str(ns.nproc)] if ns.nproc else []),
            *(["--timeout-s", f"{ns.timeout_s:g}"] if ns.timeout_s else []),
            *(["--output-dir", str(ns.output_dir)] if ns.output_dir else []),
-           *[f"--env={item}" for item in ns.env]]
+           *[f"--env={item}" for item in [*ns.env, *env]]]
     start = time.monotonic()
-    running = running or Running()
     with open(log, "w") as sink:
         child = running.start(cmd, sink)
         if child is None:
@@ -161,7 +212,7 @@ def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool, running: Runni
 def check_gpus(recipes: Sequence[Recipe], ns: argparse.Namespace) -> None:
     """Refuse, before any case runs, a batch whose ranks would find no GPU (the shared mode's, or
     those of its GPU cases): each case would be refused on its own, one after another."""
-    from hfsdp.functional.run_case import check_gpus_for, run_env, trains_on_gpus
+    from hfsdp.functional.run_case import check_gpus_for, run_env
 
     if ns.ranks_per_gpu > 1:
         torchrun.check_gpus(torchrun.Placement(nproc=ns.ranks_per_gpu, ranks_per_gpu=ns.ranks_per_gpu),
@@ -205,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="ranks per case (default: each case's NPROC; another count compares no golden)")
     torchrun.add_ranks_per_gpu_option(parser)
     parser.add_argument("--jobs", type=positive(int), default=1,
-                        help="cases at a time (more than 1 only with --ranks-per-gpu above 1)")
+                        help="cases at a time; with one rank per GPU each case gets GPUs of its own")
     parser.add_argument("--timeout-s", type=positive(float), default=None, help="per run (run_case --timeout-s)")
     parser.add_argument("--output-dir", type=Path, default=None, help="as run_case --output-dir")
     parser.add_argument("--summary", type=Path, default=None, help="also write the summary lines here")
@@ -218,15 +269,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         parse_assignments(ns.env)  # refuse a malformed --env before anything runs
         shared = ns.ranks_per_gpu > 1
+        slots = None
         if ns.jobs > 1 and not shared:
-            raise UserError(f"--jobs {ns.jobs} would run cases side by side on their own GPUs, where their step "
-                            "times are judged", "give --jobs 1, or --ranks-per-gpu 2 or more (no step times judged)")
+            if "CUDA_VISIBLE_DEVICES" in parse_assignments(ns.env):
+                raise UserError(f"--jobs {ns.jobs} gives each case GPUs of its own, and --env CUDA_VISIBLE_DEVICES "
+                                "would give every case the same ones",
+                                "set CUDA_VISIBLE_DEVICES for the batch (it picks among those GPUs), or give --jobs 1")
+            slots = GpuSlots.of_host(os.environ)
         if ns.output_dir is not None:
             outdir.check_root(ns.output_dir)
         if ns.summary is not None:
             check_summary(ns.summary)
         waves = ordered(ns.cases)
         check_gpus([r for wave in waves for r in wave], ns)
+        if slots is not None:
+            slots.check([ns.nproc or r.nproc for wave in waves for r in wave if trains_on_gpus(r)])
         if ns.jobs > 1 and len(waves[0]) > 1:
             # The first case runs alone: it fills the Triton and compile caches that the cases
             # after it read, instead of every rank of every case compiling the same kernels at once.
@@ -234,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for wave in waves:
             with ThreadPoolExecutor(max_workers=ns.jobs) as pool:
                 try:
-                    for outcome in pool.map(lambda r: run_one(r, ns, shared, running), wave):
+                    for outcome in pool.map(lambda r: run_one(r, ns, shared, running, slots), wave):
                         print(outcome.line(), flush=True)
                         outcomes.append(outcome)
                 except Interrupted:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -188,7 +191,56 @@ def test_batch_runs_cases_and_summarizes(tmp_path):
     assert (cases / "hybrid" / "other" / "golden_values_dev_dgx_test.json").is_file()
 
 
-def test_batch_refuses_parallel_cases_on_their_own_gpus(tmp_path, capsys):
-    case = _case(tmp_path / "cases", "c")
-    assert batch.main([str(case), "--jobs", "2"]) == 2
-    assert "--jobs 2 would run cases side by side" in capsys.readouterr().err
+def test_gpu_slots_hand_out_disjoint_gpus_and_wait_for_free_ones():
+    slots = batch.GpuSlots(["0", "1", "2", "3"])
+    held: list[set[str]] = []
+    lock = threading.Lock()
+    overlaps, peak = [], [0]
+
+    def case(ranks: int) -> None:
+        with slots.take(ranks) as gpus:
+            mine = set(gpus.split(","))
+            with lock:
+                assert len(mine) == ranks
+                overlaps.extend(mine & other for other in held if mine & other)
+                held.append(mine)
+                peak[0] = max(peak[0], sum(map(len, held)))
+            time.sleep(0.05)
+            with lock:
+                held.remove(mine)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(case, [2, 2, 2, 1, 1, 1, 1, 4]))
+    assert not overlaps and peak[0] == 4 and sorted(slots.free) == ["0", "1", "2", "3"]
+
+
+def test_batch_runs_gpu_cases_side_by_side_on_gpus_of_their_own(tmp_path, monkeypatch):
+    cases = [_case(tmp_path / "cases", name, nproc=2) for name in ("a", "b")]
+    given: dict[str, list[str]] = {}
+
+    def fake_case(recipe, ns, shared, running, env):
+        given[recipe.name] = env
+        time.sleep(0.2)
+        return batch.Outcome(recipe.name, 0, 0.2, "PASS", "dgx_test", False)
+
+    monkeypatch.setattr(batch, "trains_on_gpus", lambda recipe: True)
+    monkeypatch.setattr(batch, "check_gpus", lambda recipes, ns: None)
+    monkeypatch.setattr(batch, "run_case", fake_case)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert batch.main([*map(str, cases), "--jobs", "2", "--output-dir", str(tmp_path / "o")]) == 0
+    gpus = [set(env[0].removeprefix("CUDA_VISIBLE_DEVICES=").split(",")) for env in given.values()]
+    assert len(gpus) == 2 and all(len(g) == 2 for g in gpus) and gpus[0] | gpus[1] == {"4", "5", "6", "7"}
+
+
+@pytest.mark.parametrize(("nproc", "extra", "refusal"), [
+    (8, [], "a case of 8 ranks needs as many GPUs of its own and 4 are visible here"),
+    (2, ["--env", "CUDA_VISIBLE_DEVICES=0"], "--env CUDA_VISIBLE_DEVICES would give every case the same ones"),
+])
+def test_batch_refuses_side_by_side_cases_it_cannot_place(tmp_path, monkeypatch, capsys, nproc, extra, refusal):
+    case = _case(tmp_path / "cases", "c", nproc=nproc)
+    monkeypatch.setattr(batch, "trains_on_gpus", lambda recipe: True)
+    monkeypatch.setattr(batch, "check_gpus", lambda recipes, ns: None)
+    monkeypatch.setattr(batch, "run_case", lambda *a: pytest.fail("no case may start"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert batch.main([str(case), "--jobs", "2", *extra]) == 2
+    assert refusal in capsys.readouterr().err
