@@ -6,7 +6,10 @@
 #   RANKS_PER_GPU=N  N ranks share each GPU (default 1): 2-GPU cases on one GPU, held to the real
 #                    goldens' losses and num-zeros, or to their own <platform>_shared goldens
 #   NPROC=N          ranks per case instead of each case's NPROC (then no golden is compared)
-#   JOBS=N           cases at a time (RANKS_PER_GPU > 1 only)   CASE_TIMEOUT=S (default 170) per run
+#   JOBS=N           cases at a time: with one rank per GPU each gets GPUs of its own (two 2-GPU
+#                    cases side by side on a 4-GPU machine)   CASE_TIMEOUT=S (default 170) per run
+#   BUDGET_S=S       end the batch after S seconds (SIGINT: running cases end, none start) and still
+#                    pack what it wrote
 #   PLATFORM=dgx_h200 to force a golden name (default: this GPU's kind)
 # --record writes every case's golden; --record-missing only those of cases that have none to be held
 # to. Either way a golden comes only from a run that passed.
@@ -30,7 +33,8 @@ mkdir -p "$work"
 # $OUT may name a subfolder that does not exist yet (a lost run taught us: mkdir it).
 [ -n "${OUT:-}" ] && mkdir -p "$OUT"
 summary="${OUT:-$work}/functional_summary.txt"
-python -m hfsdp.functional.batch "${paths[@]}" "${mode[@]}" --platform "$platform" \
+budget=(); [ -n "${BUDGET_S:-}" ] && budget=(timeout -s INT "$BUDGET_S")
+"${budget[@]}" python -m hfsdp.functional.batch "${paths[@]}" "${mode[@]}" --platform "$platform" \
   --ranks-per-gpu "${RANKS_PER_GPU:-1}" --jobs "${JOBS:-1}" ${NPROC:+--nproc "$NPROC"} \
   --timeout-s "${CASE_TIMEOUT:-170}" --output-dir "$work" --summary "$summary"
 rc=$?
