@@ -21,10 +21,12 @@ compute/communication overlap, NVLink and P2P transports. It runs on one host on
 from __future__ import annotations
 
 import argparse
+import random
 import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from hfsdp.usererror import UserError, positive
 
@@ -94,11 +96,34 @@ def check_gpus(placement: Placement, gpu_count: int) -> None:
                         f"has {gpu_count}", f"give --ranks-per-gpu {-(-p.nproc // gpu_count)} or fewer ranks")
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now (the master binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# [Note: the master's port]
+# torchrun's master binds its port only once it starts, so a port that is free when the launcher
+# picks it can be taken meanwhile. Ports the kernel hands out to outgoing connections (its
+# ephemeral range) are the usual thief: the NCCL and store sockets of a launch running beside this
+# one take them by the hundred. So the launcher picks, at random, a port below that range that
+# nothing listens on; two of its own launches would also have to draw the same one.
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 20000  # above the well-known and most registered services
+
+
+def free_port(rng: random.Random | None = None) -> int:
+    """A TCP port nobody listens on now, outside the kernel's ephemeral range ([Note: the master's
+    port]); where no such port is free, one the kernel picks."""
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    rng = rng or random.SystemRandom()
+    candidates = list(range(LOWEST_PORT, max(ephemeral_low, LOWEST_PORT)))
+    rng.shuffle(candidates)
+    for port in [*candidates[:64], 0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError("no TCP port can be bound on 127.0.0.1")
 
 
 def command(placement: Placement, target: Sequence[str], python: str = sys.executable) -> list[str]:
