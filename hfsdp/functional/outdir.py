@@ -2,7 +2,9 @@
 
 [Note: output folders] A case's output folder is ``<output-dir>/<model>/<case>`` (plus
 ``node<k>`` per node on several nodes). The driver clears it before a launch, because a stale
-checkpoint would turn run 1 into a resume. Clearing is allowed only when the folder
+checkpoint would turn run 1 into a resume, and writes its metrics and result there when it only
+judges a log (``--evaluate-log``). Writing into a folder that exists, and so clearing it, is
+allowed only when the folder is empty or
 
 * carries the driver's marker file (written when the driver created it), and
 * holds nothing at its top level but names the driver writes (logs, metrics, checkpoints, ...),
@@ -66,25 +68,25 @@ def foreign_entries(out: Path) -> list[str]:
     return [n for n in names if n not in DRIVER_OUTPUTS]
 
 
-def check(out: Path, clear: bool) -> None:
+def check(out: Path) -> None:
     """Refuse an ``out`` that :func:`prepare` may not use (see the note), changing nothing."""
     check_not_a_case(out)
     try:
         output_folder("output folder", out)
     except UserError as exc:
         raise UserError(exc.cause, FIX) from None  # the way out is --output-dir, which names its parent
-    if out.exists() and clear and (foreign := foreign_entries(out)):
+    if out.exists() and (foreign := foreign_entries(out)):
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise UserError(
             f"output folder {out} exists and holds {shown}, not made by the functional driver "
-            f"(it clears only folders it made: {MARKER} marker, driver outputs only)",
+            f"(it writes into and clears only folders it made: {MARKER} marker, driver outputs only)",
             f"{FIX}; or, if those are yours to lose, remove {out} yourself",
         )
 
 
 def prepare(out: Path, clear: bool) -> Path:
     """Make ``out`` ready for a run (see the note); returns it. ``clear`` empties a previous run."""
-    check(out, clear)
+    check(out)
     try:
         if out.exists() and clear:
             shutil.rmtree(out)

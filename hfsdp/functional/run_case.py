@@ -363,17 +363,17 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         if recipe.test_type == "ckpt-resume":
             raise UserError(f"{recipe.model}/{recipe.name} is a ckpt-resume case; --evaluate-log judges "
                             "single-run cases only", "run it without --evaluate-log (the driver launches both runs)")
-        outdir.prepare(out, clear=False)
         if not Path(evaluate_log).is_file():
             what = "is a folder, not a log file" if Path(evaluate_log).is_dir() else "does not exist"
             raise UserError(f"--evaluate-log {evaluate_log} {what}",
                             "pass the log the training wrote (the srun-per-GPU sbatch script tees it to run1.log)")
+        outdir.prepare(out, clear=False)  # writes only into a folder the driver made (outdir's note)
         rec1 = RunRecord(str(evaluate_log), 0, False)
     else:
         argv1 = args_to_argv(recipe.model_args, path_variables(out))
         env1 = run_env(recipe.env_vars, env)
         # Every check comes before the output folder is cleared: a refused run loses nothing.
-        outdir.check(out, clear=True)
+        outdir.check(out)
         if shared:
             print(f"run_case: {fit.preflight(launch.placement, argv1, environ=env1)}", flush=True)
         else:

@@ -101,6 +101,46 @@ def test_a_rerun_replaces_its_own_output(tmp_path):
     assert second.status == "PASS" and not (out / "checkpoints" / "stale").exists()
 
 
+def test_evaluate_log_never_adopts_a_folder_it_did_not_make(tmp_path):
+    """A user's folder where the case's output folder would be: judging a log must neither write
+    into it nor mark it as the driver's, so that a later run (which clears its own folders) refuses
+    it too and the user's checkpoint survives both."""
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    case = make_case(tmp_path / "cases", trainer=trainer)
+    theirs = tmp_path / "out" / "gpt" / "case"
+    (theirs / "checkpoints").mkdir(parents=True)
+    (theirs / "checkpoints" / "mine.pt").write_bytes(b"weights")
+    (theirs / "metrics.json").write_text('{"mine": 1}')
+    before = digest(theirs)
+    log = tmp_path / "run1.log"
+    log.write_text(log_text(4))
+    with pytest.raises(UserError, match="not made by the functional driver") as info:
+        run_case(case, output_root=tmp_path / "out", evaluate_log=log)
+    assert "checkpoints" in info.value.cause and "metrics.json" in info.value.cause
+    with pytest.raises(UserError, match="not made by the functional driver"):
+        run_case(case, launch=Launch(nproc=1), output_root=tmp_path / "out")
+    assert digest(theirs) == before and sorted(p.name for p in theirs.iterdir()) == ["checkpoints", "metrics.json"]
+
+
+def test_evaluate_log_writes_into_its_own_folder_and_an_empty_one(tmp_path):
+    case = make_case(tmp_path / "cases")
+    out = tmp_path / "out" / "gpt" / "case"
+    out.mkdir(parents=True)  # empty: nothing of anyone's to lose
+    log = tmp_path / "run1.log"
+    log.write_text(log_text(4))
+    for _ in range(2):  # the second time the folder is the driver's own
+        run_case(case, output_root=tmp_path / "out", evaluate_log=log)
+        assert (out / "metrics.json").is_file() and (out / ".hfsdp-functional-output").is_file()
+
+
+def test_a_missing_log_makes_no_output_folder(tmp_path):
+    case = make_case(tmp_path / "cases")
+    with pytest.raises(UserError, match="does not exist"):
+        run_case(case, output_root=tmp_path / "out", evaluate_log=tmp_path / "no.log")
+    assert not (tmp_path / "out" / "gpt").exists()
+
+
 # Goldens -------------------------------------------------------------------------------------
 
 def judge_against(tmp_path: Path, golden_obj: object, steps: int = 4):
