@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 import sys
 import threading
 import traceback
@@ -106,6 +107,29 @@ def _nearest_existing(path: Path) -> Path:
     while not os.path.lexists(path) and path != path.parent:
         path = path.parent
     return path
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def not_a_regular_file(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as a file, as the end of a sentence about it ("is a named pipe,
+    not a regular file", "does not exist"), or None for a regular file (a link to one included).
+    Every tool asks this before it reads a file a user may have replaced: opening a named pipe or
+    a device blocks until something writes to it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "is a symbolic link to nothing" if os.path.islink(path) else "does not exist"
+    except NotADirectoryError:
+        return "does not exist (a file stands where a folder on its path should be)"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    what = next((name for test, name in _KINDS if test(mode)), "not a file")
+    return f"is {what}, not a regular file"
 
 
 def output_file(option: str, path: str | Path) -> None:

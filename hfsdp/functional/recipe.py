@@ -42,7 +42,7 @@ from typing import Any, TypeGuard
 import yaml
 
 from hfsdp import te_determinism
-from hfsdp.usererror import UserError
+from hfsdp.usererror import UserError, not_a_regular_file
 
 TEST_TYPES = ("regular", "ckpt-resume", "smoke")
 DEFAULT_METRICS = ("lm loss", "num-zeros")
@@ -307,8 +307,8 @@ def _not_a_case(case_dir: Path) -> tuple[str, str]:
             return f"{case_dir} is the recipe file; the driver takes the case folder that holds it", \
                 f"pass {case_dir.parent}"
         return f"{case_dir} is a file, not a test case folder", fix
-    if path.exists():
-        return f"{path} is a folder, not a recipe file, so {case_dir} is not a test case", fix
+    if os.path.lexists(path):
+        return f"{path} {not_a_regular_file(path)}, so {case_dir} is not a test case", fix
     if case_dir.is_dir() and (below := sorted(case_dir.glob("*/model_config.yaml")) or
                               sorted(case_dir.glob("*/*/model_config.yaml"))):
         depth = len(below[0].relative_to(case_dir).parts) - 1
@@ -321,7 +321,7 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
     """Parse and check ``<case_dir>/model_config.yaml``; every error names the file."""
     case_dir = Path(case_dir).resolve()
     path = case_dir / "model_config.yaml"
-    if not path.is_file():
+    if not_a_regular_file(path) is not None:
         raise RecipeError(*_not_a_case(case_dir))
     raw = _read_yaml(path)
     unknown = sorted(set(map(str, raw)) - set(KEYS))

@@ -47,7 +47,7 @@ from hfsdp.functional import golden, logparse, outdir
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
-from hfsdp.usererror import Interrupted, UserError, positive, run_cli
+from hfsdp.usererror import Interrupted, UserError, not_a_regular_file, positive, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULT_MARK = "HFSDP-FUNCTIONAL RESULT"
@@ -447,7 +447,10 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
             else:
                 compare_curves(f"vs {other_recipe.model}/{other_recipe.name}", other_metrics, metrics, None, result)
 
-    if record:
+    odd_golden = not_a_regular_file(golden_path) if os.path.lexists(golden_path) else None
+    if odd_golden is not None:  # neither read (a pipe would block) nor replaced: it is not ours to lose
+        result.fail(f"golden {golden_path} {odd_golden}; it is neither compared nor recorded over")
+    elif record:
         missing = golden.incomplete_metrics(metrics, recipe.metrics)
         if missing:
             result.fail(f"not recording goldens: the run's metrics are not complete and finite ({'; '.join(missing)})")

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from hfsdp.usererror import not_a_regular_file
+
 from .errors import SeriesError
 
 _FIELD = re.compile(r"^(?P<key>[A-Za-z][A-Za-z0-9-]*):(?P<value>.*)$")
@@ -118,16 +120,11 @@ def parse_header(text: str) -> dict[str, str]:
 
 def read_patch(path: Path, name: str | None = None) -> Patch:
     """Read a patch file once and split it into its header and its diff."""
+    if (why := not_a_regular_file(path)) is not None:
+        raise SeriesError(f"patch {path.name} is listed in patches/series but {path} {why}",
+                          "restore the file or remove its line from patches/series")
     try:
         text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError as exc:
-        raise SeriesError(
-            f"patch {path.name} is listed in patches/series but {path} does not exist",
-            "restore the file or remove its line from patches/series",
-        ) from exc
-    except IsADirectoryError as exc:
-        raise SeriesError(f"patch {path.name} is listed in patches/series but {path} is a folder, not a patch file",
-                          "restore the file or remove its line from patches/series") from exc
     except UnicodeDecodeError as exc:
         raise SeriesError(f"patch {path} is not UTF-8 text ({exc})", "restore it from git") from exc
     return parse_patch(name or path.name, text, path)
@@ -153,12 +150,11 @@ def parse_patch(name: str, text: str, path: Path) -> Patch:
 
 def read_series_names(series_path: Path) -> list[str]:
     """Patch names in order; ``#`` comments and blank lines are ignored."""
+    if (why := not_a_regular_file(series_path)) is not None:
+        why = "is missing" if why == "does not exist" else why
+        raise SeriesError(f"{series_path} {why}", "restore patches/series from git")
     try:
         raw = series_path.read_bytes().decode("utf-8-sig")  # a byte-order mark some editors add is not a name
-    except FileNotFoundError as exc:
-        raise SeriesError(f"{series_path} is missing", "restore patches/series from git") from exc
-    except IsADirectoryError as exc:
-        raise SeriesError(f"{series_path} is a folder, not a file", "restore patches/series from git") from exc
     except UnicodeDecodeError as exc:
         raise SeriesError(f"{series_path} is not UTF-8 text ({exc.reason} at byte {exc.start})",
                           "restore patches/series from git, or save it as UTF-8 text") from exc

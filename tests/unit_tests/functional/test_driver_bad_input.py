@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,26 @@ def test_a_missing_log_makes_no_output_folder(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         run_case(case, output_root=tmp_path / "out", evaluate_log=tmp_path / "no.log")
     assert not (tmp_path / "out" / "gpt").exists()
+
+
+def test_a_recipe_that_is_not_a_regular_file_is_named_for_what_it_is(tmp_path):
+    case = tmp_path / "gpt" / "case"
+    case.mkdir(parents=True)
+    os.mkfifo(case / "model_config.yaml")  # reading it would block
+    with pytest.raises(RecipeError, match="model_config.yaml is a named pipe, not a regular file"):
+        load_recipe(case)
+
+
+@pytest.mark.parametrize("record", [False, True])
+def test_a_golden_that_is_not_a_regular_file_is_neither_read_nor_replaced(tmp_path, record):
+    case = make_case(tmp_path / "cases")
+    pipe = case / "golden_values_dev_dgx_h200.json"
+    os.mkfifo(pipe)
+    log = tmp_path / "run1.log"
+    log.write_text(log_text(4))
+    result = run_case(case, output_root=tmp_path / "out", evaluate_log=log, record=record, platform="dgx_h200")
+    assert result.status == "FAIL" and any("is a named pipe, not a regular file" in r for r in result.reasons)
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode)
 
 
 # Goldens -------------------------------------------------------------------------------------
@@ -370,7 +391,7 @@ def test_what_is_passed_instead_of_a_case_folder_is_named(tmp_path):
         load_recipe(tmp_path / "cases")
     assert "is not a test case but holds 1 of them" in info.value.cause and "cases/*/*" in info.value.fix
     (tmp_path / "x" / "model_config.yaml").mkdir(parents=True)
-    with pytest.raises(RecipeError, match="model_config.yaml is a folder, not a recipe file"):
+    with pytest.raises(RecipeError, match="model_config.yaml is a folder, not a regular file"):
         load_recipe(tmp_path / "x")
 
 

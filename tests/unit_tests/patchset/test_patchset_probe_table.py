@@ -117,7 +117,9 @@ def stamp_value(key: str, value: object) -> Setup:
 
 
 def fifo(path: str) -> Setup:
+    """A named pipe at ``path``, in place of the file there if any (reading it would block)."""
     def setup(env: Env, tmp: Path) -> None:
+        (env.project.root / path).unlink(missing_ok=True)
         os.mkfifo(env.project.root / path)
     return setup
 
@@ -242,6 +244,12 @@ PROBES = [
     Probe("series-patch-folder", ("status",), 2, "is a folder, not a patch file", folder("patches/train.patch")),
     Probe("patch-without-diff", ("status",), 2, "alloc.patch has no diff",
           write("patches/alloc.patch", "Description: x\n")),
+    # lint lists a bad patch among its findings (1); the others stop at it (2). Reading a pipe would block.
+    *[Probe(f"{what}-fifo-{verb}", (verb,), 1 if (what, verb) == ("patch", "lint") else 2, says,
+            then(materialized, fifo(path)))
+      for what, path, says in (("series", "patches/series", "series is a named pipe, not a regular file"),
+                               ("patch", "patches/alloc.patch", "alloc.patch is a named pipe, not a regular file"))
+      for verb in ("status", "materialize", "check", "lint")],
     # 9. patches/overlay/: odd entries.
     Probe("overlay-fifo", ("status",), 2, "fifo.py is not a regular file", fifo(f"{OVERLAY}/fifo.py")),
     Probe("overlay-link", ("status",), 2, "link.py is a symbolic link", link(f"{OVERLAY}/link.py", "alloc.py")),
