@@ -84,10 +84,11 @@ def positive(kind: type = int, *, zero: bool = False) -> Callable[[str], object]
     return parse
 
 
-def env_number(name: str, default: float | int, *, kind: type = int, zero: bool = False,
-               environ: Mapping[str, str] | None = None) -> Any:
+def env_number(name: str, default: float | int | None, *, kind: type = int, zero: bool = False,
+               environ: Mapping[str, str] | None = None, unset_means: str | None = None) -> Any:
     """The number in environment variable ``name`` (``default`` when unset or empty), held to
-    :func:`positive`'s rule; a bad value is a :class:`UserError` naming the variable."""
+    :func:`positive`'s rule; a bad value is a :class:`UserError` naming the variable and what
+    unsetting it gives (``unset_means``, else the default)."""
     import argparse
 
     text = (os.environ if environ is None else environ).get(name, "")
@@ -96,8 +97,9 @@ def env_number(name: str, default: float | int, *, kind: type = int, zero: bool 
     try:
         return positive(kind, zero=zero)(text.strip())
     except argparse.ArgumentTypeError as exc:
+        unset = unset_means or f"the default ({default})"
         raise UserError(f"{name}={text!r}: {exc}", f"set {name} to a {'whole ' if kind is int else ''}number "
-                        f"{'>= 0' if zero else '> 0'}, or unset it for the default ({default})") from None
+                        f"{'>= 0' if zero else '> 0'}, or unset it for {unset}") from None
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hfsdp.usererror import UserError, env_number
+
 from . import gitops
 from .errors import PatchsetError, SeriesError
 from .guarded_swap import TMP_PREFIX, swap_in
@@ -53,10 +55,17 @@ SERIES_HEADER = (
 
 
 def today() -> str:
-    """Last-Update date; SOURCE_DATE_EPOCH makes it reproducible."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    moment = _dt.datetime.fromtimestamp(int(epoch), _dt.UTC) if epoch else _dt.datetime.now(_dt.UTC)
-    return moment.strftime("%Y-%m-%d")
+    """Last-Update date; SOURCE_DATE_EPOCH (seconds since 1970, UTC) makes it reproducible."""
+    epoch = env_number("SOURCE_DATE_EPOCH", None, zero=True, unset_means="today's date")
+    if epoch is None:
+        return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
+    try:
+        return _dt.datetime.fromtimestamp(epoch, _dt.UTC).strftime("%Y-%m-%d")
+    except (OverflowError, OSError, ValueError):
+        raise UserError(f"SOURCE_DATE_EPOCH={epoch} is past the last date a patch header can carry (9999-12-31); "
+                        "nothing was written",
+                        "set it to seconds since 1970-01-01 UTC (`date +%s`), or unset it") from None
+
 
 
 @dataclass

@@ -6,6 +6,8 @@ import shlex
 import subprocess
 from dataclasses import dataclass
 
+from hfsdp.usererror import UserError
+
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 
@@ -41,8 +43,12 @@ def parse_show_job(text: str) -> dict[str, str]:
 
 def show_job(job_id: int, env: dict[str, str] | None = None) -> JobInfo:
     """Current scontrol view of ``job_id`` (``env`` may carry ``SLURM_CONF``)."""
-    proc = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)],
-                          capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)],
+                              capture_output=True, text=True, env=env)
+    except FileNotFoundError:
+        raise UserError("scontrol is not installed here (not on PATH), and the summary reads each job's state "
+                        "from it", "run the summary where the jobs were submitted (a Slurm login node)") from None
     if proc.returncode != 0 or "JobId=" not in proc.stdout:
         return JobInfo(job_id, "UNKNOWN", "?", None)
     f = parse_show_job(proc.stdout)

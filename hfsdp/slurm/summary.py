@@ -3,12 +3,12 @@
     python -m hfsdp.slurm.summary --log-dir DIR [--wait SECONDS]
 
 A case PASSes only if its job ended ``COMPLETED`` with ``ExitCode=0:0`` *and* its output holds
-``HFSDP-FUNCTIONAL RESULT ...: PASS`` and no ``FAIL`` (one such line per node with torchrun per
-node). Unfinished jobs show as RUNNING. A FAIL says why after ``--``: the time limit, the node
-and task where the failure began (srun's first error), the driver's first reason. Exit status:
-0 if all passed, 1 if any failed, 3 if some are still running, 2 if the log folder is unusable
-or lists no submitted job (nothing ran: not "all passed"), with a sentence saying why, like
-every tool here.
+``HFSDP-FUNCTIONAL RESULT <its case>: PASS`` (one such line per node with torchrun per node), no
+``FAIL`` and no verdict on another case. Unfinished jobs show as RUNNING. A FAIL says why after
+``--``: the time limit, the node and task where the failure began (srun's first error), the
+driver's first reason. Exit status: 0 if all passed, 1 if any failed, 3 if some are still
+running, 2 if the log folder is unusable or lists no submitted job (nothing ran: not "all
+passed"), with a sentence saying why, like every tool here.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class JobOutput:
     """What a job's output file says: every driver's verdict, and where a failure began."""
 
     verdicts: list[str]  # PASS/FAIL, one per driver that printed one (one per node, torchrun per node)
+    others: list[str]  # cases other than the job's whose verdict the output prints
     reasons: list[str]  # the failing drivers' reasons, "task N: ..." where lines are labelled
     first_error: str | None  # srun's first failing task: "n2 task 1: Killed"
     stopped: list[str]  # nodes whose run the time-limit wrapper ended
@@ -56,17 +57,20 @@ class JobOutput:
         return "FAIL" if "FAIL" in self.verdicts else ("PASS" if self.verdicts else None)
 
 
-def read_output(stdout: str | None) -> JobOutput:
-    """The verdicts and failure evidence in a job's output file ('' if there is none yet)."""
+def read_output(stdout: str | None, case: str) -> JobOutput:
+    """The verdicts on ``case`` (``model/name``) and the failure evidence in a job's output file
+    ('' if there is none yet). A verdict on another case is no verdict on this one."""
     text = Path(stdout).read_text(errors="replace") if stdout and Path(stdout).is_file() else ""
-    verdicts = [m.group(3) for m in _RESULT.finditer(text)]
-    failing = {m.group(1) for m in _RESULT.finditer(text) if m.group(3) == "FAIL"}
+    results = list(_RESULT.finditer(text))
+    verdicts = [m.group(3) for m in results if m.group(2) == case]
+    others = sorted({m.group(2) for m in results if m.group(2) != case})
+    failing = {m.group(1) for m in results if m.group(3) == "FAIL"}
     reasons = [(f"task {m.group(1)}: " if m.group(1) is not None else "") + m.group(2)
                for m in _REASON.finditer(text) if m.group(1) in failing or not failing]
     error = _SRUN_ERROR.search(text)
     first = f"{error.group(1)} {error.group(2)}: {error.group(3).strip()}" if error else None
     stopped = sorted({m.group(1) or "?" for m in _STOPPED.finditer(text)})
-    return JobOutput(verdicts, reasons, first, stopped)
+    return JobOutput(verdicts, others, reasons, first, stopped)
 
 
 def cause(info: JobInfo, out: JobOutput) -> str:
@@ -86,9 +90,12 @@ def cause(info: JobInfo, out: JobOutput) -> str:
 
 def judge(entry: dict, info: JobInfo) -> CaseStatus:
     case = Path(entry["case"]).parent.name + "/" + Path(entry["case"]).name
-    out = read_output(info.std_out or entry.get("stdout"))
+    out = read_output(info.std_out or entry.get("stdout"), case)
     verdict = out.verdict
     detail = f"JobState={info.state} ExitCode={info.exit_code} driver={verdict or '-'}"
+    if out.others and (info.finished or info.state == "UNKNOWN"):
+        return CaseStatus(case, entry["job_id"], "FAIL", f"{detail} -- the job's output gives the verdict of "
+                          f"{', '.join(out.others)}, not of {case} (a job script run for another case?)")
     if info.state == "UNKNOWN":
         # scontrol forgets jobs after MinJobAge: fall back to the output file alone.
         final = "PASS" if verdict == "PASS" else ("FAIL" if verdict == "FAIL" else "RUNNING")

@@ -250,6 +250,11 @@ PROBES = [
       for what, path, says in (("series", "patches/series", "series is a named pipe, not a regular file"),
                                ("patch", "patches/alloc.patch", "alloc.patch is a named pipe, not a regular file"))
       for verb in ("status", "materialize", "check", "lint")],
+    # A reproducible date that is no date: refused before anything is written.
+    *[Probe(f"source-date-{i}", ("refresh", "--new", "x"), 2, says,
+            then(materialized, write("megatron/core/__init__.py", "V = 5\n")), env={"SOURCE_DATE_EPOCH": value})
+      for i, (value, says) in enumerate((("soon", "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number"),
+                                         ("99999999999999", "is past the last date a patch header can carry")))],
     # 9. patches/overlay/: odd entries.
     Probe("overlay-fifo", ("status",), 2, "fifo.py is not a regular file", fifo(f"{OVERLAY}/fifo.py")),
     Probe("overlay-link", ("status",), 2, "link.py is a symbolic link", link(f"{OVERLAY}/link.py", "alloc.py")),

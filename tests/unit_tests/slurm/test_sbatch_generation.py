@@ -216,7 +216,7 @@ srun: error: n1: task 0: Exited with exit code 143
 def test_summary_names_the_node_where_the_failure_began(tmp_path: Path) -> None:
     out = tmp_path / "job.out"
     out.write_text(LABELLED_KILL)
-    read = summary.read_output(str(out))
+    read = summary.read_output(str(out), "smoke/cpu_gloo_smoke")
     assert read.verdict == "FAIL" and read.first_error == "n2 task 1: Exited with exit code 1"
     row = summary.judge({"case": "/r/smoke/cpu_gloo_smoke", "job_id": 12},
                         JobInfo(12, "FAILED", "1:0", str(out), "NonZeroExitCode"))
@@ -239,7 +239,29 @@ def test_one_failing_node_fails_the_case_whatever_the_order(tmp_path: Path) -> N
     """Every node's driver prints a verdict; the last line is not the verdict of the job."""
     out = tmp_path / "job.out"
     out.write_text("1: HFSDP-FUNCTIONAL RESULT smoke/x: FAIL\n0: HFSDP-FUNCTIONAL RESULT smoke/x: PASS\n")
-    assert summary.read_output(str(out)).verdict == "FAIL"
+    assert summary.read_output(str(out), "smoke/x").verdict == "FAIL"
+
+
+def test_a_verdict_on_another_case_passes_no_job(tmp_path: Path) -> None:
+    """The job of smoke/x whose output holds smoke/y's PASS (another case's script, say) fails."""
+    out = tmp_path / "job.out"
+    out.write_text("HFSDP-FUNCTIONAL RESULT smoke/y: PASS\n")
+    assert summary.read_output(str(out), "smoke/x").verdict is None
+    for info in (JobInfo(4, "COMPLETED", "0:0", str(out)), JobInfo(4, "UNKNOWN", "?", None)):
+        row = summary.judge({"case": "/r/smoke/x", "job_id": 4, "stdout": str(out)}, info)
+        assert row.verdict == "FAIL" and "gives the verdict of smoke/y, not of smoke/x" in row.detail, row.detail
+    row = summary.judge({"case": "/r/smoke/y", "job_id": 4}, JobInfo(4, "COMPLETED", "0:0", str(out)))
+    assert row.verdict == "PASS", row.detail
+
+
+def test_summary_without_scontrol_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from hfsdp.slurm.submit import MANIFEST
+
+    (tmp_path / MANIFEST).write_text(json.dumps([{"case": "/r/smoke/x", "script": "s", "job_id": 7,
+                                                  "stdout": None}]))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert summary.main(["--log-dir", str(tmp_path)]) == 2
+    assert "scontrol is not installed here (not on PATH)" in capsys.readouterr().err
 
 
 def test_local_cluster_conf_has_one_slurmd_per_node_on_loopback(tmp_path: Path) -> None:
