@@ -200,7 +200,12 @@ def _plan(argv: list[str]) -> int:
     if warning:
         print(f"fsdp_memory_planner: {warning}", file=sys.stderr, flush=True)
     if args.plan_json is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(args.plan_json)), exist_ok=True)
-        write_json_atomic(args.plan_json, report.report_dict(lay, results))
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.plan_json)), exist_ok=True)
+            write_json_atomic(args.plan_json, report.report_dict(lay, results))
+        except OSError as exc:  # what no check beforehand can tell: a full disk, a folder that takes no file
+            raise UserError(f"--plan-json {args.plan_json} could not be written ({exc.strerror or exc}); the "
+                            "plan above is complete, and no file was left half-written",
+                            "give --plan-json a file in a folder you can write to") from None
         print(f"fsdp_memory_planner: wrote the plan as JSON to {args.plan_json}.")
     return 0

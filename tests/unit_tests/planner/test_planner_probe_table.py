@@ -84,12 +84,17 @@ ROWS: dict[str, Row] = {
     "--plan-json under a file": Row(["--plan-json", f"{__file__}/plan.json"], 2, "which is a file"),
     "--plan-json empty": Row(["--plan-json", ""], 2, "--plan-json is empty"),
     "--plan-json in a new folder": Row(["--plan-json", "TMP/new/plan.json"], 0, "wrote the plan as JSON"),
+    # A folder every check calls writable, where no file can be made.
+    "--plan-json in /proc": Row(["--plan-json", "/proc/plan.json"], 2, "/proc/plan.json could not be written"),
     # Flags that would make training read other flags.
     "--yaml-cfg": Row(["--yaml-cfg", __file__], 2, "--yaml-cfg has training read its flags from a YAML file"),
     "--use-checkpoint-args": Row(["--use-checkpoint-args"], 2, "from a checkpoint, which the planner does not read"),
     # Malformed values.
     "--plan-dp-size 0": Row(["--plan-dp-size", "0"], 2, "--plan-dp-size: must be > 0"),
     "--plan-dp-size 1.5": Row(["--plan-dp-size", "1.5"], 2, "'1.5' is not a whole number"),
+    "--plan-dp-size 10**11": Row(["--plan-dp-size", "100000000000"], 2, "makes a world of 100,000,000,000 ranks"),
+    "a world past the bound by tp": Row(["--plan-dp-size", "65536", "--tensor-model-parallel-size", "2"], 2,
+                                        "plans at most 65,536 ranks"),
     "--plan-device-arch 0": Row(["--plan-device-arch", "0"], 2, "--plan-device-arch: must be > 0"),
     "--hidden-size abc": Row(["--hidden-size", "abc"], 2, "invalid int value: 'abc'"),
     "--data-parallel-sharding-strategy foo": Row(["--data-parallel-sharding-strategy", "foo"], 2, "invalid choice"),
