@@ -4,20 +4,23 @@ TARGET is a script or ``-m MODULE``. The same torchrun line our launchers build
 (hfsdp/launch/torchrun.py), for launches of your own and for our GPU test scripts. With several
 ranks per GPU it checks first that the GPUs are there and, when TARGET is a ``pretrain_*.py``
 script, that the ranks' planned memory fits each GPU. ``auto`` takes the fewest ranks per GPU
-that place N ranks on this machine's GPUs (1 where each rank gets its own). The caller's
-environment is passed through; the command replaces this process.
+that place N ranks on this machine's GPUs (1 where each rank gets its own). A TARGET that is
+not there is refused before anything starts. The caller's environment is passed through; Ctrl-C
+or SIGTERM ends every rank, and a launch whose ranks fail ends with one line saying so, with
+torchrun's exit status.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from hfsdp.launch import fit, torchrun
-from hfsdp.usererror import UserError, positive, run_cli
+from hfsdp.proc import run_group
+from hfsdp.usererror import UserError, not_a_regular_file, positive, run_cli
 
 
 def ranks_per_gpu_arg(text: str) -> int | str:
@@ -39,6 +42,22 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return ns, target
 
 
+def check_target(target: Sequence[str]) -> None:
+    """Refuse a script that is not a regular file, or a ``-m`` module Python cannot find."""
+    if target[0] == "-m":
+        name = target[1] if len(target) > 1 else ""
+        try:
+            found = bool(name) and importlib.util.find_spec(name) is not None  # imports its parent packages
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UserError(f"-m {name!r} names no module Python finds here (sys.path: the current folder, "
+                            "PYTHONPATH, site-packages)", "give the module's dotted name, or a script's path")
+        return
+    if (why := not_a_regular_file(target[0])) is not None:
+        raise UserError(f"the script {target[0]} {why}", "give the path of the script to run on every rank")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     def run() -> int:
         ns, target = parse(sys.argv[1:] if argv is None else argv)  # inside run_cli: --help | head
@@ -55,9 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         line = fit.preflight(placement, target[1:] if pretrain else None, gpus)
         if line:
             print(f"hfsdp.launch: {line}", file=sys.stderr, flush=True)
-        cmd = torchrun.command(placement, target)
-        os.execv(cmd[0], cmd)
-        return 0  # not reached
+        check_target(target)
+        done = run_group(torchrun.command(placement, target))
+        if done.returncode != 0:
+            print(f"hfsdp.launch: the launch of {' '.join(target[:2])} failed (torchrun exited with "
+                  f"{done.returncode}); each failing rank's own output is above", file=sys.stderr, flush=True)
+        return done.returncode if done.returncode >= 0 else 128 - done.returncode  # killed by signal N: 128 + N
 
     return run_cli("hfsdp.launch", run)
 

@@ -27,6 +27,9 @@ ROWS = [
      "shares CUDA GPUs between ranks, and this machine has none"),
     ("auto without a GPU", ["--nproc", "2", "--ranks-per-gpu", "auto", "--", "x.py"], 2,
      "--ranks-per-gpu auto places ranks on CUDA GPUs, and this machine has none"),
+    ("script missing", ["--nproc", "2", "--", "/nonexistent.py"], 2, "the script /nonexistent.py does not exist"),
+    ("script a folder", ["--nproc", "2", "--", "hfsdp"], 2, "the script hfsdp is a folder, not a regular file"),
+    ("module missing", ["--nproc", "2", "--", "-m", "no_such.module"], 2, "-m 'no_such.module' names no module"),
 ]
 
 
@@ -38,3 +41,14 @@ def test_probe(args, rc, says):
                           capture_output=True, timeout=120)
     assert proc.returncode == rc, proc.stderr
     assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_failing_rank_ends_the_launch_with_one_line_and_torchruns_status(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
+    proc = subprocess.run([sys.executable, "-m", "hfsdp.launch", "--nproc", "2", "--", str(script)], cwd=REPO_ROOT,
+                          env=env, text=True, capture_output=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"hfsdp.launch: the launch of {script} failed (torchrun exited with 1)"), proc.stderr
