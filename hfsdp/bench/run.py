@@ -310,6 +310,21 @@ def chart_from(opts: argparse.Namespace) -> int:
     return 0
 
 
+def check_machine(flags: Sequence[str], opts: argparse.Namespace) -> None:
+    """Refuse, before the priming run, a machine where every run would fail: too few CUDA GPUs for
+    the ranks, or an optional package the model needs (as the main job and the entry do)."""
+    from hfsdp.planner.setup import parse_flags
+    from hfsdp.training.spec_error import SpecError
+
+    gpus = fit.gpu_memory(env=job_env(os.environ, opts.env))
+    torchrun.check_gpus(torchrun.Placement(nproc=opts.nproc, ranks_per_gpu=opts.ranks_per_gpu), len(gpus),
+                        own_gpus_too=True)
+    try:
+        requirements.check(parse_flags(flags))
+    except SpecError as exc:
+        raise exc.user_error("install what the model needs, or change its flags after --") from None
+
+
 def _main(argv: Sequence[str]) -> int:
     opts, extra = parse(argv)
     if opts.chart_from:
@@ -335,6 +350,8 @@ def _main(argv: Sequence[str]) -> int:
                         f"of {', '.join(graphed)}", f"give --warmup-steps {cfgs.GRAPH_WARMUP_STEPS + 2} or more")
     shared = opts.ranks_per_gpu > 1
     check_paths(opts, shared)
+    if not opts.from_logs:
+        check_machine(flags, opts)
     if shared and (opts.profile_dir or opts.pyprofile_dir):
         raise UserError(f"--profile-dir and --pyprofile-dir time the steps, and at --ranks-per-gpu "
                         f"{opts.ranks_per_gpu} the ranks share a GPU, so their timings say nothing",

@@ -80,13 +80,20 @@ def check(placement: Placement) -> None:
         raise UserError(f"a launch over {p.nnodes} nodes needs the master's port", "pass --master-port")
 
 
-def check_gpus(placement: Placement, gpu_count: int) -> None:
+def check_gpus(placement: Placement, gpu_count: int, own_gpus_too: bool = False) -> None:
     """Refuse a shared placement that needs more GPUs than ``gpu_count`` (the mode needs a GPU).
 
-    With one rank per GPU nothing is checked here: torchrun and Megatron report that as before.
-    """
+    With one rank per GPU nothing is checked here (torchrun and Megatron report it), unless
+    ``own_gpus_too``: a caller that would otherwise start several runs that all fail."""
     p = placement
     if not p.shared:
+        if own_gpus_too and not gpu_count:
+            raise UserError(f"{p.nproc} ranks train on CUDA GPUs, one each, and this machine has none",
+                            "run it on a machine with NVIDIA GPUs (on this one the memory planner, "
+                            "scripts/fsdp_memory_planner.py, plans the same model)")
+        if own_gpus_too and p.nproc > gpu_count:
+            raise UserError(f"{p.nproc} ranks, one per CUDA GPU, need {p.nproc} GPUs, and {gpu_count} are visible",
+                            f"give {gpu_count} ranks or fewer, or --ranks-per-gpu {-(-p.nproc // gpu_count)}")
         return
     if gpu_count < 1:
         raise UserError(f"--ranks-per-gpu {p.ranks_per_gpu} shares CUDA GPUs between ranks, and this machine "

@@ -12,6 +12,15 @@ from hfsdp.bench import results as R
 from hfsdp.bench import run as B
 from hfsdp.proc import run_group
 
+GIB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def gpu_machine(monkeypatch):
+    """The runs are faked: the machine they would run on has 8 GPUs and every optional package."""
+    monkeypatch.setattr(B.fit, "gpu_memory", lambda *a, **k: [80 * GIB] * 8)
+    monkeypatch.setattr(B.requirements, "importable", lambda package: True)
+
 
 @pytest.fixture
 def fake_launch(monkeypatch):
@@ -179,3 +188,18 @@ def test_deterministic_gives_every_run_the_te_settings(te_launch, tmp_path):
 
 def test_chart_titles_count_gpus_in_words():
     assert (B.gpus(1), B.gpus(2)) == ("1 GPU", "2 GPUs")
+
+
+@pytest.mark.parametrize(("gpus", "missing", "args", "says"), [
+    (0, None, ["--nproc", "2"], "2 ranks train on CUDA GPUs, one each, and this machine has none"),
+    (2, None, ["--nproc", "4"], "4 ranks, one per CUDA GPU, need 4 GPUs, and 2 are visible"),
+    (2, "mamba_ssm", ["--nproc", "2"], "mamba_ssm"),
+])
+def test_a_machine_every_run_would_fail_on_is_refused_before_any_run(monkeypatch, tmp_path, capsys, gpus, missing,
+                                                                      args, says):
+    monkeypatch.setattr(B.fit, "gpu_memory", lambda *a, **k: [80 * GIB] * gpus)
+    monkeypatch.setattr(B.requirements, "importable", lambda package: package != missing)
+    monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("no run may start"))
+    assert B.main([*args, "--out-json", str(tmp_path / "r.json"), "--no-chart", "--no-plan"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
