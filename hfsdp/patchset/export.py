@@ -44,7 +44,7 @@ from .overlay import OVERLAY_DIR_NAME, OVERLAY_SUBJECT, Overlay, path_problem, r
 from .project import Project
 from .queue import BASE_TAG, read_state, require_queue_folder
 from .scan import describe, scan
-from .series import NAME_RULE, Patch, is_patch_name, parse_header, parse_patch, patch_name, render_patch
+from .series import NAME_RULE, Patch, as_patch_name, is_patch_name, parse_header, parse_patch, patch_name, render_patch
 from .source import locate_sdist
 from .tree import BASE_SUBJECT, build_queue, extract_base
 
@@ -108,7 +108,7 @@ def _patch_from_commit(repo: Path, commit: str, parent: str, previous: Patch | N
     """(file name, file text) for one queue commit. Subject = name; body = DEP-3 header."""
     text = gitops.message(repo, commit)
     subject, _, body = text.partition("\n")
-    name = subject.strip()
+    name = as_patch_name(subject).removesuffix(".patch")
     if not is_patch_name(f"{name}.patch"):
         raise SeriesError(
             f"queue commit {commit[:12]} has subject {subject!r}, which is not a patch name; the subject must be "

@@ -16,7 +16,8 @@ _DIFF_PATH = re.compile(r"^diff --git a/(?P<a>\S+) b/(?P<b>\S+)$")
 HEADER_END = "---"
 
 # [Note: patch names] One rule for every patch name, wherever one is taken or read: a series line,
-# `refresh --new`/`--patch`, `export --drop`, a queue commit's subject. Lowercase letters, digits,
+# `refresh --new`/`--patch`, `export --drop`, a queue commit's subject (each given with or without
+# ``.patch``: :func:`as_patch_name`). Lowercase letters, digits,
 # '-' and '.', starting with a letter or digit, no '..', at most 100 characters before ``.patch``.
 # Such a name cannot start a comment in ``series`` ('#'), leave ``patches/`` ('/', '..'), or need
 # quoting in a shell, so what ``refresh``/``export`` write is always read back as the same patch.
@@ -29,8 +30,17 @@ NAME_RULE = ("lowercase letters, digits, '-' and '.' (no '..'), starting with a 
 
 
 def is_patch_name(name: str) -> bool:
-    """Whether ``name`` (a file name, ``.patch`` included) follows the note's rule."""
-    return _PATCH_NAME.fullmatch(name) is not None and ".." not in name and name not in RESERVED_NAMES
+    """Whether ``name`` (a file name, ``.patch`` included) follows the note's rule; ``x.patch.patch``
+    does not (a name given with its suffix once too often)."""
+    return (_PATCH_NAME.fullmatch(name) is not None and ".." not in name and name not in RESERVED_NAMES
+            and not name.removesuffix(".patch").endswith(".patch"))
+
+
+def as_patch_name(text: str) -> str:
+    """The file name that ``text`` (a command-line name or a queue commit's subject, with or without
+    ``.patch``) stands for; whether it follows the rule is :func:`is_patch_name`'s to say."""
+    text = text.strip()
+    return text if text.endswith(".patch") else f"{text}.patch"
 
 
 def _suggest(text: str) -> str:
@@ -42,7 +52,7 @@ def _suggest(text: str) -> str:
 def patch_name(text: str, option: str) -> str:
     """A patch named on the command line (``NAME`` or ``NAME.patch``) as its file name; refuses any
     other name (see the note) before anything is written."""
-    name = text if text.endswith(".patch") else f"{text}.patch"
+    name = as_patch_name(text)
     if not is_patch_name(name):
         raise SeriesError(f"{option} {text!r} is not a patch name; nothing was written",
                           f"name patches with {NAME_RULE}, e.g. {option} {_suggest(text)}")

@@ -319,7 +319,7 @@ def test_patch_names_on_the_command_line_take_either_form(fake: Env, tmp_path: P
     assert not (fake.project.patches_dir / "value.patch").exists()
 
 
-@pytest.mark.parametrize("subject", ["Fork-training", "train#2", "train..x", "train\ttab"])
+@pytest.mark.parametrize("subject", ["Fork-training", "train#2", "train..x", "train\ttab", "train.patch.patch"])
 def test_export_refuses_a_queue_commit_subject_that_is_not_a_patch_name(fake: Env, tmp_path: Path, subject: str,
                                                                         capsys) -> None:
     queue = tmp_path / "q"
@@ -334,7 +334,23 @@ def test_export_refuses_a_queue_commit_subject_that_is_not_a_patch_name(fake: En
     assert patches_digest(fake) == before
 
 
-@pytest.mark.parametrize(("line", "shown"), [("Train.patch", "'Train.patch'"), ("a#b.patch", "'#' starts a comment"),
+@pytest.mark.parametrize("subject", ["added-thing", "added-thing.patch"])
+def test_a_subject_with_or_without_its_suffix_names_one_patch(fake: Env, tmp_path: Path, subject: str) -> None:
+    """A queue commit's subject is the patch name, written with ``.patch`` or without, as on the command
+    line: never ``added-thing.patch.patch``."""
+    queue = tmp_path / "q"
+    assert cli(fake, "queue", "--dir", str(queue)) == 0
+    git = ["git", "-C", str(queue), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "commit", "-q", "--amend", "-m", f"{subject}\n\nDescription: renamed\n"], check=True)
+    assert cli(fake, "export", "--queue", str(queue), "--drop", "train.patch") == 0
+    names = (fake.project.patches_dir / "series").read_text().split()
+    assert "added-thing.patch" in names and not any(n.endswith(".patch.patch") for n in names), names
+    assert (fake.project.patches_dir / "added-thing.patch").is_file()
+    assert not list(fake.project.patches_dir.glob("*.patch.patch"))
+
+
+@pytest.mark.parametrize(("line", "shown"), [("x.patch.patch", "'x.patch.patch'"),
+                                             ("Train.patch", "'Train.patch'"), ("a#b.patch", "'#' starts a comment"),
                                              ("tr ain.patch", "'tr ain.patch'"), ("x..y.patch", "'x..y.patch'")])
 def test_a_series_line_that_is_not_a_patch_name_is_named(fake: Env, line: str, shown: str, capsys) -> None:
     (fake.project.patches_dir / line.split("#")[0]).write_text(patch_text("Fork training", "diff --git a/x b/x\n"))
