@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import REBASE_EDITS_FIX, DirtyTree, ForeignTree, LinkedTree, PatchsetError
+from .errors import REBASE_EDITS_FIX, DirtyTree, ForeignTree, LinkedTree, PatchsetError, SeriesError
 from .guarded_swap import TMP_PREFIX, backup_name, swap_in
 from .leftovers import Leftover, any_leftovers, find_leftovers
 from .lock import is_free, writing
@@ -184,7 +184,24 @@ def materialize(project: Project, sdist: Path | None = None, backup: bool = Fals
         return _materialize(project, sdist, backup, log)
 
 
+def refuse_unlisted(project: Project) -> None:
+    """Refuse to build from a series that lost patches ``patches/`` still holds: the tree would carry
+    the fork's version and stamp without those changes (an emptied series would build the release
+    itself). Leaving a patch out is said by deleting its file, or moving it out of ``patches/``."""
+    names = [p.name for p in project.series()]
+    if unlisted := unlisted_patches(project.patches_dir, names):
+        shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
+        raise SeriesError(
+            f"patches/series lists {len(names)} patch(es) and patches/ holds {len(unlisted)} more it does not list "
+            f"({shown}); a tree built without them would be stamped as the fork without their changes. "
+            "Nothing was built",
+            "restore patches/series (`git checkout patches/series`), add the names back, or, to leave a patch out "
+            "for good, delete its file",
+        )
+
+
 def _report_up_to_date(project: Project, log: Callable[[str], None]) -> bool:
+    refuse_unlisted(project)  # a tree built from the shorter series would look up to date
     pin, patches, overlay = project.pin(), project.series(), project.overlay()
     stamp = read_stamp(project.root) if project.megatron_dir.exists() else None
     if stamp is None or not stamp.matches(pin, patches, overlay):
@@ -197,6 +214,7 @@ def _report_up_to_date(project: Project, log: Callable[[str], None]) -> bool:
 
 
 def _materialize(project: Project, sdist: Path | None, backup: bool, log: Callable[[str], None]) -> bool:
+    refuse_unlisted(project)
     pin = project.pin()
     patches = project.series()
     overlay = project.overlay()

@@ -123,6 +123,10 @@ class Env:
     env: dict[str, str]
 
     def write_series(self, patches: dict[str, str]) -> None:
+        """The series becomes ``patches``; a patch it no longer lists goes, as a real drop's file does."""
+        for gone in self.project.patches_dir.glob("*.patch"):
+            if gone.name not in patches:
+                gone.unlink()
         for name, text in patches.items():
             (self.project.patches_dir / name).write_text(text)
         (self.project.patches_dir / "series").write_text("# test series\n" + "".join(f"{n}\n" for n in patches))

@@ -237,11 +237,12 @@ PROBES = [
     Probe("series-bad-name", ("status",), 2, "is not a patch name", write("patches/series", "Alloc.patch\n")),
     Probe("series-twice", ("status",), 2, "is listed twice", write("patches/series", "alloc.patch\nalloc.patch\n")),
     Probe("series-not-utf8", ("status",), 2, "series is not UTF-8 text", write("patches/series", b"\xff\n")),
-    Probe("series-folder", ("status",), 2, "series is a folder, not a file", folder("patches/series")),
+    Probe("series-folder", ("status",), 2, "series is a folder, not a regular file", folder("patches/series")),
     Probe("series-empty-lint", ("lint",), 1, "alloc.patch: is in patches/ but not listed",
           write("patches/series", "")),
     Probe("series-missing-patch", ("status",), 2, "does not exist", write("patches/series", "gone.patch\n")),
-    Probe("series-patch-folder", ("status",), 2, "is a folder, not a patch file", folder("patches/train.patch")),
+    Probe("series-patch-folder", ("status",), 2, "train.patch is a folder, not a regular file",
+          folder("patches/train.patch")),
     Probe("patch-without-diff", ("status",), 2, "alloc.patch has no diff",
           write("patches/alloc.patch", "Description: x\n")),
     # lint lists a bad patch among its findings (1); the others stop at it (2). Reading a pipe would block.
@@ -255,6 +256,11 @@ PROBES = [
             then(materialized, write("megatron/core/__init__.py", "V = 5\n")), env={"SOURCE_DATE_EPOCH": value})
       for i, (value, says) in enumerate((("soon", "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number"),
                                          ("99999999999999", "is past the last date a patch header can carry")))],
+    # A series that lost patches patches/ still holds: no tree stamped as the fork without them.
+    *[Probe(f"series-lost-{when}", ("materialize",), 2,
+            "patches/ holds 2 more it does not list (alloc.patch, train.patch)",
+            then(*before, write("patches/series", "")))
+      for when, before in (("unbuilt", ()), ("built", (materialized,)))],
     # 9. patches/overlay/: odd entries.
     Probe("overlay-fifo", ("status",), 2, "fifo.py is not a regular file", fifo(f"{OVERLAY}/fifo.py")),
     Probe("overlay-link", ("status",), 2, "link.py is a symbolic link", link(f"{OVERLAY}/link.py", "alloc.py")),
