@@ -47,17 +47,17 @@ def _case_files_below(folder: Path, max_depth: int | None = None, limit: int = 3
     return found
 
 
-def check_not_a_case(out: Path, max_depth: int | None = None) -> None:
-    """Refuse an output folder that is, lies inside, or contains a test case."""
+def check_not_a_case(out: Path, max_depth: int | None = None, fix: str = FIX) -> None:
+    """Refuse an output folder that is, lies inside, or contains a test case (``fix``: the way out)."""
     out = out.resolve()
     for folder in (out, *out.parents):
         if (folder / "model_config.yaml").is_file():
             what = "is the test case" if folder == out else f"is inside the test case {folder}"
             raise UserError(f"output folder {out} {what}; a run would write into (and a rerun clear) "
-                            f"the case's model_config.yaml and goldens", FIX)
+                            f"the case's model_config.yaml and goldens", fix)
     if out.is_dir() and (found := _case_files_below(out, max_depth)):
         raise UserError(f"output folder {out} holds test case files ({', '.join(map(str, found))}); "
-                        "the driver clears its output folder before a run", FIX)
+                        "the driver clears its output folder before a run", fix)
 
 
 def foreign_entries(out: Path) -> list[str]:

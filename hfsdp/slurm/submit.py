@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from hfsdp.atomic import write_json_atomic
+from hfsdp.functional import outdir
 from hfsdp.functional.recipe import load_recipe
 from hfsdp.launch.env import add_env_option, parse_assignments
 from hfsdp.launch.torchrun import add_ranks_per_gpu_option
@@ -60,7 +61,10 @@ def load_manifest(log_dir: Path, required: bool = False) -> list[dict]:
 
 def check_log_dir(log_dir: Path) -> None:
     """Refuse a ``--log-dir`` that is, or lies under, something other than a folder, or that we may
-    not write to (:func:`hfsdp.usererror.output_folder`), before any job script is written."""
+    not write to (:func:`hfsdp.usererror.output_folder`), or that is, lies in or holds a test case (the
+    jobs' output folders go under it), before any job script is written."""
+    outdir.check_not_a_case(log_dir, max_depth=outdir.ROOT_SCAN_DEPTH,
+                            fix="give --log-dir a folder outside the test cases, e.g. out/slurm")
     output_folder("--log-dir", log_dir)
 
 

@@ -30,6 +30,20 @@ def test_a_case_that_does_not_exist_writes_nothing(tmp_path):
     assert not logs.exists() or not any(logs.iterdir())  # not even the good case's script
 
 
+@pytest.mark.parametrize("where", ["inside", "the case", "above"])
+def test_a_log_dir_in_or_over_a_test_case_is_refused_at_submit_time(tmp_path, where):
+    """The jobs' output folders go under --log-dir, and run_case would refuse them only on the cluster."""
+    case = tmp_path / "cases" / "smoke" / "c"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(CASE.joinpath("model_config.yaml").read_text())
+    logs = {"inside": case / "logs", "the case": case, "above": tmp_path / "cases"}[where]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    proc = cli("hfsdp.slurm.submit", str(case), "--log-dir", str(logs), "--dry-run", "--cpu")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "give --log-dir a folder outside the test cases" in proc.stderr, proc.stderr
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_a_log_dir_under_a_file_is_refused_before_anything_is_written(tmp_path):
     blocker = tmp_path / "notes.txt"
     blocker.write_text("mine\n")
