@@ -13,6 +13,12 @@
 set -eo pipefail
 cd "$(dirname "$0")/.."
 if [ "${HFSDP_SETUP_DONE:-0}" = 1 ] && [ -n "${HFSDP_PY:-}" ]; then
+  if ! "$HFSDP_PY" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
+    echo "run_main: error: HFSDP_PY=$HFSDP_PY is not a Python >= 3.12 that runs here" >&2
+    echo "  -> set HFSDP_PY to the interpreter of your set-up environment (e.g. .venv/bin/python), or unset" \
+      "HFSDP_SETUP_DONE to let scripts/setup_env.sh make one" >&2
+    exit 2
+  fi
   echo "run_main: HFSDP_SETUP_DONE=1: using $HFSDP_PY as it is (no set-up)"
 else
   HFSDP_WITH_MAMBA=${HFSDP_WITH_MAMBA:-1} . scripts/setup_env.sh

@@ -83,3 +83,16 @@ def test_knobs_at_their_edges_are_taken(no_training, monkeypatch, capsys):
     assert M.main([]) == 0 and len(no_training) == 1  # the main run only
     out = capsys.readouterr().out
     assert "median step 80.0 ms (steps " in out and "-12, 1 GPU(s))" in out, out
+
+
+@pytest.mark.parametrize("python", ["/nonexistent/python", "README.md"])
+def test_a_set_up_interpreter_that_is_none_is_one_sentence(python):
+    """HFSDP_SETUP_DONE=1 trusts HFSDP_PY; one that is no Python >= 3.12 is said so, not bash's error."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "HFSDP_SETUP_DONE": "1", "HFSDP_PY": str(M.REPO_ROOT / python)}  # absolute stays
+    done = subprocess.run(["bash", str(M.REPO_ROOT / "scripts" / "run_main.sh")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "is not a Python >= 3.12 that runs here" in done.stderr, done.stderr
+    assert "No such file or directory" not in done.stderr
