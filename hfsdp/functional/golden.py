@@ -101,6 +101,11 @@ def _steps_text(steps: list[int]) -> str:
     return ", ".join(runs)
 
 
+def _never_negative(name: str) -> bool:
+    """Step times, memory and counts of zeros are never below 0 (losses may be)."""
+    return name in ("iteration-time", "num-zeros") or name.startswith("mem-")
+
+
 def _metric_problems(name: str, spec: Any) -> list[str]:
     """Why one metric's entry is not complete and finite (empty list: it is)."""
     if not isinstance(spec, dict):
@@ -113,21 +118,16 @@ def _metric_problems(name: str, spec: Any) -> list[str]:
     problems: list[str] = []
     steps: list[int] = []
     for key, value in values.items():
-        try:
-            step = int(key)
-        except (TypeError, ValueError):
-            problems.append(f"{name}: step {key!r} is not an integer")
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and key == str(int(key))):
+            problems.append(f"{name}: step {key!r} is not a step as the driver writes it (a whole number, "
+                            "no sign, spaces or leading zeros)")
             continue
+        step = int(key)
         steps.append(step)
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            problems.append(f"{name}: value at step {step} is not a finite number ({value!r})")
-            continue
-        try:
-            finite = math.isfinite(float(value))
-        except ValueError:
-            finite = False
-        if not finite:
-            problems.append(f"{name}: value at step {step} is not a finite number ({value!r})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            problems.append(f"{name}: value at step {step} is not a finite JSON number ({value!r})")
+        elif value < 0 and _never_negative(name):
+            problems.append(f"{name}: value at step {step} is negative ({value!r}), which no run measures")
     bounds = [spec.get(k) for k in ("start_step", "end_step", "step_interval")]
     int_bounds = [b for b in bounds if isinstance(b, int) and not isinstance(b, bool)]
     if len(int_bounds) != len(bounds) or int_bounds[2] < 1:
@@ -158,12 +158,27 @@ def check_golden(obj: Any, names: tuple[str, ...] | list[str]) -> list[str]:
     return problems
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook: a key given twice is an error (JSON would keep the last)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} is given twice in one object, and JSON would keep only the last")
+        seen[key] = value
+    return seen
+
+
+def read_json(path: Path) -> Any:
+    """A golden or metrics file as the driver writes it: one value for every key."""
+    return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+
+
 def read_golden(path: Path, names: tuple[str, ...] | list[str]) -> Metrics:
     """Load a golden file for ``names``; a GoldenError names the file and everything wrong with it."""
     path = Path(path)
     fix = f"re-record it with `python -m hfsdp.functional.run_case {path.parent} --record` on the golden's platform"
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = read_json(path)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise GoldenError(f"golden {path} cannot be read as JSON: {exc}", fix) from exc
     problems = check_golden(obj, names)
@@ -191,7 +206,7 @@ def load(path: Path) -> Metrics:
     """Every metric of a golden (or metrics.json) file, each checked complete and finite."""
     path = Path(path)
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = read_json(path)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise GoldenError(f"{path} cannot be read as JSON: {exc}", "re-create it with the functional driver") from exc
     return read_golden(path, list(obj) if isinstance(obj, dict) else [])

@@ -182,11 +182,35 @@ def test_a_complete_golden_passes(tmp_path):
     assert judge_against(tmp_path, good_golden()).status == "PASS"
 
 
+def test_a_negative_step_time_in_a_golden_is_named(tmp_path):
+    """Only the median step time is compared, so a negative value would otherwise pass unseen."""
+    case = make_case(tmp_path / "cases", extra="  - iteration-time\n")
+    g = good_golden()
+    g.update(golden.to_golden({"iteration-time": {1: 0.05, 2: -0.05, 3: 0.05, 4: 0.05}}, ["iteration-time"]))
+    (case / "golden_values_dev_dgx_h200.json").write_text(json.dumps(g))
+    log = tmp_path / "run1.log"
+    log.write_text(log_text(4))
+    result = run_case(case, output_root=tmp_path / "out", evaluate_log=log)
+    assert result.status == "FAIL"
+    assert any("iteration-time: value at step 2 is negative (-0.05)" in r for r in result.reasons), result.reasons
+
+
+def test_a_step_given_twice_in_a_golden_is_named(tmp_path):
+    """JSON keeps the last of two equal keys without a word; the reader refuses them."""
+    text = json.dumps(good_golden()).replace('"values": {"1": 9.75,', '"values": {"1": 1.0, "1": 9.75,', 1)
+    assert '"1": 1.0, "1": 9.75' in text
+    result = judge_against(tmp_path, text)
+    assert result.status == "FAIL" and any("key '1' is given twice" in r for r in result.reasons), result.reasons
+
+
 @pytest.mark.parametrize(("mutate", "expected"), [
     (lambda g: g["num-zeros"]["values"].update({k: "NaN" for k in g["num-zeros"]["values"]}),
-     "num-zeros: value at step 1 is not a finite number"),
+     "num-zeros: value at step 1 is not a finite JSON number ('NaN')"),
     (lambda g: g["lm loss"].update(values={}), "lm loss: no values"),
-    (lambda g: g["lm loss"]["values"].update({"2": float("inf")}), "lm loss: value at step 2 is not a finite number"),
+    (lambda g: g["lm loss"]["values"].update({"2": float("inf")}), "lm loss: value at step 2 is not a finite JSON"),
+    # What the driver never writes: a number as a string, a step spelled two ways, a negative time.
+    (lambda g: g["lm loss"]["values"].update({"2": "9.5"}), "lm loss: value at step 2 is not a finite JSON number"),
+    (lambda g: g["lm loss"]["values"].update({"02": 9.5}), "lm loss: step '02' is not a step as the driver writes"),
     (lambda g: g.pop("num-zeros"), "num-zeros: missing"),
     (lambda g: g["lm loss"]["values"].pop("3"), "lm loss: steps 3 missing between start_step 1 and end_step 4"),
     (lambda g: g["lm loss"].update(values=[1, 2]), "lm loss: 'values' must be a mapping"),
