@@ -29,7 +29,7 @@ from pathlib import Path, PurePosixPath
 
 from .errors import SeriesError
 from .pin import is_relative_path
-from .scan import KEPT_SUFFIXES, is_cache
+from .scan import CACHE_DIRS, KEPT_SUFFIXES, is_cache
 
 OVERLAY_DIR_NAME = "overlay"  # patches/overlay
 OVERLAY_SUBJECT = "overlay"  # subject of the overlay commit in every queue (a reserved patch name)
@@ -81,7 +81,8 @@ def path_problem(path: str, members: tuple[str, ...]) -> str | None:
 
 def _walk(folder: Path) -> Iterable[tuple[str, os.DirEntry[str]]]:
     """(posix path relative to ``folder``, entry) of every non-folder entry below ``folder``; links are not
-    followed; cache folders are skipped."""
+    followed; cache folders (``__pycache__``, Python's own) are skipped, a loose cache file is not: someone
+    put it there, and :func:`path_problem` refuses it."""
     stack = [folder]
     while stack:
         here = stack.pop()
@@ -92,7 +93,7 @@ def _walk(folder: Path) -> Iterable[tuple[str, os.DirEntry[str]]]:
             if entry.is_dir(follow_symlinks=False):
                 if not is_cache(PurePosixPath(rel)):
                     stack.append(Path(entry.path))
-            elif not is_cache(PurePosixPath(rel)):
+            elif not any(part in CACHE_DIRS for part in PurePosixPath(rel).parts):
                 yield rel, entry
 
 

@@ -270,7 +270,13 @@ PROBES = [
     Probe("overlay-a-file", ("status",), 2, "patches/overlay is not a folder",
           then(move("patches/overlay", "overlay.away"), write("patches/overlay", "x\n"))),
     Probe("overlay-empty-folder", ("materialize",), 0, "+ 2 overlay files", folder(f"{OVERLAY}/empty")),
-    Probe("overlay-bytecode", ("materialize",), 0, "+ 2 overlay files", write(f"{OVERLAY}/x.cpython-312.pyc", b"\0")),
+    # A loose .pyc, .so or .lock is refused by every verb, as the docs say; Python's own __pycache__ is skipped.
+    *[Probe(f"overlay-{name}-{verb}", (verb,), 1 if verb == "lint" else 2,
+            f"{name} is a cache, a built object or a lock file, never an overlay file",
+            write(f"{OVERLAY}/{name}", b"\0"))
+      for name in ("x.cpython-312.pyc", "ext.so") for verb in ("status", "lint", "materialize")],
+    Probe("overlay-pycache", ("materialize",), 0, "+ 2 overlay files",
+          write(f"{OVERLAY}/__pycache__/x.cpython-312.pyc", b"\0")),
     Probe("overlay-space-lint", ("lint",), 1, "has a character a shell splits", write(f"{OVERLAY}/a b.py", "x = 1\n")),
     # 9. Wrong file types, missing or empty folders where a path is expected.
     Probe("tree-a-file-status", ("status",), 1, "megatron is a file, not a folder", write("megatron", "x")),
