@@ -34,10 +34,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import maxpool_gpu_harness as base  # the model, the runs and the child runner
 import pytest
-import test_maxpool_hybrid_gpu as base  # the sibling module: model, runs and the child runner
 from pristine_release import extract_pristine
-from test_maxpool_hybrid_gpu import dist_env  # noqa: F401  (its module-scoped process group)
 
 from hfsdp.training.requirements import importable
 
