@@ -35,3 +35,30 @@ def test_no_cuda_skips_where_torch_sees_a_gpu_and_runs_elsewhere(root_conftest: 
     root_conftest.pytest_runtest_setup(_Item())  # unmarked: runs on a GPU machine too
     monkeypatch.setattr(root_conftest, "cuda_available", lambda: False)
     root_conftest.pytest_runtest_setup(_Item("no_cuda"))
+
+
+def test_ci_allows_only_the_listed_skips(root_conftest: ModuleType) -> None:
+    """[Note: skips in CI]: GPU tests and opt-in services may skip; root's may only while the
+    capability-free pass runs them; anything else (a machine-dependent skip) fails in CI."""
+    allowed = root_conftest.allowed_ci_skip
+    assert allowed("needs torchrun --nproc-per-node 2 on CUDA with mamba_ssm", gpu=True)
+    assert allowed("set HFSDP_SLURM_CI=1 to install slurm-wlm+munge", gpu=False)
+    assert allowed("set HFSDP_NETWORK_TESTS=1 (needs PyPI)", gpu=False)
+    assert allowed(root_conftest.ROOT_SKIP, gpu=False, environ={"HFSDP_UNPRIVILEGED_PASS": "1"})
+    assert not allowed(root_conftest.ROOT_SKIP, gpu=False, environ={})
+    for reason in ("no C++ compiler on this machine", "transformer_engine is installed here", "no bash"):
+        assert not allowed(reason, gpu=False), reason
+
+
+def test_the_tests_of_a_read_only_folder_are_marked_for_the_capability_free_pass(
+        root_conftest: ModuleType) -> None:
+    class Item:
+        def __init__(self, fixtures: tuple[str, ...]) -> None:
+            self.fixturenames, self.markers = fixtures, []
+
+        def add_marker(self, marker: object) -> None:
+            self.markers.append(marker)
+
+    locked, plain = Item(("tmp_path", "lock_folder")), Item(("tmp_path",))
+    root_conftest.pytest_collection_modifyitems([locked, plain])
+    assert [m.name for m in locked.markers] == ["unprivileged"] and plain.markers == []
