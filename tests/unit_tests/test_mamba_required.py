@@ -120,6 +120,7 @@ MAMBA_TEST = "tests/unit_tests/training_entry/test_entry.py::test_hybrid_provide
 def test_a_mamba_test_without_mamba_skips_only_when_opted_out(tmp_path: Path, opt_out: bool) -> None:
     env = stand_in(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], str(REPO_ROOT)))
+    env.pop("HFSDP_CI", None)  # the opt-out's own skip is the subject here, not CI's skip rule
     if opt_out:
         env["HFSDP_WITH_MAMBA"] = "0"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", MAMBA_TEST],

@@ -527,5 +527,5 @@ def test_a_diverged_run_writes_strict_json_metrics_that_name_the_nan(tmp_path: P
     assert "NaN" not in text and "Infinity" not in text
     doc = json.loads(text)
     assert doc["lm loss"]["values"] == {"1": 9.5, "2": "nan"} and doc["grad-norm"]["values"] == {"1": "inf"}
-    assert golden.check_golden(doc, ["lm loss"]) == ["lm loss: value at step 2 is not a finite number ('nan')"]
+    assert golden.check_golden(doc, ["lm loss"]) == ["lm loss: value at step 2 is not a finite JSON number ('nan')"]
     assert math.isnan(golden.from_golden(doc)["lm loss"][2])

@@ -163,6 +163,7 @@ def test_every_setting_reaches_every_run_of_a_deterministic_benchmark(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(B, "run_group", fake_run_group)
     monkeypatch.setattr(B.requirements, "importable", lambda package: True)
+    monkeypatch.setattr(B.fit, "gpu_memory", lambda *a, **k: [80 * 2**30] * 4)  # a GPU machine, faked
     monkeypatch.setattr(B.fit, "preflight", lambda placement, flags, environ=None: "preflight (test)")
     configs = ["no_db", "te_no_db", "te_maxpool_graph"]
     B.main(["--configs", ",".join(configs), "--repeats", "1", "--no-plan", "--no-chart",
