@@ -24,7 +24,7 @@ from typing import Any
 from hfsdp import extras, te_determinism
 from hfsdp.atomic import NonFiniteJSON
 from hfsdp.bench import configs as cfgs
-from hfsdp.bench import pretrain_launch, run_logs
+from hfsdp.bench import flops, pretrain_launch, run_logs
 from hfsdp.bench import results as res
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
@@ -49,8 +49,11 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--configs", default=",".join(cfgs.DEFAULT_CONFIGS),
                    help="Comma-separated subset of " + ", ".join(cfgs.CONFIGS))
     p.add_argument("--preset", default="default", choices=sorted(cfgs.PRESETS))
-    p.add_argument("--out-json", default="docs/benchmark-results.json")
-    p.add_argument("--out-png", default="docs/benchmark-results.png")
+    p.add_argument("--out-json", default="out/benchmark-results.json",
+                   help="Results JSON (default under out/ of the current folder; folders are made).")
+    p.add_argument("--out-png", default="out/benchmark-results.png", help="Chart (folders are made).")
+    p.add_argument("--peak-tflops", type=positive(float), default=None,
+                   help="One GPU's dense bf16 peak for MFU (default: 989 for H100 and H200, else no MFU).")
     p.add_argument("--no-chart", action="store_true")
     p.add_argument("--no-plan", action="store_true", help="Skip the planner subprocess.")
     p.add_argument("--profile-dir", default=None,
@@ -277,9 +280,16 @@ def check_paths(opts: argparse.Namespace, shared: bool) -> None:
     if opts.from_logs and launch_only:
         raise UserError(f"--from-logs launches nothing, so {', '.join(launch_only)} would record nothing",
                         f"drop {', '.join(launch_only)}, or drop --from-logs to launch the runs")
-    output_file("--out-json", opts.out_json)
+    outputs = [("--out-json", opts.out_json)]
     if not opts.no_chart and not shared:
-        output_file("--out-png", opts.out_png)
+        outputs.append(("--out-png", opts.out_png))
+    for option, path in outputs:
+        output_file(option, path)
+        try:  # made now, not after the runs: a folder that cannot be made is said before them
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"{option} {path}: its folder cannot be made ({exc.strerror or exc})",
+                            f"give {option} a file in a folder you can write to") from None
     for option in launch_only:
         output_folder(option, getattr(opts, option[2:].replace("-", "_")))
 
@@ -396,6 +406,7 @@ def _main(argv: Sequence[str]) -> int:
     for agreement in agreements.values():
         print("\n".join(res.format_loss_agreement(agreement)))
     print("\n".join(res.format_pool_check(summaries, runs)))
+    speed = model_speed(flags, summaries, runs, opts) if not shared else {}
     meta = {
         "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc,
         "ranks_per_gpu": opts.ranks_per_gpu, "speed": res.no_speed_note(opts.ranks_per_gpu) if shared else "measured",
@@ -408,8 +419,8 @@ def _main(argv: Sequence[str]) -> int:
         "optional_packages": requirements.installed_versions(),  # the runs inherit this environment
         "wall_s": None if opts.from_logs else round(time.time() - start, 1),
         "deterministic": opts.deterministic,
+        **speed,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(opts.out_json)), exist_ok=True)
     doc = res.to_json(summaries, runs, meta, agreements)
     if te_runs:
         doc["summary_te"] = [dataclasses.asdict(s) for s in te_summaries]
@@ -432,6 +443,25 @@ def _main(argv: Sequence[str]) -> int:
         except ChartUnavailable as exc:
             print(f"chart skipped: {exc}")
     return 1 if failures else 0
+
+
+def model_speed(flags: Sequence[str], summaries: Sequence[res.ConfigSummary], runs: Sequence[res.RunResult],
+                opts: argparse.Namespace) -> dict[str, Any]:
+    """Model FLOPs per token and each configuration's MFU ([Note: model FLOPs] in flops.py),
+    printed and returned for the JSON's meta."""
+    from hfsdp.planner.setup import parse_flags
+
+    model = flops.model_flops(parse_flags(flags))
+    device = res.machine(runs).get("device")
+    peak = flops.peak_flops(device, opts.peak_tflops)
+    per_config = {s.config: flops.mfu(s.tokens_per_s, opts.nproc, model.training, peak) for s in summaries}
+    where = f"{peak / 1e12:.0f} TFLOP/s a GPU" if peak else f"no MFU: the peak of {device or 'this GPU'} is unknown"
+    print(f"model FLOPs per token, training: {model.training / 1e9:.2f} GFLOP ({where}; --peak-tflops gives one)")
+    for config, value in per_config.items():
+        if value is not None:
+            print(f"  {config:<20} MFU {value * 100:.1f} %")
+    return {"model_flops_per_token": model.training, "model_flops_forward": dataclasses.asdict(model),
+            "peak_flops_per_gpu": peak, "mfu": per_config}
 
 
 def gpus(n: Any) -> str:

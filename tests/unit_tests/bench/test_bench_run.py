@@ -203,3 +203,29 @@ def test_a_machine_every_run_would_fail_on_is_refused_before_any_run(monkeypatch
     assert B.main([*args, "--out-json", str(tmp_path / "r.json"), "--no-chart", "--no-plan"]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
+
+
+def test_every_configuration_gets_its_mfu_from_the_models_flops(monkeypatch, tmp_path):
+    """tokens/s per GPU x training FLOPs per token / 989 TFLOP/s on an H200 ([Note: model FLOPs])."""
+    from hfsdp.bench import flops
+    from hfsdp.planner.setup import parse_flags
+
+    def launch(config, repeat, flags, opts, workdir, timeout_s=None):
+        return R.RunResult(config=config.name, repeat=repeat, step_times_s=(0.5,), tokens_per_step=8192,
+                           peak_allocated_bytes=2**30, peak_reserved_bytes=2**31, device="NVIDIA H200"), "log"
+
+    monkeypatch.setattr(B, "launch", launch)
+    out = tmp_path / "new" / "r.json"
+    assert B.main(["--nproc", "4", "--configs", "no_db", "--repeats", "1", "--no-plan", "--no-chart",
+                   "--out-json", str(out)]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    per_token = flops.model_flops(parse_flags(meta["model_flags"])).training
+    assert meta["model_flops_per_token"] == per_token and meta["peak_flops_per_gpu"] == 989e12
+    assert meta["mfu"]["no_db"] == pytest.approx(8192 / 0.5 / 4 * per_token / 989e12)
+
+
+def test_output_folders_are_made_or_refused_before_any_run(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("no run may start"))
+    png = "/proc/hfsdp/chart.png"  # a folder no one can make there
+    assert B.main(["--nproc", "2", "--out-json", str(tmp_path / "a" / "r.json"), "--out-png", png]) == 2
+    assert "--out-png /proc/hfsdp/chart.png: its folder cannot be made" in capsys.readouterr().err
