@@ -88,7 +88,8 @@ REBASE_EDITS_FIX = (
     "the edits were made on the tree of the previous patches, so they cannot be folded into the current "
     "ones directly. Carry them over: `scripts/patchset diff > my.patch` (exactly your edits, against the "
     "tree as it was built), `scripts/patchset materialize --backup` (rebuilds; the edited tree is kept as "
-    "megatron.bak-*), `git apply my.patch` (re-applies them; resolve any conflict by hand), then fold them "
-    "into a patch: `scripts/patchset refresh` (into the patch that owns the files) or "
+    "megatron.bak-*), `git apply --reject my.patch` (re-applies them; a hunk whose lines the new patches "
+    "changed too is left in a .rej file beside its file: make that change by hand, then delete the .rej "
+    "file), then fold them into a patch: `scripts/patchset refresh` (into the patch that owns the files) or "
     "`scripts/patchset refresh --new NAME` (a new patch at the end)."
 )

@@ -62,7 +62,7 @@ def error_of(env: Env, capsys, *args: str) -> str:
 
 
 def test_edits_on_a_tree_whose_patches_were_pulled(fake: Env, capsys) -> None:
-    """materialize (and refresh) refuse; diff > my.patch, materialize --backup, git apply, refresh."""
+    """materialize (and refresh) refuse; diff > my.patch, materialize --backup, git apply --reject, refresh."""
     main(["--root", str(fake.project.root), "materialize"])
     init = fake.project.megatron_dir / "core" / "__init__.py"
     init.write_text("VALUE = 2  # my edit\n")
@@ -72,7 +72,7 @@ def test_edits_on_a_tree_whose_patches_were_pulled(fake: Env, capsys) -> None:
     assert error_of(fake, capsys, "refresh").split("-> ")[1] == err.split("-> ")[1]  # same way out
     steps = commands(err.split("-> ", 1)[1])
     assert steps == ["scripts/patchset diff > my.patch", "scripts/patchset materialize --backup",
-                     "git apply my.patch", "scripts/patchset refresh", "scripts/patchset refresh --new NAME"]
+                     "git apply --reject my.patch", "scripts/patchset refresh", "scripts/patchset refresh --new NAME"]
     for step in steps[:3]:
         assert run_advice(fake, step, capsys) == 0, step
     # No patch owns core/__init__.py: plain refresh asks which, the --new way folds it.
@@ -85,6 +85,30 @@ def test_edits_on_a_tree_whose_patches_were_pulled(fake: Env, capsys) -> None:
     assert main(["--root", str(fake.project.root), "status"]) == 0  # up to date, no edits
     backup = next(fake.project.root.glob("megatron.bak-*"))
     assert (backup / "core" / "__init__.py").read_text() == "VALUE = 2  # my edit\n"  # and a copy
+
+
+def test_edits_of_the_lines_a_pulled_patch_changed_too(fake: Env, capsys) -> None:
+    """The edit and the pull change one line: `git apply --reject` leaves that hunk in a .rej file; the
+    user makes the change by hand as the message says, deletes the .rej file, and refresh folds it in."""
+    main(["--root", str(fake.project.root), "materialize"])
+    alloc = fake.project.megatron_dir / "core" / "alloc.py"
+    alloc.write_text(alloc.read_text().replace("maxpool = True", "maxpool = 'mine'"))
+    fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))  # git pull
+    steps = commands(error_of(fake, capsys, "materialize").split("-> ", 1)[1])
+    assert steps[:3] == ["scripts/patchset diff > my.patch", "scripts/patchset materialize --backup",
+                         "git apply --reject my.patch"]
+    assert run_advice(fake, steps[0], capsys) == 0 and run_advice(fake, steps[1], capsys) == 0
+    assert run_advice(fake, steps[2], capsys) != 0  # the hunk meets the pulled line
+    rejected = alloc.with_name("alloc.py.rej")
+    assert "+maxpool = 'mine'" in rejected.read_text()  # the edit is kept, in the .rej file
+    assert "maxpool = 'pulled'" in alloc.read_text()
+    alloc.write_text(alloc.read_text().replace("maxpool = 'pulled'", "maxpool = 'mine'"))  # by hand
+    rejected.unlink()
+    assert run_advice(fake, steps[3], capsys) == 0  # refresh: alloc.patch owns alloc.py
+    assert "+maxpool = 'mine'" in (fake.project.patches_dir / "alloc.patch").read_text()
+    assert main(["--root", str(fake.project.root), "status"]) == 0
+    backup = next(fake.project.root.glob("megatron.bak-*"))
+    assert "maxpool = 'mine'" in (backup / "core" / "alloc.py").read_text()  # and a copy
 
 
 def test_stale_tree_without_edits_refresh_says_materialize(fake: Env, capsys) -> None:
