@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import stat
 import sys
@@ -109,6 +110,12 @@ def _nearest_existing(path: Path) -> Path:
     while not os.path.lexists(path) and path != path.parent:
         path = path.parent
     return path
+
+
+def quoted(word: object) -> str:
+    """``word`` (a path, a name) as a shell reads it back: every command a fix suggests quotes what it
+    fills in, so that it still runs from a checkout whose path holds a space."""
+    return shlex.quote(str(word))
 
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),

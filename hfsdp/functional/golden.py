@@ -38,7 +38,7 @@ from typing import Any
 
 from hfsdp.atomic import write_json_atomic
 from hfsdp.functional.logparse import Metrics
-from hfsdp.usererror import UserError
+from hfsdp.usererror import UserError, quoted
 
 ITER_TIME_WARMUP = 3
 # Compared exactly (or within a resume's loss_rtol); the order is the one reports use.
@@ -176,7 +176,8 @@ def read_json(path: Path) -> Any:
 def read_golden(path: Path, names: tuple[str, ...] | list[str]) -> Metrics:
     """Load a golden file for ``names``; a GoldenError names the file and everything wrong with it."""
     path = Path(path)
-    fix = f"re-record it with `python -m hfsdp.functional.run_case {path.parent} --record` on the golden's platform"
+    fix = (f"re-record it with `python -m hfsdp.functional.run_case {quoted(path.parent)} --record` on the "
+           "golden's platform")
     try:
         obj = read_json(path)
     except (OSError, UnicodeDecodeError, ValueError) as exc:

@@ -16,7 +16,7 @@ import errno
 import sys
 from pathlib import Path
 
-from hfsdp.usererror import run_cli
+from hfsdp.usererror import quoted, run_cli
 
 from .check import check_against, check_base
 from .diff import local_diff, series_diff
@@ -140,7 +140,7 @@ def _cmd_queue(project: Project, args: argparse.Namespace) -> int:
     print(f"patchset: queue at {args.dir}: base {queue.base[:12]} (tag patchset/base), the overlay commit, then "
           "one commit per patch")
     print("  edit with git (commit --fixup, rebase -i, new commits), "
-          f"then `scripts/patchset export --queue {args.dir}`")
+          f"then `scripts/patchset export --queue {quoted(args.dir)}`")
     return 0
 
 

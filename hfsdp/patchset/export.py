@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hfsdp.usererror import UserError, env_number
+from hfsdp.usererror import UserError, env_number, quoted
 
 from . import gitops
 from .errors import PatchsetError, SeriesError
@@ -113,8 +113,8 @@ def _patch_from_commit(repo: Path, commit: str, parent: str, previous: Patch | N
         raise SeriesError(
             f"queue commit {commit[:12]} has subject {subject!r}, which is not a patch name; the subject must be "
             "the patch name. Nothing was written",
-            f"reword it to a lowercase-dashed name ({NAME_RULE}; `git -C {repo} rebase -i {BASE_TAG}`, then "
-            f"`reword`), then `scripts/patchset export --queue {repo}` again",
+            f"reword it to a lowercase-dashed name ({NAME_RULE}; `git -C {quoted(repo)} rebase -i {BASE_TAG}`, then "
+            f"`reword`), then `scripts/patchset export --queue {quoted(repo)}` again",
         )
     header = body.strip("\n")
     if previous is not None and not header:
@@ -127,8 +127,8 @@ def _patch_from_commit(repo: Path, commit: str, parent: str, previous: Patch | N
     diff = gitops.diff_commits(repo, parent, commit)
     if "diff --git " not in diff:
         raise SeriesError(f"queue commit {commit[:12]} ({name}) changes nothing. Nothing was written",
-                          f"drop the commit (`git -C {repo} rebase -i {BASE_TAG}`) and pass `--drop {name}.patch` "
-                          "if the patch is to go")
+                          f"drop the commit (`git -C {quoted(repo)} rebase -i {BASE_TAG}`) and pass "
+                          f"`--drop {name}.patch` if the patch is to go")
     return f"{name}.patch", render_patch(header, diff)
 
 
@@ -153,8 +153,9 @@ def split_queue(repo: Path, base: str) -> tuple[str | None, list[str]]:
         raise SeriesError(
             f"queue commit {misplaced[0][:12]} of {repo} has the subject '{OVERLAY_SUBJECT}', but the overlay commit "
             "comes right after the base; nothing was written",
-            f"move its line first, or fold it into the first one, in `git -C {repo} rebase -i {BASE_TAG}`, then "
-            f"`scripts/patchset export --queue {repo}` again",
+            f"move its line first, or fold it into the first one, in `git -C {quoted(repo)} rebase -i {BASE_TAG}`, "
+            "then "
+            f"`scripts/patchset export --queue {quoted(repo)}` again",
         )
     if commits and _subject(repo, commits[0]) == OVERLAY_SUBJECT:
         return commits[0], commits[1:]
@@ -168,8 +169,8 @@ def overlay_of_commit(repo: Path, base: str, commit: str, members: tuple[str, ..
         raise SeriesError(
             f"the overlay commit {commit[:12]} of {repo} changes or deletes files of the base; it may only add "
             f"files. Nothing was written:\n{describe(changed)}",
-            f"move those changes into patch commits (`git -C {repo} rebase -i {BASE_TAG}`), then "
-            f"`scripts/patchset export --queue {repo}` again",
+            f"move those changes into patch commits (`git -C {quoted(repo)} rebase -i {BASE_TAG}`), then "
+            f"`scripts/patchset export --queue {quoted(repo)}` again",
         )
     files: dict[str, str] = {}
     refused: list[str] = []
@@ -185,8 +186,8 @@ def overlay_of_commit(repo: Path, base: str, commit: str, members: tuple[str, ..
         raise SeriesError(
             f"the overlay commit {commit[:12]} of {repo} adds what cannot be an overlay file; nothing was "
             f"written:\n{describe(refused)}",
-            f"remove those files from the overlay commit (`git -C {repo} rebase -i {BASE_TAG}`), then "
-            f"`scripts/patchset export --queue {repo}` again",
+            f"remove those files from the overlay commit (`git -C {quoted(repo)} rebase -i {BASE_TAG}`), then "
+            f"`scripts/patchset export --queue {quoted(repo)}` again",
         )
     return Overlay.of(files)
 
@@ -200,9 +201,10 @@ def _refuse_created_files(repo: Path, commit: str, parent: str, name: str, previ
         raise SeriesError(
             f"queue commit {commit[:12]} ({name}) creates {', '.join(created)}; a file upstream does not have belongs "
             "in the overlay commit. Nothing was written",
-            f"move it there: in `git -C {repo} rebase -i {BASE_TAG}` mark the overlay commit `edit`, add the file "
-            "there (`git commit --amend`), `git rebase --continue` (the patch commit then no longer creates it); "
-            f"then `scripts/patchset export --queue {repo}` again",
+            f"move it there: in `git -C {quoted(repo)} rebase -i {BASE_TAG}` mark the overlay commit `edit`, add "
+            "the file there (`git commit --amend`), `git rebase --continue` (the patch commit then no longer "
+            "creates it); "
+            f"then `scripts/patchset export --queue {quoted(repo)}` again",
         )
 
 
@@ -239,11 +241,11 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
         raise PatchsetError(f"queue {repo} is stopped at {state.stopped_at}, which does not apply yet; "
                             "nothing was written",
                             f"finish it: apply the rejected hunks, delete the *.rej files, "
-                            f"`scripts/patchset queue --continue --dir {repo}`; then export again")
+                            f"`scripts/patchset queue --continue --dir {quoted(repo)}`; then export again")
     if state is not None and state.pending:
         raise PatchsetError(f"queue {repo}: a `queue --continue` was killed before it applied "
                             f"{', '.join(state.pending)}; nothing was written",
-                            f"finish it: `scripts/patchset queue --continue --dir {repo}`, then export again")
+                            f"finish it: `scripts/patchset queue --continue --dir {quoted(repo)}`, then export again")
     if gitops.tree_of(repo, base) != _pristine_tree_id(project, sdist):
         raise PatchsetError(
             f"the root commit of {repo} is not the pristine {project.pin().filename} tree; nothing was written",

@@ -10,6 +10,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from hfsdp.usererror import quoted
+
 from .errors import PatchsetError, StaleTree
 from .project import Project
 from .tree import read_stamp
@@ -26,13 +28,13 @@ def ensure_fork(project: Project | None = None) -> Path:
     if where is None:
         raise PatchsetError(
             "megatron.core is not importable",
-            f"install the fork: `pip install -e {project.root}` (or run `scripts/patchset materialize` "
+            f"install the fork: `pip install -e {quoted(project.root)}` (or run `scripts/patchset materialize` "
             f"and put {project.root} on PYTHONPATH)",
         )
     if expected not in where.parents:
         raise PatchsetError(
             f"megatron.core resolves to {where.parent}, not this fork's materialized tree {expected}",
-            f"remove the other copy (`pip uninstall -y megatron-core`), then `pip install -e {project.root}`",
+            f"remove the other copy (`pip uninstall -y megatron-core`), then `pip install -e {quoted(project.root)}`",
         )
     stamp = read_stamp(project.root)
     if stamp is None or not stamp.matches(project.pin(), project.series(), project.overlay()):

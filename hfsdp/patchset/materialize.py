@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hfsdp.usererror import quoted
+
 from .errors import REBASE_EDITS_FIX, DirtyTree, ForeignTree, LinkedTree, PatchsetError, SeriesError
 from .guarded_swap import TMP_PREFIX, backup_name, swap_in
 from .leftovers import Leftover, any_leftovers, find_leftovers
@@ -75,8 +77,8 @@ def _linked(link: Path, tree: Path | None) -> LinkedTree:
     movable = (dest.is_dir() and dest not in (here, *here.parents)
                and (tree is None or Path(os.path.realpath(tree)) not in (dest, *dest.parents)))
     if movable:
-        return LinkedTree(cause, f"put the folder itself in the link's place: `unlink {link}`, then "
-                                 f"`mv {dest} {link}`; or set the link aside: {backup}")
+        return LinkedTree(cause, f"put the folder itself in the link's place: `unlink {quoted(link)}`, then "
+                                 f"`mv {quoted(dest)} {quoted(link)}`; or set the link aside: {backup}")
     return LinkedTree(cause, f"set the link aside: {backup}")
 
 
@@ -151,13 +153,15 @@ def _refuse_if_unsafe(project: Project, stamp: Stamp | None, found: Census | Non
     target = project.megatron_dir
     if not target.is_dir():
         raise ForeignTree(f"{target} is a file, not a folder: it was not made by this tool, so it may hold your work",
-                          f"move it away (`mv {target} {target}.mine`) and run `scripts/patchset materialize` again, "
+                          f"move it away (`mv {quoted(target)} {quoted(f'{target}.mine')}`) and run "
+                          "`scripts/patchset materialize` again, "
                           "or run `scripts/patchset materialize --backup` (moves it to megatron.bak-* and rebuilds)")
     if stamp is None:
         if any(target.iterdir()):
             raise ForeignTree(
                 f"{target} exists but has no {STAMP_NAME}: it was not made by this tool, so it may hold your work",
-                f"move it away (`mv {target} {target}.mine`) and run `scripts/patchset materialize` again, or "
+                f"move it away (`mv {quoted(target)} {quoted(f'{target}.mine')}`) and run "
+                "`scripts/patchset materialize` again, or "
                 "run `scripts/patchset materialize --backup` (moves it to megatron.bak-* and rebuilds)",
             )
         return

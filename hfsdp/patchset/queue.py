@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hfsdp.atomic import write_json_atomic
-from hfsdp.usererror import UserError, output_folder
+from hfsdp.usererror import UserError, output_folder, quoted
 
 from . import gitops
 from .errors import PatchDoesNotApply, PatchsetError
@@ -153,8 +153,8 @@ def _apply_from(repo: Path, patches: list[Patch], state: QueueState, queue: Queu
                 f"{', '.join(exc.files) or 'see below'}); the queue stops there with the hunks that fit applied"
                 + (f" and the others in {', '.join(rejects)}" if rejects else "") + f".\n{report.strip()}",
                 f"in {dest}, apply the rejected hunks by hand and delete the *.rej files, then "
-                f"`scripts/patchset queue --continue --dir {dest}`; when it completes, "
-                f"`scripts/patchset export --queue {dest}`",
+                f"`scripts/patchset queue --continue --dir {quoted(dest)}`; when it completes, "
+                f"`scripts/patchset export --queue {quoted(dest)}`",
             ) from None
         queue.commits.append((patch.name, _commit_patch(repo, patch)))
     if journal:
@@ -164,7 +164,7 @@ def _apply_from(repo: Path, patches: list[Patch], state: QueueState, queue: Queu
 
 def _resume(dest: Path, state: QueueState) -> Queue:
     """Go on with a ``--continue`` that was killed while applying ``state.pending`` (see the note)."""
-    name, rerun = state.pending[0], f"`scripts/patchset queue --continue --dir {dest}`"
+    name, rerun = state.pending[0], f"`scripts/patchset queue --continue --dir {quoted(dest)}`"
     head = gitops.git(["rev-parse", "HEAD"], cwd=dest).stdout.strip()
     if head != state.resume_at:
         parent = gitops.git(["rev-parse", "--verify", "-q", f"{head}^"], cwd=dest, check=False).stdout.strip()
@@ -173,7 +173,7 @@ def _resume(dest: Path, state: QueueState) -> Queue:
             raise PatchsetError(
                 f"queue {dest}: a `queue --continue` was killed while applying {name}, and HEAD has moved since "
                 f"(it was {str(state.resume_at)[:12]}), so where to go on cannot be told; nothing was changed",
-                f"put HEAD back (`git -C {dest} reset --hard {state.resume_at}`), then {rerun}; or make a new "
+                f"put HEAD back (`git -C {quoted(dest)} reset --hard {state.resume_at}`), then {rerun}; or make a new "
                 "queue: `scripts/patchset queue --dir DIR` (DIR: a new folder)")
         state.pending, state.resume_at = state.pending[1:], head  # it was committed; the state did not catch up
         state.texts.pop(name, None)
@@ -182,7 +182,7 @@ def _resume(dest: Path, state: QueueState) -> Queue:
             f"queue {dest}: a `queue --continue` was killed while applying {name}; the work tree has that patch's "
             "changes, in part or whole, uncommitted (your fix of the patch before it is committed); nothing was "
             "changed",
-            f"drop them, `git -C {dest} reset -q --hard` (they are applied again), then {rerun}")
+            f"drop them, `git -C {quoted(dest)} reset -q --hard` (they are applied again), then {rerun}")
     patches = [parse_patch(n, state.texts[n], dest / n) for n in state.pending]
     queue = Queue(dest, gitops.git(["rev-parse", BASE_TAG], cwd=dest).stdout.strip())
     _apply_from(dest, patches, state, queue, dest, journal=True)
@@ -246,9 +246,10 @@ def make_queue(project: Project, dest: Path, sdist: Path | None = None, log: Cal
         raise PatchsetError(f"--dir {dest}: {dest.parent} is not writable, and the queue replaces the empty "
                             "folder from there", fix)
     if project.root.resolve() in dest.resolve().parents:
+        beside = project.root.parent / f"{project.root.name}-queue"
         raise PatchsetError(f"{dest} is inside the checkout {project.root}",
-                            "make the queue outside the checkout, e.g. "
-                            f"`scripts/patchset queue --dir {project.root.parent / (project.root.name + '-queue')}`")
+                            f"make the queue outside the checkout, e.g. "
+                            f"`scripts/patchset queue --dir {quoted(beside)}`")
     pin = project.pin()
     patches = project.series()
     overlay = project.overlay()
@@ -296,18 +297,18 @@ def continue_queue(project: Project, dest: Path) -> Queue:
         return _resume(dest, state)
     if state.stopped_at is None:
         raise PatchsetError(f"the queue {dest} is not stopped at a patch: every patch is applied, so there is "
-                            "nothing to continue", f"export it: `scripts/patchset export --queue {dest}`")
+                            "nothing to continue", f"export it: `scripts/patchset export --queue {quoted(dest)}`")
     rejects = sorted(str(p.relative_to(dest)) for p in dest.rglob("*.rej") if ".git" not in p.parts)
     if rejects:
         raise PatchsetError(f"{dest} still has rejected hunks: {', '.join(rejects)}",
                             f"apply each by hand, delete the .rej files, then run "
-                            f"`scripts/patchset queue --continue --dir {dest}` again")
+                            f"`scripts/patchset queue --continue --dir {quoted(dest)}` again")
     patches = [parse_patch(n, state.texts[n], dest / n) for n in [state.stopped_at, *state.pending]]
     head = gitops.git(["rev-parse", "HEAD"], cwd=dest).stdout.strip()
     if head == state.head_at_stop and gitops.is_clean(dest):
         raise PatchsetError(f"{dest} has no changes for {state.stopped_at}; there is nothing to commit as that patch",
                             f"apply its rejected hunks by hand in {dest}, then run "
-                            f"`scripts/patchset queue --continue --dir {dest}` again")
+                            f"`scripts/patchset queue --continue --dir {quoted(dest)}` again")
     queue = Queue(dest, gitops.git(["rev-parse", BASE_TAG], cwd=dest).stdout.strip())
     if head == state.head_at_stop:  # else the user committed the fix themselves
         _commit_patch(dest, patches[0])

@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from hfsdp.usererror import UserError, output_folder
+from hfsdp.usererror import UserError, output_folder, quoted
 
 from .errors import HashMismatch, SourceUnavailable, WrongBaseVersion
 from .pin import BasePin
@@ -84,7 +84,7 @@ def check_version(pin: BasePin, path: Path) -> None:
             f"{path.name} is {pin.distribution} {match['version']}, but this series is pinned to "
             f"{pin.version} (patches/base.toml)",
             f"use the {pin.filename} sdist, or rebase the series onto {match['version']} with "
-            f"`scripts/patchset check --against {path}` first",
+            f"`scripts/patchset check --against {quoted(path)}` first",
         )
 
 

@@ -29,12 +29,12 @@ from typing import NoReturn
 
 from hfsdp.diagnostics import install_stack_dump_signal
 from hfsdp.patchset.guard import ensure_fork
-from hfsdp.usererror import UserError, rejection, run_cli
+from hfsdp.usererror import UserError, quoted, rejection, run_cli
 
 
 def flags_fix() -> str:
     script = os.path.basename(sys.argv[0]) if sys.argv[0].endswith(".py") else "pretrain_gpt.py"
-    return f"fix the flags; `python {script} --help` lists every flag and its choices"
+    return f"fix the flags; `python {quoted(script)} --help` lists every flag and its choices"
 
 # Tokenizer default matches upstream's GPT entry point; mock-data runs pass
 # `--tokenizer-type NullTokenizer --vocab-size N`.

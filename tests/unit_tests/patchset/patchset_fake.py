@@ -164,7 +164,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Env:
     store = tmp_path / "store"
     store.mkdir()
     sdist = make_sdist(store)
-    root = tmp_path / "proj"
+    root = tmp_path / "my checkout"  # a space: every command the tools suggest must survive it
     (root / "patches").mkdir(parents=True)
     (root / "patches" / "base.toml").write_text(textwrap.dedent(f"""\
         [base]

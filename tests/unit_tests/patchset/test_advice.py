@@ -126,7 +126,8 @@ def test_foreign_tree_both_ways_out(fake: Env, capsys) -> None:
     (tree / "core" / "mine.py").write_text("precious = True\n")
     err = error_of(fake, capsys, "materialize")
     first, second, third = commands(err.split("-> ", 1)[1])
-    assert first == f"mv {tree} {tree}.mine" and second == "scripts/patchset materialize"
+    assert first == f"mv {shlex.quote(str(tree))} {shlex.quote(f'{tree}.mine')}"  # the checkout has a space
+    assert second == "scripts/patchset materialize"
     assert third == "scripts/patchset materialize --backup"
     assert run_advice(fake, first, capsys) == 0 and run_advice(fake, second, capsys) == 0
     assert (fake.project.root / "megatron.mine" / "core" / "mine.py").read_text() == "precious = True\n"
@@ -221,7 +222,7 @@ def test_queue_inside_the_checkout_suggests_a_folder_beside_it(fake: Env, capsys
     err = error_of(fake, capsys, "queue", "--dir", str(fake.project.root / "pq"))
     (step,) = commands(err.split("-> ", 1)[1])
     assert run_advice(fake, step, capsys) == 0
-    assert (fake.project.root.parent / "proj-queue" / ".git").is_dir()
+    assert (fake.project.root.parent / f"{fake.project.root.name}-queue" / ".git").is_dir()
 
 
 def test_a_folder_that_is_not_a_checkout(tmp_path, capsys) -> None:
@@ -240,7 +241,8 @@ def test_symlinked_tree_both_ways_out(fake: Env, capsys) -> None:
     os.symlink("X", tree)
     err = error_of(fake, capsys, "status")
     unlink, move, backup = commands(err.split("-> ", 1)[1])
-    assert unlink == f"unlink {tree}" and move == f"mv {root / 'X'} {tree}"
+    assert unlink == f"unlink {shlex.quote(str(tree))}"
+    assert move == f"mv {shlex.quote(str(root / 'X'))} {shlex.quote(str(tree))}"
     assert backup == "scripts/patchset materialize --backup"
     assert run_advice(fake, unlink, capsys) == 0 and run_advice(fake, move, capsys) == 0
     assert not tree.is_symlink() and (tree / "core" / "__init__.py").read_text() == "VALUE = 3  # mine\n"
