@@ -17,11 +17,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hfsdp.usererror import quoted
+
 from .errors import PatchsetError
 from .scan import changed_between, describe
 
 OLD_PREFIX = ".patchset-old-"
 TMP_PREFIX = ".patchset-tmp-"
+
+
+class OldFolderKept(PatchsetError):
+    """The new folder is in place; the old one could not be deleted and is kept as a backup."""
 
 
 class ChangedDuringBuild(PatchsetError):
@@ -75,5 +81,14 @@ def swap_in(target: Path, built: Path, snapshot: dict, rescan: Callable[[Path], 
     if keep_old_as is not None:
         os.rename(parked, keep_old_as)
         return keep_old_as
-    shutil.rmtree(parked)
+    try:
+        shutil.rmtree(parked)
+    except OSError as exc:  # the new folder is in place: say so, and keep what is left as a backup
+        kept = backup_name(root, target.name)
+        os.rename(parked, kept)
+        raise OldFolderKept(
+            f"{target} is the new one; the old one could not be deleted ({exc.strerror}: {exc.filename}), "
+            f"and what is left of it is kept as {kept}",
+            f"look inside {kept}, make what is left deletable, then remove it yourself "
+            f"(`rm -rf {quoted(kept)}`); nothing needs to be rebuilt") from None
     return None

@@ -543,3 +543,33 @@ def test_exporting_a_queue_twice_writes_nothing_the_second_time(fake: Env, tmp_p
     assert "patches/ already holds what" in capsys.readouterr().out
     assert patches_digest(fake) == first
     assert calls == ["holds"]  # read once; nothing is rebuilt for an export that writes nothing
+
+
+def test_an_old_tree_that_cannot_be_deleted_is_named_as_kept_and_the_new_tree_stays(fake: Env, monkeypatch,
+                                                                                    capsys) -> None:
+    """The swap put the new tree in place; deleting the old one failed (an immutable file, say). The
+    message says exactly that, and what is left of the old tree is a backup the user can see."""
+    import shutil as real_shutil
+
+    from hfsdp.patchset import guarded_swap
+
+    assert cli(fake, "materialize") == 0
+    fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))
+    rmtree = real_shutil.rmtree
+
+    def refuse_old(path, *args, **kwargs):
+        if Path(path).name.startswith(guarded_swap.OLD_PREFIX):
+            raise PermissionError(1, "Operation not permitted", str(Path(path) / "core" / "fp8_utils.py"))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(guarded_swap.shutil, "rmtree", refuse_old)
+    capsys.readouterr()
+    assert cli(fake, "materialize") == 2
+    err = capsys.readouterr().err
+    (kept,) = fake.project.root.glob("megatron.bak-*")
+    assert "is the new one; the old one could not be deleted (Operation not permitted" in err, err
+    assert str(kept) in err and "nothing was left half-written" not in err
+    assert "maxpool = 'pulled'" in (fake.project.megatron_dir / "core" / "alloc.py").read_text()
+    assert "maxpool = True" in (kept / "core" / "alloc.py").read_text()
+    monkeypatch.setattr(guarded_swap.shutil, "rmtree", rmtree)
+    assert cli(fake, "status") == 0  # up to date; the backup is the user's, no leftover of a killed run
