@@ -40,9 +40,10 @@ HAVE_CUDA = torch.cuda.is_available()
 HAVE_MAMBA = importlib.util.find_spec("mamba_ssm") is not None
 NVLS_GUARDS = NVLS_SAFE_ENV  # our GPU tests keep NVLink multicast off (hfsdp/nvls_guard.py)
 
-needs_two_gpus = pytest.mark.skipif(
-    not (HAVE_CUDA and WORLD_SIZE == 2 and torch.cuda.device_count() >= 1 and HAVE_MAMBA),
-    reason="needs torchrun --nproc-per-node 2 on CUDA with mamba_ssm",
+# Data-parallel ranks under torchrun: 2 or more (2 and 4 are run), one GPU each or sharing one.
+needs_gpu_ranks = pytest.mark.skipif(
+    not (HAVE_CUDA and WORLD_SIZE >= 2 and torch.cuda.device_count() >= 1 and HAVE_MAMBA),
+    reason="needs torchrun with 2 or more ranks on CUDA with mamba_ssm",
 )
 
 RESULTS_PATH = os.environ.get(

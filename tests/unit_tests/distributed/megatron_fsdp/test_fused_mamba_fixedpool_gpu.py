@@ -75,7 +75,7 @@ def check_recorded(rec: dict[str, Any]) -> None:
 
 
 @pytest.mark.gpu
-@base.needs_two_gpus
+@base.needs_gpu_ranks
 @needs_conv1d
 @pytest.mark.parametrize("spec", ["local", pytest.param("te", marks=needs_te)])
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -93,7 +93,7 @@ def test_fused_mamba(spec: str, variant: str) -> None:
 
 
 @pytest.mark.gpu
-@base.needs_two_gpus
+@base.needs_gpu_ranks
 @needs_conv1d
 @needs_te
 @pytest.mark.usefixtures("dist_env")

@@ -1,6 +1,6 @@
 """GPU integration tests: max-pool double buffering on a hybrid Megatron-FSDP model.
 
-Run (2 ranks: on 2 GPUs, or sharing 1; repo root, patched tree materialized):
+Run (2 or 4 ranks: one GPU each, or sharing one; repo root, patched tree materialized):
     . tests/gpu/setup_gpu_env.sh && MAMBA_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 \
     python -m hfsdp.launch --nproc 2 --ranks-per-gpu auto -- -m pytest -q -s -x \
         tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py
@@ -20,7 +20,8 @@ repro with the old FixedPool, in a child torchrun so an illegal memory access ca
 pytest process down, outcome recorded as JSON. The models, runs and child live in
 maxpool_gpu_harness.py.
 
-Everything skips cleanly without 2 CUDA ranks; the max-pool tests also skip while the
+Everything skips cleanly without 2 or more CUDA ranks (tests/gpu/run_maxpool_gpu.sh fails when
+nothing ran); the max-pool tests also skip while the
 ``megatron_fsdp_max_pool_double_buffer`` config field does not exist. The CPU-only test at the
 end builds the same models on CPU (no FSDP) and checks the unit census.
 """
@@ -50,7 +51,7 @@ from maxpool_gpu_harness import (
     build_hybrid_model,
     ddp_config,
     make_run,
-    needs_two_gpus,
+    needs_gpu_ranks,
     rank0_print,
     record_result,
     run_repro_child,
@@ -67,7 +68,7 @@ from hfsdp.launch import torchrun as launch
 # (a) bitwise parity, (b) stable pool bytes, (c) no new home misses
 # --------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@needs_two_gpus
+@needs_gpu_ranks
 def test_maxpool_bitwise_losses_and_stable_pool(dist_env) -> None:
     case = HybridCase()
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -157,7 +158,7 @@ def activation_bytes_estimate(case: HybridCase) -> int:
 
 
 @pytest.mark.gpu
-@needs_two_gpus
+@needs_gpu_ranks
 def test_maxpool_peak_memory_within_analytic_bound(dist_env) -> None:
     case = MEMORY_CASE
     run = make_run(case, maxpool=True, double_buffer=True)
@@ -226,7 +227,7 @@ def test_maxpool_peak_memory_within_analytic_bound(dist_env) -> None:
 # (e) prefetch gating: non-unit gathers stay non-unit
 # --------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@needs_two_gpus
+@needs_gpu_ranks
 def test_non_unit_forward_gathers_only_its_own_buckets(dist_env) -> None:
     case = HybridCase(steps=2)
     run = make_run(case, maxpool=True, double_buffer=True)
@@ -295,7 +296,7 @@ def test_non_unit_forward_gathers_only_its_own_buckets(dist_env) -> None:
 # (f) upstream's failing scenario with max-pool
 # --------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@needs_two_gpus
+@needs_gpu_ranks
 def test_upstream_attention_mamba_repro_with_maxpool(dist_env) -> None:
     case = UPSTREAM_CASE
     run = make_run(case, maxpool=True, double_buffer=True)
@@ -313,7 +314,7 @@ def test_upstream_attention_mamba_repro_with_maxpool(dist_env) -> None:
 
 
 @pytest.mark.gpu
-@needs_two_gpus
+@needs_gpu_ranks
 @pytest.mark.parametrize("variant", ["fork", "emulate-0.18.2-backup"])
 def test_fixedpool_trains_the_asymmetric_pair_with_mamba_outside_the_pool(dist_env, variant: str) -> None:
     """FixedPool on the asymmetric attention + Mamba pair trains every step with finite losses and
