@@ -25,7 +25,7 @@ check and the CPU smoke, each summed up in a few lines, their whole output in on
 Environment: ``TRAIN_ITERS`` (graphed run, default 30), ``EAGER_ITERS`` (comparison, default
 10, 0 skips it), ``REHEARSAL_ITERS`` (DP=2 rehearsal, default 8, 0 skips it), ``NPROC``
 (default: all GPUs). The runs get the caller's environment, plus
-``TRITON_CACHE_AUTOTUNING=1`` when it is unset (see ``SHARED_AUTOTUNE_ENV``) and, on one GPU,
+``TRITON_CACHE_AUTOTUNING=1`` when it is unset (``hfsdp.launch.env.shared_autotune``) and, on one GPU,
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when neither it nor ``PYTORCH_ALLOC_CONF``
 is set (see ``ALLOC_CONF_ENV``). ``HFSDP_MAIN_JOB_OUT`` puts the job's folder elsewhere.
 """
@@ -54,6 +54,7 @@ from hfsdp.bench import pretrain_launch
 from hfsdp.bench.configs import GRAPH_FLAGS, GRAPH_WARMUP_STEPS, MAXPOOL_FLAG
 from hfsdp.functional import logparse
 from hfsdp.launch import fit, torchrun
+from hfsdp.launch.env import shared_autotune
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
 from hfsdp.usererror import UserError, env_number, run_cli
 
@@ -150,11 +151,6 @@ def median_step_ms(log_path: str, first_step: int) -> float | None:
     return statistics.median(window) * 1e3 if window else None
 
 
-# Triton autotunes the Mamba kernels in the first step of every process (minutes for the default
-# model), paid again by the eager comparison. With this variable Triton
-# keeps the timed choice in its on-disk cache, so the second run (and the next main job) reuses
-# it. A value the caller set is kept as it is.
-SHARED_AUTOTUNE_ENV = "TRITON_CACHE_AUTOTUNING"
 # Under a full-iteration graph, cache the eager warm-up left in segments that a live block pins
 # stays reserved beside the graph's pool; expandable segments hand it back page by page
 # (docs/cuda-graphs.md, "Memory"; measured in docs/results.md). Only on one GPU: with several ranks a
@@ -171,7 +167,7 @@ def run_env(environ: Mapping[str, str] | None = None, nproc: int = 1,
     Triton's shared autotune cache and, on one GPU without NCCL user buffers, expandable
     allocator segments, each only where the caller has not chosen."""
     env = dict(os.environ if environ is None else environ)
-    env.setdefault(SHARED_AUTOTUNE_ENV, "1")
+    env.update(shared_autotune(env))
     # torch reads PYTORCH_ALLOC_CONF before PYTORCH_CUDA_ALLOC_CONF: either is the caller's choice.
     chosen = any(name in env for name in ("PYTORCH_ALLOC_CONF", ALLOC_CONF_ENV))
     if nproc == 1 and "--use-nccl-ub" not in flags and not chosen:

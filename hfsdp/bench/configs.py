@@ -95,6 +95,29 @@ CONFIGS = {
         "Transformer Engine specs, no double buffer, full-iteration CUDA graph, "
         "--rerun-mode validate_results", None, "te"),
 }
+
+
+def startup_class(name: str) -> tuple[str, bool]:
+    """What a configuration's first process on a machine pays once, and later processes of the
+    same class find cached: the layer spec's kernels (Triton, inductor, TE) and, with
+    ``--use-nccl-ub``, Megatron's NCCL allocator extension. Graphed and eager runs of one spec
+    share their kernels."""
+    config = CONFIGS[name]
+    return config.spec, "--use-nccl-ub" in config.flags
+
+
+def priming_configs(names: Sequence[str]) -> list[str]:
+    """The first of ``names`` in each start-up class, in order: the runs that prime ([Note:
+    priming] in hfsdp/bench/run.py)."""
+    seen: set[tuple[str, bool]] = set()
+    out = []
+    for name in names:
+        if (cls := startup_class(name)) not in seen:
+            seen.add(cls)
+            out.append(name)
+    return out
+
+
 # maxpool_ub is opt-in (--configs ...,maxpool_ub): --use-nccl-ub JIT-builds megatron's NCCL
 # allocator extension (load_inline, needs nvcc, nccl.h and libnccl.so), unproven on the GPU box.
 DEFAULT_CONFIGS = ("no_db", "maxpool", "no_db_graph", "maxpool_graph")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 
 from hfsdp.bench.results import RunResult
@@ -30,6 +31,34 @@ COMMON_FLAGS = (
     "--lr-decay-style", "cosine", "--seed", "1234", "--split", "99,1,0",
     "--eval-iters", "0", "--eval-interval", "1000000", "--log-interval", "1",
 )
+
+
+# [Note: start-up time] A run's start-up is the wall time from its launch to the line of step 2:
+# imports, model build, the first step (Triton and inductor compiles, autotuning, the NCCL
+# allocator's build, graph warm-up) and one more step. The launcher writes the launch time as the
+# log's first line, in Megatron's own stamp format, so a kept log (--keep-logs, --from-logs)
+# still has it; both stamps come from this machine's local clock.
+LAUNCH_MARK = "[hfsdp-bench] launched at "
+STARTUP_STEP = 2
+
+
+def launch_line(now: datetime | None = None) -> str:
+    """The first line of a run's log: when it was launched."""
+    return f"{LAUNCH_MARK}[{(now or datetime.now()).strftime(logparse.TIME_FORMAT)}]\n"
+
+
+def startup_seconds(log_path: str) -> float | None:
+    """Seconds from the launch line to step :data:`STARTUP_STEP`'s line, or None when the log lacks
+    either (a log written before launch lines existed, or a run that ended sooner)."""
+    launched: float | None = None
+    with open(log_path, errors="replace") as f:
+        first = f.readline()
+        if first.startswith(LAUNCH_MARK):
+            launched = logparse.clock(first[len(LAUNCH_MARK):].strip().strip("[]"))
+        steps = logparse.step_clock(f)
+    if launched is None or STARTUP_STEP not in steps:
+        return None
+    return round(steps[STARTUP_STEP] - launched, 1)
 
 
 class RunFailed(RuntimeError):
@@ -110,4 +139,5 @@ def result(config: str, repeat: int, log_path: str, report_path: str, *, warmup_
         maxpool_stats=report.get("maxpool_stats"),
         cuda_graph_captured=report.get("cuda_graph_captured"),
         torch=report.get("torch"), device=report.get("device"),
+        startup_s=startup_seconds(log_path),
     )

@@ -38,6 +38,7 @@ class RunResult:
     cuda_graph_captured: bool | None = None  # pretrain runs: a full-iteration graph ran
     torch: str | None = None  # pretrain runs: what the run report names (the run's machine)
     device: str | None = None
+    startup_s: float | None = None  # pretrain runs: launch to step 2 ([Note: start-up time])
 
     def __post_init__(self) -> None:
         if not self.step_times_s:
@@ -206,6 +207,17 @@ def format_pool_check(summaries: Sequence[ConfigSummary], runs: Sequence[RunResu
     return ["pool check:", *lines] if lines else []
 
 
+def format_startup(runs: Sequence[RunResult]) -> list[str]:
+    """Per configuration, each run's seconds from launch to step 2, in launch order."""
+    by_config: dict[str, list[str]] = {}
+    for r in runs:
+        by_config.setdefault(r.config, []).append("-" if r.startup_s is None else f"{r.startup_s:.0f}")
+    if all(v == "-" for vs in by_config.values() for v in vs):
+        return []
+    return ["start-up, launch to step 2 (s, per run):",
+            *(f"  {c:<20} {' '.join(vs)}" for c, vs in by_config.items())]
+
+
 def _fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -294,6 +306,7 @@ def run_from_dict(d: dict[str, Any]) -> RunResult:
         memory_peak=d.get("memory_peak"),
         cuda_graph_captured=d.get("cuda_graph_captured"),
         torch=d.get("torch"), device=d.get("device"),
+        startup_s=None if d.get("startup_s") is None else float(d["startup_s"]),
     )
 
 

@@ -27,7 +27,7 @@ from hfsdp.bench import configs as cfgs
 from hfsdp.bench import flops, pretrain_launch, run_logs
 from hfsdp.bench import results as res
 from hfsdp.launch import fit, torchrun
-from hfsdp.launch.env import add_env_option, job_env, parse_assignments
+from hfsdp.launch.env import add_env_option, job_env, parse_assignments, shared_autotune
 from hfsdp.proc import run_group
 from hfsdp.training import requirements
 from hfsdp.usererror import UserError, output_file, output_folder, positive, run_cli
@@ -92,6 +92,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         # ranks timing the same kernel at once may choose differently (seen at DP=2 on one GPU).
         choice: te_determinism.TritonChoice = "pin" if opts.ranks_per_gpu > 1 else "cache"
         opts.env = {**te_determinism.env(choice), **opts.env}
+    opts.env = {**shared_autotune(os.environ, opts.env), **opts.env}
     if opts.repeats < 3:
         print(f"note: --repeats {opts.repeats} < 3; medians over so few runs are noisy")
     return opts, argv[split + 1:]
@@ -184,6 +185,8 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     cmd = pretrain_launch.command([*flags, *config.flags], opts.nproc, steps, opts.ranks_per_gpu)
     env = job_env(os.environ, opts.env, pretrain_launch.report_env(f"{stem}.report.json"))
     with open(f"{stem}.log", "w") as f:
+        f.write(pretrain_launch.launch_line())
+        f.flush()
         ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout, env=env, stdout=f)
     rc = "timeout" if ended.timed_out else ended.returncode
     failed: str | None = "not read"  # why the run does not count; kept beside its log (--from-logs)
@@ -203,6 +206,11 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     return run, f"{stem}.log"
 
 
+def startup_words(run: res.RunResult | None) -> str:
+    """', step 2 at N s' where the run's log says when step 2 ended ([Note: start-up time])."""
+    return "" if run is None or run.startup_s is None else f", step 2 at {run.startup_s:.0f}s"
+
+
 def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argparse.Namespace,
             start: float) -> tuple[list[res.RunResult], dict[str, str], dict[str, Any]]:
     """Launch every (repeat, configuration) of ``order``, after the optional priming run."""
@@ -211,16 +219,19 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
     primed: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="hfsdp-bench-") as workdir:
         if order and not opts.no_prime:
-            # The first process on a fresh machine JIT-compiles and autotunes the Triton kernels
-            # and takes far longer than the runs after it; without priming, that cost and the
-            # cache warming that follows land in whichever configuration runs first.
-            name = order[0][1]
-            t0 = time.time()
-            run, _ = launch(cfgs.CONFIGS[name], -1, flags, opts, workdir,
-                            timeout_s=max(2 * opts.run_timeout, 300))
-            primed = {"config": name, "wall_s": round(time.time() - t0, 1), "ok": run is not None}
-            print(f"[prime] {name} (discarded) {'ok' if run else 'FAILED'} in "
-                  f"{primed['wall_s']:.0f}s", flush=True)
+            # [Note: priming] The first process on a fresh machine compiles (Triton, inductor) and
+            # autotunes, and takes far longer than the processes after it; a user-buffer run also
+            # builds Megatron's NCCL allocator once. One discarded run per start-up class
+            # (cfgs.startup_class) pays those costs before anything is timed.
+            for name in cfgs.priming_configs([n for _, n in order]):
+                t0 = time.time()
+                run, _ = launch(cfgs.CONFIGS[name], -1, flags, opts, workdir,
+                                timeout_s=max(2 * opts.run_timeout, 300))
+                wall = round(time.time() - t0, 1)
+                primed[name] = {"wall_s": wall, "ok": run is not None,
+                                "startup_s": run.startup_s if run is not None else None}
+                print(f"[prime] {name} (discarded) {'ok' if run else 'FAILED'} in {wall:.0f}s"
+                      f"{startup_words(run)}", flush=True)
         for k, (repeat, name) in enumerate(order, 1):
             t0 = time.time()
             run, info = launch(cfgs.CONFIGS[name], repeat, flags, opts, workdir)
@@ -234,7 +245,7 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
             step = f"median step {run.median_step_s * 1e3:8.1f} ms  " if opts.ranks_per_gpu == 1 else ""
             print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} {step}peak alloc "
                   f"{run.peak_allocated_bytes / res.MIB:9.1f} MiB  peak reserved "
-                  f"{run.peak_reserved_bytes / res.MIB:9.1f} MiB  (run {wall:.0f}s, "
+                  f"{run.peak_reserved_bytes / res.MIB:9.1f} MiB  (run {wall:.0f}s{startup_words(run)}, "
                   f"total {time.time() - start:.0f}s)", flush=True)
     return runs, failures, primed
 
@@ -406,6 +417,8 @@ def _main(argv: Sequence[str]) -> int:
     for agreement in agreements.values():
         print("\n".join(res.format_loss_agreement(agreement)))
     print("\n".join(res.format_pool_check(summaries, runs)))
+    if startup := res.format_startup(runs):
+        print("\n".join(startup))
     speed = model_speed(flags, summaries, runs, opts) if not shared else {}
     meta = {
         "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from datetime import datetime
 from itertools import pairwise
 
 _ITER = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
@@ -110,6 +111,25 @@ def parse_log(lines: Iterable[str]) -> Metrics:
             for key, raw in _MEM_FIELD.findall(m.group(3)):
                 put(_MEM_FIELDS[key], step, float(raw) * _MB)
     return metrics
+
+
+# Megatron stamps each step's line with the local wall clock: " [2026-11-27 21:30:07.184438] iteration 2/ ..."
+_STAMPED_STEP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)\]\s*iteration\s+(\d+)/")
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S.%f"
+
+
+def clock(stamp: str) -> float:
+    """Seconds since the epoch of a local wall-clock stamp as Megatron writes it (fraction optional)."""
+    return datetime.strptime(stamp if "." in stamp else stamp + ".0", TIME_FORMAT).timestamp()
+
+
+def step_clock(lines: Iterable[str]) -> dict[int, float]:
+    """When each step's line was written (seconds since the epoch, local clock; first line wins)."""
+    out: dict[int, float] = {}
+    for line in lines:
+        for m in _STAMPED_STEP.finditer(line):
+            out.setdefault(int(m.group(2)), clock(m.group(1)))
+    return out
 
 
 def parse_file(path: str) -> Metrics:

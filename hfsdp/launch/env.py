@@ -37,6 +37,18 @@ def parse_assignments(items: Iterable[str]) -> dict[str, str]:
     return out
 
 
+# Triton autotunes the Mamba kernels in the first step of every process (a minute or more for the
+# default model). With this variable set Triton keeps the timed choice in its on-disk cache, so the
+# processes after the first on a machine reuse it. Our jobs set it where the caller has not.
+SHARED_AUTOTUNE_ENV = "TRITON_CACHE_AUTOTUNING"
+
+
+def shared_autotune(*chosen: Mapping[str, str]) -> dict[str, str]:
+    """``{SHARED_AUTOTUNE_ENV: "1"}`` unless one of ``chosen`` (the caller's environment, ``--env``)
+    already sets it, in which case that choice stands and nothing is added."""
+    return {} if any(SHARED_AUTOTUNE_ENV in c for c in chosen) else {SHARED_AUTOTUNE_ENV: "1"}
+
+
 def add_env_option(parser: argparse.ArgumentParser) -> None:
     """Add the repeatable ``--env KEY=VALUE`` option (read it back with :func:`parse_assignments`)."""
     parser.add_argument(

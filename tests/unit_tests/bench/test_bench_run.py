@@ -48,10 +48,43 @@ def test_prime_run_is_discarded_and_timed_runs_interleave(fake_launch, tmp_path)
     timed = fake_launch[1:]
     assert sorted(timed) == sorted((c, r, None) for r in range(3) for c in ("no_db", "maxpool"))
     doc = json.loads(out.read_text())
-    assert doc["meta"]["primed"]["config"] == "no_db" and doc["meta"]["primed"]["ok"]
+    assert list(doc["meta"]["primed"]) == ["no_db"] and doc["meta"]["primed"]["no_db"]["ok"]
     assert {r["repeat"] for r in doc["runs"]} == {0, 1, 2}  # the priming run is not a result
     maxpool = next(s for s in doc["summary"] if s["config"] == "maxpool")
     assert maxpool["runs"] == 3 and maxpool["step_time_ratio"] == pytest.approx(0.95)
+
+
+def test_each_startup_class_is_primed_once(monkeypatch, tmp_path):
+    """Eager and graphed runs of one spec share their kernels; user buffers add the NCCL
+    allocator's build, and Transformer Engine specs their own kernels: one priming run each."""
+    calls = []
+
+    def launch(config, repeat, flags, opts, workdir, timeout_s=None):
+        calls.append((config.name, repeat))
+        return R.RunResult(config=config.name, repeat=repeat, step_times_s=(0.1,), tokens_per_step=4096,
+                           peak_allocated_bytes=1, peak_reserved_bytes=1, startup_s=30.0), "log"
+
+    monkeypatch.setattr(B, "launch", launch)
+    out = tmp_path / "r.json"
+    B.main(["--configs", "no_db,maxpool_graph,maxpool_ub_graph,te_maxpool,te_no_db", "--repeats", "1",
+            "--no-plan", "--no-chart", "--out-json", str(out)])
+    assert [c for c, r in calls if r == -1] == ["no_db", "maxpool_ub_graph", "te_maxpool"]
+    assert all(r == -1 for _, r in calls[:3]) and all(r == 0 for _, r in calls[3:])
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["primed"]["maxpool_ub_graph"] == {"wall_s": pytest.approx(0, abs=1), "ok": True,
+                                                         "startup_s": 30.0}
+    assert {r["startup_s"] for r in doc["runs"]} == {30.0}
+
+
+def test_runs_share_triton_autotuning_unless_the_caller_chose(fake_launch, monkeypatch):
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    opts, _ = B.parse(["--configs", "no_db"])
+    assert opts.env["TRITON_CACHE_AUTOTUNING"] == "1"
+    opts, _ = B.parse(["--configs", "no_db", "--env", "TRITON_CACHE_AUTOTUNING=0"])
+    assert opts.env["TRITON_CACHE_AUTOTUNING"] == "0"
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
+    opts, _ = B.parse(["--configs", "no_db"])
+    assert "TRITON_CACHE_AUTOTUNING" not in opts.env  # the caller's own value passes through
 
 
 def test_no_prime(fake_launch, tmp_path):
@@ -95,7 +128,8 @@ def test_runs_get_the_callers_environment_plus_env(monkeypatch, tmp_path):
         opts, _ = B.parse(own)
         B.launch(B.cfgs.CONFIGS["no_db"], 0, [], opts, str(tmp_path))
         assert seen[-1]["NCCL_NVLS_ENABLE"] == expected
-        assert (tmp_path / "no_db-0.log").read_text() == expected + "\n"
+        launched, printed = (tmp_path / "no_db-0.log").read_text().splitlines()
+        assert launched.startswith("[hfsdp-bench] launched at [") and printed == expected
     assert seen[-1]["X"] == "a=b"
     assert os.environ["NCCL_NVLS_ENABLE"] == "1"  # the runner's own environment is untouched
 

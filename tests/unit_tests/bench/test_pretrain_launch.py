@@ -86,6 +86,22 @@ def test_result_names_missing_steps_and_reports(tmp_path):
                  nproc=1, flags=MODEL)
 
 
+def test_startup_is_launch_to_the_line_of_step_2(tmp_path):
+    log = tmp_path / "run.log"
+    launched = P.launch_line(P.datetime(2026, 11, 23, 9, 59, 15, 250000))
+    assert launched == "[hfsdp-bench] launched at [2026-11-23 09:59:15.250000]\n"
+    body = "".join(_log_line(s, 4, 70.0, 9.0) for s in range(1, 5))
+    # Megatron stamps its lines with microseconds; step 2's line is the first that counts.
+    step2 = " iteration        2/"
+    body = body.replace(f" [2026-11-23 10:00:00]{step2}", f" [2026-11-23 10:00:00.500000]{step2}")
+    log.write_text(launched + "some start-up output\n" + body)
+    assert P.startup_seconds(str(log)) == 45.2
+    log.write_text(body)  # a log from before launch lines: no start-up, not a failure
+    assert P.startup_seconds(str(log)) is None
+    log.write_text(launched + _log_line(1, 4, 70.0, 9.0))  # ended before step 2
+    assert P.startup_seconds(str(log)) is None
+
+
 def _fake_pretrain(monkeypatch, tmp_path, captured: bool, returncode: int = 0):
     seen = []
 
@@ -113,6 +129,9 @@ def test_timing_runs_go_through_pretrain_with_a_run_report(monkeypatch, tmp_path
     assert str(P.TRAINING_SCRIPT) in cmd and "--cuda-graph-impl" in cmd
     assert env[run_report.ENV].endswith("maxpool_graph-0.report.json")
     assert len(run.step_times_s) == 3
+    # The launcher stamped the log, so the run knows its start-up (the fake log's steps are
+    # stamped 2026-11-23, before this launch: a negative time, but a time).
+    assert run.startup_s is not None
     assert not (tmp_path / "kept").exists()
     opts.keep_logs = str(tmp_path / "kept")
     B.launch(B.cfgs.CONFIGS["maxpool_graph"], 1, MODEL, opts, str(work))
