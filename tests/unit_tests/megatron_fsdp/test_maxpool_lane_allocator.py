@@ -113,7 +113,7 @@ def test_n_units_live_then_one_more_is_the_limit_error(gmb):
     for u in range(3):
         alloc_unit(alloc, groups, units[u])
     assert alloc.group_owner == {0: 0, 1: 1, 2: 2}
-    with pytest.raises(AssertionError, match=r"no idle buffer group for unit 3.*More than 3 units"):
+    with pytest.raises(RuntimeError, match=r"no idle buffer group for unit 3.*More than 3 units"):
         alloc_unit(alloc, groups, units[3])
 
 

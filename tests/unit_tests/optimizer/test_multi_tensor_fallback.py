@@ -104,7 +104,7 @@ def test_scale_in_place_uses_one_foreach_call_for_fp32(monkeypatch):
 
 def test_scale_rejects_lists_of_different_lengths():
     a = _tensors((3, 4))
-    with pytest.raises(AssertionError, match="2 sources for 1 destinations"):
+    with pytest.raises(ValueError, match="2 sources for 1 destinations"):
         fallback.scale(1, None, [a, a[:1]], 2.0)
 
 

@@ -13,7 +13,7 @@ def test_param_chunks_bound_the_elements_per_chunk():
     assert [[p.numel() for p in c] for c in chunks] == [[3], [4], [10], [1, 1, 2]]
     assert [p for c in chunks for p in c] == params  # order kept, nothing lost
     assert list(param_chunks([], 5)) == []
-    with pytest.raises(AssertionError, match="positive"):
+    with pytest.raises(ValueError, match="positive"):
         list(param_chunks(params, 0))
 
 

@@ -61,7 +61,8 @@ def l2_norm(chunk_size: int, noop_flag, tensor_lists: Sequence[Sequence[torch.Te
 def scale(chunk_size: int, noop_flag, tensor_lists: Sequence[Sequence[torch.Tensor]], scale):
     """Drop-in for ``amp_C.multi_tensor_scale``: ``dst = src * scale`` for each pair."""
     srcs, dsts = list(tensor_lists[0]), list(tensor_lists[1])
-    assert len(srcs) == len(dsts), f"scale: {len(srcs)} sources for {len(dsts)} destinations"
+    if len(srcs) != len(dsts):
+        raise ValueError(f"scale: {len(srcs)} sources for {len(dsts)} destinations")
     if not srcs:
         return
     if all(src is dst and src.dtype in _FOREACH_SCALE_DTYPES for src, dst in zip(srcs, dsts, strict=True)):

@@ -58,7 +58,8 @@ def select_groups(
     skipped_backend = skipped_size_one = 0
     for entry in group_list or [None]:
         group = dist.group.WORLD if entry is None else entry
-        assert group is not None, "nccl warmup: torch.distributed is not initialized"
+        if group is None:
+            raise RuntimeError("nccl warmup: torch.distributed is not initialized")
         if id(group) in seen:
             continue
         seen.add(id(group))
@@ -89,7 +90,8 @@ def warm_up_groups(
         count += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    assert scratch.item() == 0.0, f"NCCL warmup all-reduce of zeros returned {scratch.item()}"
+    if scratch.item() != 0.0:
+        raise RuntimeError(f"NCCL warmup all-reduce of zeros returned {scratch.item()}")
     return count
 
 

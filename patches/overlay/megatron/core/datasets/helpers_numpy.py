@@ -24,9 +24,12 @@ def build_sample_idx_numpy(
     dtype=numpy.int32,
 ) -> numpy.ndarray:
     """Build the 2-D sample index; see the module docstring."""
-    assert sequence_length > 1, f"sequence_length must be > 1, got {sequence_length}"
-    assert num_epochs > 0, f"num_epochs must be > 0, got {num_epochs}"
-    assert tokens_per_epoch > 1, f"tokens_per_epoch must be > 1, got {tokens_per_epoch}"
+    if sequence_length <= 1:
+        raise ValueError(f"sequence_length must be > 1, got {sequence_length}")
+    if num_epochs <= 0:
+        raise ValueError(f"num_epochs must be > 0, got {num_epochs}")
+    if tokens_per_epoch <= 1:
+        raise ValueError(f"tokens_per_epoch must be > 1, got {tokens_per_epoch}")
     extra = int(add_extra_token_to_sequence)
     total = int(num_epochs) * int(tokens_per_epoch) - extra
     if drop_last_partial_sequence:

@@ -30,7 +30,8 @@ DEFAULT_CHUNK_NUMEL = 2**25
 
 def param_chunks(params: list[torch.Tensor], chunk_numel: int) -> Iterator[list[torch.Tensor]]:
     """Consecutive runs of ``params`` holding at most ``chunk_numel`` elements each."""
-    assert chunk_numel > 0, f"chunk_numel must be positive, got {chunk_numel}"
+    if chunk_numel <= 0:
+        raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
     chunk: list[torch.Tensor] = []
     size = 0
     for p in params:

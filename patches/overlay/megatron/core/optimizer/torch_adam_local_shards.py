@@ -118,9 +118,8 @@ def local_shards(
                         k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in state.items()
                     }
                 grad = param.grad
-                assert grad is None or isinstance(grad, DTensor), (
-                    f"a DTensor parameter {tuple(param.shape)} has a {type(grad).__name__} grad"
-                )
+                if grad is not None and not isinstance(grad, DTensor):
+                    raise TypeError(f"a DTensor parameter {tuple(param.shape)} has a {type(grad).__name__} grad")
                 local.grad = None if grad is None else grad.to_local()
                 stepped.append(local)
         yield stepped

@@ -18,7 +18,8 @@ from . import maxpool_plan
 def dtype_from_name(name: str) -> torch.dtype:
     """The torch dtype called ``name`` (e.g. "torch.bfloat16"); maxpool_plan speaks names."""
     dtype = getattr(torch, name.removeprefix("torch."), None)
-    assert isinstance(dtype, torch.dtype), f"unknown dtype name {name!r}"
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
     return dtype
 
 

@@ -15,46 +15,34 @@ imports it and chooses between it and FixedPoolAllocator where it builds its all
 """
 
 # [Note: max-pool failure modes]
-# What goes wrong when 0.18.2's double buffer meets asymmetric FSDP units (Mamba,
-# attention and MoE layers in one stack), and where the fork handles each. Patches and
-# comments refer to a mode by its name.
-# - silent fallback: FixedPoolAllocator pools only the most common unit shape; every
-#   other unit falls back to dynamic or persistent memory, announced only on the root
-#   logger at INFO. Handled: MaxPoolAllocator pools every unit; FixedPool's notices go
-#   through log_single_rank; the planner lists FixedPool's outliers.
-# - dropped bucket: the double-buffer backup allocator dropped a Bucket on free, so the
-#   next allocate built new storage while autograd-saved views still pointed at the old,
-#   empty one: illegal memory access in backward. Handled: the backup is the
-#   StorageResize allocator, which keeps the Bucket and re-grows the same storage.
-# - persistent blow-up: with fsdp_db_use_persist_buf_on_alloc_fail every outlier
-#   unit's bucket got its own persistent buffer. Handled: under MaxPool units never
-#   fall back; only non-unit buckets can, and only when asked to.
-# - unstable addresses: fallback memory moves between iterations, so NCCL user-buffer
-#   registration and CUDA graphs hold stale pointers. Handled: every unit lives in an
-#   arena created once, at its planned size, under the buffer's mem_alloc_context.
-# - too many live units: a gather or prefetch that needs more units than the pool has
-#   groups ("No buffer found"). Handled: non-unit gathers do not prefetch; every
-#   live-unit check reads ParamAndGradBuffer.live_unit_limit ([Note: live units] in
-#   maxpool_plan); one unit too many in _acquire_group is an error naming the owners.
-#   Not handled: blockwise-FP8 batching in copy_main_weights_to_model_weights.
-# - wgrad race: TE's fused wgrad accumulation calls get_main_grad() directly and
-#   skipped the grad double-buffer limit, so the next unit's wgrad overwrote a pending
-#   reduce-scatter input. Handled: the limit runs in the main_grad getter, and the
-#   compute stream waits on every drained reduce-scatter.
-# - home drift: taking the first idle group lets a unit alternate between groups
-#   across forward, backward and recompute, which breaks pointer stability and lets
-#   tensors saved in forward alias another unit. Handled: a home group per unit
-#   (per bucket in FixedPool), recorded at its first strict allocation; misses are
-#   counted and logged, and fatal with fail_on_home_miss once a graph is captured.
-#   With 3 or more lanes the home is fixed by the plan ([Note: max-pool lane homes]).
-# - size drift: the plan used unpadded sizes while runtime requests are padded
-#   (bucket_index.size), so pool memory had to grow after registration or capture.
-#   Handled: plans use the padded size, each arena is requested once at full size,
-#   and _arena asserts it never changes.
-# - grad dtype: grad pools were planned in the parameter dtype while grads are
-#   requested in grad_comm_dtype or the main-grad dtype, so a dtype-keyed pool found
-#   no slot. Handled: ParameterGroup.grad_dtype and a dtype_fn per allocator, from the
-#   rules in maxpool_plan.
+# The max-pool double buffer serves every FSDP unit, whatever its buckets, from buffers whose
+# addresses never change. Each invariant below is named after the failure it rules out; patches,
+# comments and errors refer to it by that name.
+# - silent fallback: every unit's buckets come from the pool, never from dynamic or persistent
+#   fallback memory. (FixedPool pools only the most common unit shape; its notices go through
+#   log_single_rank, and the planner lists its outliers.)
+# - dropped bucket: the backup allocator (StorageResize) keeps a Bucket across free and re-grows
+#   the same storage, so a view autograd saved never points at a dropped storage.
+# - persistent blow-up: units never fall back to persistent buffers; only non-unit buckets can,
+#   and only with fsdp_db_use_persist_buf_on_alloc_fail.
+# - unstable addresses: each arena is created once, at its planned size, under the buffer's
+#   mem_alloc_context, so NCCL user-buffer registrations and CUDA graphs hold live pointers.
+# - too many live units: at most one unit per group is live. Non-unit gathers do not prefetch,
+#   every live-unit check reads ParamAndGradBuffer.live_unit_limit ([Note: live units] in
+#   maxpool_plan), and one unit too many in _acquire_group raises, naming the owners.
+#   Blockwise-FP8 batching in copy_main_weights_to_model_weights is outside this bound.
+# - wgrad race: the grad limit runs in the main_grad getter, which TE's fused wgrad accumulation
+#   calls directly, and the compute stream waits on every drained reduce-scatter, so a unit's
+#   wgrad never overwrites a pending reduce-scatter input.
+# - home drift: a unit keeps the group of its first strict allocation (per bucket in FixedPool)
+#   through forward, backward and recompute; a miss is counted and logged, and raises with
+#   fail_on_home_miss once a graph is captured. With 3 or more lanes the plan fixes the home
+#   ([Note: max-pool lane homes]).
+# - size drift: plans use the padded size (bucket_index.size); each arena is requested once at
+#   full size, and _arena raises if it ever changes.
+# - grad dtype: grad pools are planned in the dtype grads are requested in (grad_comm_dtype or the
+#   main-grad dtype): ParameterGroup.grad_dtype and a dtype_fn per allocator, from the rules in
+#   maxpool_plan.
 
 from __future__ import annotations
 
@@ -146,10 +134,11 @@ class MaxPool:
         fail_on_home_miss: bool = False,
         align_bytes: int = DEFAULT_ALIGN_BYTES,
     ):
-        assert self.bucket_type is not None and self.backup_type is not None, (
-            f"{type(self).__name__} has no bucket types; use param_and_grad_buffer's "
-            f"MaxPoolAllocator (bucket_type={self.bucket_type!r}, backup_type={self.backup_type!r})"
-        )
+        if self.bucket_type is None or self.backup_type is None:
+            raise TypeError(
+                f"{type(self).__name__} has no bucket types; use param_and_grad_buffer's "
+                f"MaxPoolAllocator (bucket_type={self.bucket_type!r}, backup_type={self.backup_type!r})"
+            )
         super().__init__()  # the bucket allocator base of the subclass, if any
         self.name = name
         self.fsdp_param_groups = fsdp_param_groups
@@ -160,7 +149,8 @@ class MaxPool:
         self.fail_on_home_miss = fail_on_home_miss
         self.align_bytes = align_bytes
         unit_ids = {g.fsdp_unit_id for g in fsdp_param_groups if g.fsdp_unit_id is not None}
-        assert unit_ids, f"[{name}] found no FSDP units to use max-pool double buffering"
+        if not unit_ids:
+            raise ValueError(f"[{name}] found no FSDP units to use max-pool double buffering")
         # Every unit is pooled: feeds double_buf_units, so the live-unit gates count all.
         self.fsdp_double_buffer_units = sorted(unit_ids)
         self.backup_allocator = self.backup_type()
@@ -233,7 +223,8 @@ class MaxPool:
     def _single_plan(self) -> MaxPoolPlan:
         """The plan of this class (one arena size per dtype, shared by every group)."""
         plan = self.plan
-        assert isinstance(plan, MaxPoolPlan), f"[{self.name}] has no max-pool plan: {plan!r}"
+        if not isinstance(plan, MaxPoolPlan):
+            raise RuntimeError(f"[{self.name}] has no max-pool plan: {plan!r}")
         return plan
 
     def planned_arena_numel(self, group: int, dname: str) -> int:
@@ -260,10 +251,11 @@ class MaxPool:
         if unit_id is None:
             return self._allocate_non_unit(bucket_id, size, dtype, device, mem_alloc_context)
         plan = self.plan
-        assert plan is not None and bucket_id in plan.offsets, (
-            f"[{self.name}] bucket {bucket_id} (unit {unit_id}) was not planned: its group "
-            "has no buffer served by this allocator (numel_fn returned None)"
-        )
+        if plan is None or bucket_id not in plan.offsets:
+            raise RuntimeError(
+                f"[{self.name}] bucket {bucket_id} (unit {unit_id}) was not planned: its group "
+                "has no buffer served by this allocator (numel_fn returned None)"
+            )
         dname = planned_dtype_name(dtype)
         planned_dtype, offset = plan.offsets[bucket_id]
         planned_numel = plan.buckets[bucket_id].numel
@@ -295,12 +287,13 @@ class MaxPool:
     def _idle_groups(self, unit_id: int) -> list[int]:
         """Groups no unit owns; none left is the too-many-live-units error."""
         idle = [g for g in range(self.size) if self.group_owner[g] is None]
-        assert idle, (
-            f"[{self.name}] no idle buffer group for unit {unit_id}: groups are owned by "
-            f"{self.group_owner}, live buckets {self.unit_live}. More than {self.size} units "
-            "requested at once (prefetch / blockwise-FP8 batching / missing live-unit limit?); "
-            "see [Note: max-pool failure modes], too many live units"
-        )
+        if not idle:
+            raise RuntimeError(
+                f"[{self.name}] no idle buffer group for unit {unit_id}: groups are owned by "
+                f"{self.group_owner}, live buckets {self.unit_live}. More than {self.size} units "
+                "requested at once (prefetch / blockwise-FP8 batching / missing live-unit limit?); "
+                "see [Note: max-pool failure modes], too many live units"
+            )
         return idle
 
     def _acquire_group(self, unit_id: int, strict: bool) -> int:
@@ -362,11 +355,12 @@ class MaxPool:
         for group, dname, numel in order:
             existing = gmb.buffer.get((self.arena_name(group, dname), dtype_from_name(dname)))
             if existing is not None and (group, dname) not in self.arenas:
-                assert existing.numel() >= numel, (
-                    f"[{self.name}] arena {self.arena_name(group, dname)} already exists with "
-                    f"{existing.numel()} elems (another model chunk?), this plan needs {numel}: "
-                    "growing it would leave registered/captured memory stale"
-                )
+                if existing.numel() < numel:
+                    raise RuntimeError(
+                        f"[{self.name}] arena {self.arena_name(group, dname)} already exists with "
+                        f"{existing.numel()} elems (another model chunk?), this plan needs {numel}: "
+                        "growing it would leave registered/captured memory stale"
+                    )
             self._arena(group, dname, device, None)
         self.presized = True
         return order
@@ -392,19 +386,15 @@ class MaxPool:
         arena = self.arenas[key]
         current = get_global_memory_buffer().buffer.get((gbuf_name, torch_dtype))
         # [Note: max-pool failure modes], size drift: requested once at full size, never regrown.
-        assert (
-            arena.numel() == planned
-            and current is not None
-            and current.data_ptr() == arena.data_ptr()
-        ), (
-            f"[{self.name}] arena {gbuf_name} changed after first use: planned {planned} elems, "
-            f"have {arena.numel()}, global buffer entry "
-            f"{None if current is None else (current.numel(), current.data_ptr())} vs "
-            f"{arena.data_ptr()}"
-        )
-        assert device is None or arena.device.type == torch.device(device).type, (
-            f"[{self.name}] arena on {arena.device}, request for {device}"
-        )
+        if arena.numel() != planned or current is None or current.data_ptr() != arena.data_ptr():
+            raise RuntimeError(
+                f"[{self.name}] arena {gbuf_name} changed after first use: planned {planned} elems, "
+                f"have {arena.numel()}, global buffer entry "
+                f"{None if current is None else (current.numel(), current.data_ptr())} vs "
+                f"{arena.data_ptr()}"
+            )
+        if device is not None and arena.device.type != torch.device(device).type:
+            raise RuntimeError(f"[{self.name}] arena on {arena.device}, request for {device}")
         return arena
 
     def _allocate_non_unit(self, bucket_id, size, dtype, device, mem_alloc_context) -> Any:

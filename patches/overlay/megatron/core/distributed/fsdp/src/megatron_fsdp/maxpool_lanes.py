@@ -78,16 +78,18 @@ class LaneMaxPool(MaxPool):
 
     def _lane_plan(self) -> LanePlan:
         plan = self.plan
-        assert isinstance(plan, LanePlan), f"[{self.name}] has no lane plan: {plan!r}"
+        if not isinstance(plan, LanePlan):
+            raise RuntimeError(f"[{self.name}] has no lane plan: {plan!r}")
         return plan
 
     def planned_arena_numel(self, group: int, dname: str) -> int:
         arenas = self._lane_plan().arena_numel
         numel = arenas.get((group, dname))
-        assert numel is not None, (
-            f"[{self.name}] lane {group} has no {dname} arena (its units hold no {dname} "
-            f"bucket); arenas: {arenas}"
-        )
+        if numel is None:
+            raise RuntimeError(
+                f"[{self.name}] lane {group} has no {dname} arena (its units hold no {dname} "
+                f"bucket); arenas: {arenas}"
+            )
         return numel
 
     def arena_order(self) -> list[tuple[int, str, int]]:
