@@ -55,26 +55,16 @@ RESULT_MARK = "HFSDP-FUNCTIONAL RESULT"
 
 @dataclass(frozen=True)
 class Launch:
-    """Where the torchrun of this node sits in the job (SLURM fills these per node)."""
+    """A case's torchrun on this node: where its ranks go (SLURM fills the placement per node),
+    and the limits of its run."""
 
-    nproc: int
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port of this host (one node only)
+    placement: torchrun.Placement
     timeout_s: float | None = None
     exit_duration_in_mins: float | None = None
-    ranks_per_gpu: int = 1
-
-    @property
-    def placement(self) -> torchrun.Placement:
-        return torchrun.Placement(nproc=self.nproc, ranks_per_gpu=self.ranks_per_gpu, nnodes=self.nnodes,
-                                  node_rank=self.node_rank, master_addr=self.master_addr,
-                                  master_port=self.master_port)
 
     @property
     def world_size(self) -> int:
-        return self.nproc * self.nnodes
+        return self.placement.nproc * self.placement.nnodes
 
 
 # A run whose last rank is still alive this long after its last step hangs at exit (e.g. in
@@ -332,7 +322,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     ``--env``: set in the launched runs on top of the caller's environment and ENV_VARS.
     """
     recipe = load_recipe(case_dir)
-    launch = launch or Launch(nproc=recipe.nproc)
+    launch = launch or Launch(torchrun.Placement(nproc=recipe.nproc))
     torchrun.check(launch.placement)
     shared = launch.placement.shared
     at_recipe_size = launch.world_size == recipe.nproc  # goldens hold runs of NPROC ranks on one node
@@ -341,10 +331,10 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
                         f"launch has {launch.world_size}", f"record it with --nproc {recipe.nproc} on one node")
     if record and shared and not golden.is_shared_platform(platform):
         raise UserError(f"--platform {platform} names GPUs of their own, and this run shares each GPU between "
-                        f"{launch.ranks_per_gpu} ranks, whose step times say nothing about that platform",
+                        f"{launch.placement.ranks_per_gpu} ranks, whose step times say nothing about that platform",
                         f"record it under a platform name ending in {golden.SHARED_SUFFIX!r}, e.g. "
                         f"--platform {platform}{golden.SHARED_SUFFIX} (docs/functional-tests.md)")
-    if launch.nnodes > 1 and recipe.test_type == "ckpt-resume":
+    if launch.placement.nnodes > 1 and recipe.test_type == "ckpt-resume":
         raise UserError(f"{recipe.model}/{recipe.name} is a ckpt-resume case, which runs on one node "
                         "(the resume step edits the checkpoint)", "run it with --nnodes 1")
     if output_root is not None:
@@ -356,8 +346,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     except UserError as exc:
         raise UserError(f"--compare-to: {exc.cause}" if compare_to else exc.cause, exc.fix) from exc
     out = output_dir_for(recipe, output_root)
-    if launch.nnodes > 1:
-        out = out / f"node{launch.node_rank}"  # per-node logs; no cross-node file races
+    if launch.placement.nnodes > 1:
+        out = out / f"node{launch.placement.node_rank}"  # per-node logs; no cross-node file races
     result = Result(case=f"{recipe.model}/{recipe.name}", world_size=launch.world_size)
     if evaluate_log is not None:
         if recipe.test_type == "ckpt-resume":
@@ -388,7 +378,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         result.fail(problem)
     # Megatron prints the loss on the last rank only: a node before the last judges its exit
     # status and the forbidden log patterns, the last node the loss too.
-    last_node = launch.node_rank == launch.nnodes - 1
+    last_node = launch.placement.node_rank == launch.placement.nnodes - 1
     apply_checks(recipe, Path(rec1.log), metrics, result, judges_loss=last_node)
 
     if recipe.test_type == "ckpt-resume" and rec1.returncode == 0:
@@ -532,11 +522,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         port = ns.master_port if ns.master_port is not None else env_port(os.environ)
         if port is None and ns.nnodes > 1:
             port = 29500  # every node must name the same port: torchrun's default
-        launch = Launch(
-            nproc=ns.nproc or recipe.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
-            master_addr=ns.master_addr, master_port=port, timeout_s=ns.timeout_s,
-            exit_duration_in_mins=ns.exit_duration_in_mins, ranks_per_gpu=ns.ranks_per_gpu,
-        )
+        placement = torchrun.Placement(nproc=ns.nproc or recipe.nproc, ranks_per_gpu=ns.ranks_per_gpu,
+                                       nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
+                                       master_port=port)
+        launch = Launch(placement, timeout_s=ns.timeout_s, exit_duration_in_mins=ns.exit_duration_in_mins)
         try:
             result = run_case(ns.case_dir, launch=launch, record=ns.record, compare_to=ns.compare_to,
                               output_root=ns.output_dir, environment=ns.environment,

@@ -15,6 +15,7 @@ import pytest
 from hfsdp.functional import golden
 from hfsdp.functional.recipe import RecipeError, load_recipe
 from hfsdp.functional.run_case import Launch, run_case
+from hfsdp.launch.torchrun import Placement
 from hfsdp.usererror import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -64,7 +65,7 @@ def test_output_dir_that_holds_the_cases_is_refused_and_the_case_survives(tmp_pa
     before = digest(cases)
     # <output-dir>/<model>/<case> is the case folder itself.
     with pytest.raises(UserError) as info:
-        run_case(case, launch=Launch(nproc=1, timeout_s=120), output_root=cases)
+        run_case(case, launch=Launch(Placement(nproc=1), timeout_s=120), output_root=cases)
     assert str(case) in info.value.cause and "test case" in info.value.cause
     assert "--output-dir" in info.value.fix
     assert digest(cases) == before
@@ -83,7 +84,7 @@ def test_existing_output_folder_not_made_by_the_driver_is_refused(tmp_path):
     out.mkdir(parents=True)
     (out / "notes.txt").write_text("mine\n")
     with pytest.raises(UserError) as info:
-        run_case(case, launch=Launch(nproc=1), output_root=tmp_path / "out")
+        run_case(case, launch=Launch(Placement(nproc=1)), output_root=tmp_path / "out")
     assert "notes.txt" in info.value.cause and "not made by the functional driver" in info.value.cause
     assert (out / "notes.txt").read_text() == "mine\n"
 
@@ -92,7 +93,7 @@ def test_a_rerun_replaces_its_own_output(tmp_path):
     trainer = tmp_path / "trainer.py"
     trainer.write_text(TRAINER)
     case = make_case(tmp_path / "cases", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
-    launch = Launch(nproc=1, timeout_s=120)
+    launch = Launch(Placement(nproc=1), timeout_s=120)
     first = run_case(case, launch=launch, output_root=tmp_path / "out")
     assert first.status == "PASS", first.reasons
     out = tmp_path / "out" / "gpt" / "case"
@@ -120,7 +121,7 @@ def test_evaluate_log_never_adopts_a_folder_it_did_not_make(tmp_path):
         run_case(case, output_root=tmp_path / "out", evaluate_log=log)
     assert "checkpoints" in info.value.cause and "metrics.json" in info.value.cause
     with pytest.raises(UserError, match="not made by the functional driver"):
-        run_case(case, launch=Launch(nproc=1), output_root=tmp_path / "out")
+        run_case(case, launch=Launch(Placement(nproc=1)), output_root=tmp_path / "out")
     assert digest(theirs) == before and sorted(p.name for p in theirs.iterdir()) == ["checkpoints", "metrics.json"]
 
 
@@ -370,7 +371,7 @@ def test_a_gpu_case_where_no_gpu_is_visible_is_refused_before_anything_runs(tmp_
     outdir.prepare(out, clear=False)
     (out / "run1.log").write_text("the previous run\n")
     with pytest.raises(UserError) as info:
-        run_case(case, launch=Launch(nproc=1, timeout_s=60), output_root=tmp_path / "out")
+        run_case(case, launch=Launch(Placement(nproc=1), timeout_s=60), output_root=tmp_path / "out")
     assert "gpt/case trains with pretrain_gpt.py, which needs CUDA GPUs" in info.value.cause
     assert "CUDA_VISIBLE_DEVICES=''" in info.value.cause and "cpu_gloo_smoke" in info.value.fix
     assert asked and asked[0]["CUDA_VISIBLE_DEVICES"] == ""  # asked with the ranks' environment
@@ -426,7 +427,7 @@ def test_an_output_dir_that_is_or_lies_under_a_file_is_refused(tmp_path, where):
     root = blocker if where == "file" else blocker / "out"
     case = make_case(tmp_path / "cases")
     with pytest.raises(UserError) as info:
-        run_case(case, launch=Launch(nproc=1), output_root=root)
+        run_case(case, launch=Launch(Placement(nproc=1)), output_root=root)
     assert f"--output-dir {root}" in info.value.cause and str(blocker) in info.value.cause
     assert blocker.read_text() == "mine\n"
 
@@ -456,7 +457,7 @@ def test_an_output_dir_in_a_folder_that_is_not_writable_is_refused_before_the_ca
     case = make_case(tmp_path / "cases", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
     locked = lock_folder(tmp_path / "locked")
     with pytest.raises(UserError) as info:
-        run_case(case, launch=Launch(nproc=1, timeout_s=60), output_root=locked / "out")
+        run_case(case, launch=Launch(Placement(nproc=1), timeout_s=60), output_root=locked / "out")
     assert info.value.cause == f"--output-dir {locked / 'out'}: {locked} is not writable"
     with pytest.raises(UserError, match=f"{locked} is not writable"):
         outdir.check(locked / "gpt" / "case")
@@ -468,7 +469,7 @@ def test_a_bad_compare_to_is_refused_before_the_case_runs(tmp_path):
     trainer.write_text(TRAINER)
     case = make_case(tmp_path / "cases", trainer=trainer, extra="REQUIRE_GOLDEN: false\n")
     with pytest.raises(UserError) as info:
-        run_case(case, launch=Launch(nproc=1, timeout_s=60), compare_to=tmp_path / "nowhere",
+        run_case(case, launch=Launch(Placement(nproc=1), timeout_s=60), compare_to=tmp_path / "nowhere",
                  output_root=tmp_path / "out")
     assert info.value.cause.startswith("--compare-to: ") and "nowhere" in info.value.cause
     assert not (tmp_path / "out").exists()  # nothing ran, nothing was written

@@ -17,6 +17,7 @@ import pytest
 from hfsdp.functional import batch, golden, run_case
 from hfsdp.functional.recipe import load_recipe
 from hfsdp.functional.run_case import Launch, RunRecord
+from hfsdp.launch.torchrun import Placement
 from hfsdp.usererror import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -76,10 +77,10 @@ def test_a_shared_run_is_held_to_a_real_golden_on_losses_only(tmp_path, monkeypa
     monkeypatch.setattr(run_case.fit, "preflight", lambda placement, flags, environ=None: "2 ranks per GPU (test)")
     case = _case(tmp_path / "cases", "c")
     _golden(case, "dgx_h200", mem=1000.0, secs=0.0005)
-    result = run_case.run_case(case, launch=Launch(nproc=1, ranks_per_gpu=1), output_root=tmp_path / "o",
+    result = run_case.run_case(case, launch=Launch(Placement(nproc=1, ranks_per_gpu=1)), output_root=tmp_path / "o",
                                platform="dgx_h200")
     assert result.status == "FAIL"  # on its own GPU the same run is held to the memory and step times
-    shared = Launch(nproc=2, ranks_per_gpu=2)
+    shared = Launch(Placement(nproc=2, ranks_per_gpu=2))
     # NPROC 2 for the shared launch: the golden holds the recipe's rank count.
     case2 = _case(tmp_path / "cases2", "c", nproc=2)
     values = {"lm loss": {s: 10.0 - s / 2 for s in range(1, 5)}, "num-zeros": dict.fromkeys(range(1, 5), 0.0),
@@ -101,10 +102,10 @@ def test_a_shared_run_is_held_to_a_real_golden_on_losses_only(tmp_path, monkeypa
 def test_recording_refuses_what_a_golden_cannot_hold(tmp_path):
     case = _case(tmp_path / "cases", "c", nproc=2)
     with pytest.raises(UserError, match="platform name ending in '_shared'"):
-        run_case.run_case(case, launch=Launch(nproc=2, ranks_per_gpu=2), record=True, platform="dgx_h100",
+        run_case.run_case(case, launch=Launch(Placement(nproc=2, ranks_per_gpu=2)), record=True, platform="dgx_h100",
                           output_root=tmp_path / "o")
     with pytest.raises(UserError, match="records goldens of NPROC=2 ranks, and this launch has 4"):
-        run_case.run_case(case, launch=Launch(nproc=4, ranks_per_gpu=4), record=True,
+        run_case.run_case(case, launch=Launch(Placement(nproc=4, ranks_per_gpu=4)), record=True,
                           platform="dgx_h100_shared", output_root=tmp_path / "o")
     assert not list(case.glob("golden_values_*"))
 
@@ -118,10 +119,10 @@ def test_another_rank_count_compares_no_golden_and_reruns_the_twin(tmp_path, cap
     _golden(twin, "dgx_h200")
     _golden(other, "dgx_h200")
     out = tmp_path / "o"
-    assert run_case.run_case(twin, launch=Launch(nproc=1), output_root=out).status == "PASS"
+    assert run_case.run_case(twin, launch=Launch(Placement(nproc=1)), output_root=out).status == "PASS"
     twin_result = json.loads((out / "hybrid" / "twin" / "result.json").read_text())
     assert twin_result["world_size"] == 1
-    result = run_case.run_case(other, launch=Launch(nproc=2), output_root=out)
+    result = run_case.run_case(other, launch=Launch(Placement(nproc=2)), output_root=out)
     assert result.status == "PASS", result.reasons  # twin re-run at 2 ranks: the same losses
     assert json.loads((out / "hybrid" / "twin" / "result.json").read_text())["world_size"] == 2
     assert "holds a run of NPROC=1 ranks and this one has 2: not compared" in capsys.readouterr().out
@@ -132,7 +133,7 @@ def test_a_run_that_outlives_its_last_step_fails(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_SLEEP_AFTER_S", "3")
     case = _case(tmp_path / "cases", "c")
     _golden(case, "dgx_h200")
-    result = run_case.run_case(case, launch=Launch(nproc=1, timeout_s=60), output_root=tmp_path / "o")
+    result = run_case.run_case(case, launch=Launch(Placement(nproc=1), timeout_s=60), output_root=tmp_path / "o")
     assert result.status == "FAIL"
     assert any("s after its last step, more than 1 s: a hang at exit" in r for r in result.reasons), \
         result.reasons

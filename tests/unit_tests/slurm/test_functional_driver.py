@@ -14,6 +14,7 @@ import pytest
 from hfsdp.functional import golden, logparse
 from hfsdp.functional.recipe import RecipeError, args_to_argv, load_recipe, merged_args
 from hfsdp.functional.run_case import Launch, build_command, prepare_resume
+from hfsdp.launch.torchrun import Placement
 from hfsdp.usererror import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -213,7 +214,7 @@ def test_bad_recipe_is_rejected(tmp_path: Path) -> None:
 
 def test_build_command_and_resume_prep(tmp_path: Path) -> None:
     r = load_recipe(CASES / "hybrid/hybrid_mcore_local_fsdp_no_db")
-    cmd = build_command(r, ["--x"], Launch(nproc=2, master_port=1234, exit_duration_in_mins=7.5))
+    cmd = build_command(r, ["--x"], Launch(Placement(nproc=2, master_port=1234), exit_duration_in_mins=7.5))
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"]
     assert cmd[-3:] == ["--x", "--exit-duration-in-mins", "7.5"]
     assert cmd[cmd.index("--master-port") + 1] == "1234" and cmd[-4] == str(REPO_ROOT / "pretrain_gpt.py")
@@ -313,7 +314,7 @@ def test_ckpt_resume_through_the_driver(tmp_path: Path, compare: str, drift: flo
     trainer = tmp_path / "fake_trainer.py"
     trainer.write_text(FAKE_TRAINER)
     case = _resume_case(tmp_path / "cases", trainer, compare, drift)
-    result = run_case(case, launch=Launch(nproc=1, timeout_s=120), output_root=tmp_path / "out")
+    result = run_case(case, launch=Launch(Placement(nproc=1), timeout_s=120), output_root=tmp_path / "out")
     assert result.status == status, result.reasons
     assert len(result.runs) == 2
     if reason:
@@ -330,7 +331,7 @@ def test_ckpt_resume_holds_validation_losses_too(tmp_path: Path, valid_drift: fl
     config = case / "model_config.yaml"
     config.write_text(config.read_text().replace("ENV_VARS_2:\n", f"ENV_VARS_2:\n  FAKE_VALID_DRIFT: '{valid_drift}'\n")
                       + "  --eval-interval: 2\n")
-    result = run_case(case, launch=Launch(nproc=1, timeout_s=120), output_root=tmp_path / "out")
+    result = run_case(case, launch=Launch(Placement(nproc=1), timeout_s=120), output_root=tmp_path / "out")
     assert result.status == status, result.reasons
     if status == "FAIL":
         # Steps 4 and 6 were resumed (run 2 starts after the step-3 checkpoint); step 2 was not.
@@ -442,7 +443,7 @@ def test_only_the_last_node_judges_the_loss(tmp_path: Path, node_rank: int, log:
         "CHECKS:\n  min_iterations: 3\n  loss_decreases: true\n  log_absent:\n    - Traceback\n"
         "MODEL_ARGS:\n  --train-iters: 3\n")
     (tmp_path / "run.log").write_text(log)
-    launch = Launch(nproc=1, nnodes=2, node_rank=node_rank, master_port=29500)
+    launch = Launch(Placement(nproc=1, nnodes=2, node_rank=node_rank, master_port=29500))
     result = run_case(case, launch=launch, output_root=tmp_path / "out", evaluate_log=tmp_path / "run.log")
     assert result.status == status, result.reasons
 
