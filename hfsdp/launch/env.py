@@ -15,6 +15,7 @@ import argparse
 import re
 from collections.abc import Iterable, Mapping
 
+from hfsdp.determinism import ENV as PIN_AUTOTUNE_ENV
 from hfsdp.usererror import UserError
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -45,8 +46,11 @@ SHARED_AUTOTUNE_ENV = "TRITON_CACHE_AUTOTUNING"
 
 def shared_autotune(*chosen: Mapping[str, str]) -> dict[str, str]:
     """``{SHARED_AUTOTUNE_ENV: "1"}`` unless one of ``chosen`` (the caller's environment, ``--env``)
-    already sets it, in which case that choice stands and nothing is added."""
-    return {} if any(SHARED_AUTOTUNE_ENV in c for c in chosen) else {SHARED_AUTOTUNE_ENV: "1"}
+    already sets it, or pins Triton's choice instead (``HFSDP_TRITON_PIN_AUTOTUNE=1``, nothing timed
+    to share): then that choice stands and nothing is added."""
+    if any(SHARED_AUTOTUNE_ENV in c or c.get(PIN_AUTOTUNE_ENV) == "1" for c in chosen):
+        return {}
+    return {SHARED_AUTOTUNE_ENV: "1"}
 
 
 def add_env_option(parser: argparse.ArgumentParser) -> None:

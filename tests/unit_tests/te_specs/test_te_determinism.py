@@ -101,6 +101,7 @@ def _resume_recipe(root: Path) -> Path:
 def test_every_setting_reaches_both_runs_of_a_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from hfsdp.functional import run_case
     from hfsdp.functional.run_case import Launch, RunRecord
+    from hfsdp.launch.torchrun import Placement
 
     seen: list[tuple[list[str], dict[str, str]]] = []
 
@@ -121,7 +122,7 @@ def test_every_setting_reaches_both_runs_of_a_recipe(tmp_path: Path, monkeypatch
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
     monkeypatch.setattr(run_case, "run_logged", fake_run_logged)
     monkeypatch.setattr(run_case, "check_gpus_for", lambda recipe, env: None)  # the runs are faked: so is the GPU
-    result = run_case.run_case(_resume_recipe(tmp_path / "cases"), launch=Launch(nproc=1),
+    result = run_case.run_case(_resume_recipe(tmp_path / "cases"), launch=Launch(Placement(nproc=1)),
                                output_root=tmp_path / "out")
     assert result.status == "PASS", result.reasons
     assert len(seen) == 2 and seen[1][1].get("SECOND_RUN") == "1"  # run 2 took its own settings too
@@ -168,7 +169,8 @@ def test_every_setting_reaches_every_run_of_a_deterministic_benchmark(
     configs = ["no_db", "te_no_db", "te_maxpool_graph"]
     B.main(["--configs", ",".join(configs), "--repeats", "1", "--no-plan", "--no-chart",
             "--deterministic", "--ranks-per-gpu", str(ranks_per_gpu), "--out-json", str(tmp_path / "r.json")])
-    assert len(seen) == len(configs) + 1  # the priming run as well: it fills the kernel choice caches
+    # The priming runs as well, one per start-up class (local and TE kernels): they fill the kernel caches.
+    assert len(seen) == len(configs) + 2
     for cmd, env in seen:
         assert_deterministic(cmd, env, triton)
 
