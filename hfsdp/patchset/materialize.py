@@ -37,7 +37,7 @@ from .project import Project
 from .scan import STAMP_NAME, Census, Entry, carry, census, conflicts, describe, hash_files, linked_folders, scan
 from .series import unlisted_patches
 from .source import locate_sdist
-from .stamp import CorruptStamp, Stamp, make_stamp, read_stamp, write_stamp_file
+from .stamp import CorruptStamp, Stamp, make_stamp, read_stamp, with_inputs, write_stamp_file
 from .tree import build_queue
 
 
@@ -250,7 +250,8 @@ def _materialize(project: Project, sdist: Path | None, backup: bool, log: Callab
     try:
         queue = build_queue(pin, source, patches, scratch / "queue", overlay)
         shutil.rmtree(queue.repo / ".git")
-        write_stamp_file(queue.repo, make_stamp(pin, patches, overlay, hash_files(queue.repo, pin.members)))
+        stamp_new = make_stamp(pin, patches, overlay, hash_files(queue.repo, pin.members))
+        write_stamp_file(queue.repo, with_inputs(stamp_new, queue.repo / "megatron", project.root))
         built = queue.repo / "megatron"
         if clashing := conflicts(kept, queue.repo):
             if not backup:

@@ -62,6 +62,53 @@ def test_stale_tree_fails_fast_on_import(tmp_path: Path) -> None:
     assert "is stale" in proc.stderr and "scripts/patchset materialize" in proc.stderr
 
 
+# Loads the tree's guard module by path (running megatron/core/__init__ would need torch) with the
+# tooling unimportable, and calls it: "ok" or the guard's error.
+GUARD_ONLY = """
+import importlib.abc, importlib.util, sys
+class NoTooling(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "hfsdp" or name.startswith("hfsdp."):
+            raise ImportError("the product imported the tooling: " + name)
+sys.meta_path.insert(0, NoTooling())
+spec = importlib.util.spec_from_file_location("fork_info", sys.argv[1])
+guard = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(guard)
+try:
+    guard.verify_tree()
+except guard.ForkTreeError as exc:
+    print(exc)
+else:
+    print("ok")
+"""
+
+
+def test_the_import_guard_needs_no_tooling(tmp_path: Path) -> None:
+    """The tree's guard checks the stamp's digest of patches/ with the standard library alone:
+    a copy of the checkout without hfsdp/ passes, and fails once the overlay or series changes."""
+    copy = tmp_path / "checkout with space"
+    shutil.copytree(PROJECT.root, copy, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", "*.so", "tests", "hfsdp", "out"))
+    module = copy / "megatron" / "core" / "fork_info.py"
+
+    def guard() -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HFSDP_SKIP_FORK_GUARD")}
+        proc = subprocess.run([sys.executable, "-S", "-c", GUARD_ONLY, str(module)], cwd=tmp_path,
+                              capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.strip()
+
+    assert guard() == "ok"
+    overlay_file = copy / "patches" / "overlay" / "megatron" / "core" / "fork_info.py"
+    overlay_file.write_text(overlay_file.read_text() + "# touched\n")
+    assert "is stale" in guard()
+    overlay_file.write_text(overlay_file.read_text().removesuffix("# touched\n"))
+    assert guard() == "ok"
+    series = copy / "patches" / "series"
+    series.write_text(series.read_text() + "\n")
+    assert "is stale" in guard()
+
+
 def test_guard_rejects_megatron_resolving_elsewhere(tmp_path: Path) -> None:
     # In this process megatron.core is the real checkout's; for any other checkout it is foreign.
     copy = tmp_path / "other"
