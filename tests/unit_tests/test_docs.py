@@ -59,3 +59,52 @@ def test_the_patterns_catch_what_they_are_for() -> None:
     assert DATE.findall("measured on 2026-11-24 on an H100") == ["2026-11-24"]
     assert COMMIT.findall("at cf5c87a and (b794119)") == ["cf5c87a", "b794119"]
     assert not COMMIT.findall("2000000 steps, deadbeef, results/cf5c87a.json, dgx_h100_shared")
+
+
+# A measurement as the docs write one: a number with a unit of time, memory, speed or ratio.
+MEASUREMENT = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|s|GiB|MiB|GB|TFLOP/s|%|x)(?![\w/])")
+MAX_UNRELEASED_LINES = 80
+
+
+def unreleased(changelog: str) -> str:
+    """The ``[Unreleased]`` section of the CHANGELOG, heading excluded."""
+    start = changelog.index("## [Unreleased]")
+    end = changelog.find("\n## [", start + 1)
+    return changelog[start:end if end != -1 else None].split("\n", 1)[1]
+
+
+def test_unreleased_is_short_and_holds_no_measurements() -> None:
+    """Users read what changed; measurements, with date, commit and machine, are in results.md."""
+    section = unreleased((REPO / "CHANGELOG.md").read_text())
+    assert section.count("\n") <= MAX_UNRELEASED_LINES, f"[Unreleased] has {section.count(chr(10))} lines"
+    assert not MEASUREMENT.findall(section), MEASUREMENT.findall(section)
+
+
+def test_the_measurement_pattern_catches_what_it_is_for() -> None:
+    found = MEASUREMENT.findall("59.8 ms, 0.99x, 26 %, 43.3 GiB, 989 TFLOP/s; EP=4, DP=2, schema 4, 30 s")
+    assert found == ["59.8 ms", "0.99x", "26 %", "43.3 GiB", "989 TFLOP/s", "30 s"]
+
+
+MAX_LINE = 120
+
+
+def long_prose_lines(text: str) -> list[int]:
+    """Numbers of the lines over :data:`MAX_LINE` characters outside tables and code (fenced, or
+    indented four spaces)."""
+    found, code = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            code = not code
+        elif not (code or line.startswith(("|", "    "))) and len(line) > MAX_LINE:
+            found.append(number)
+    return found
+
+
+@pytest.mark.parametrize("page", [REPO / "README.md", *sorted(DOCS.glob("*.md"))], ids=lambda p: p.name)
+def test_prose_lines_fit_a_screen(page: Path) -> None:
+    assert not long_prose_lines(page.read_text()), f"{page.name}: lines {long_prose_lines(page.read_text())}"
+
+
+def test_long_lines_are_found_outside_tables_and_code_only() -> None:
+    text = "\n".join(["x" * 121, "| " + "x" * 130, "  ```", "y" * 140, "  ```", "    " + "z" * 130, "ok"])
+    assert long_prose_lines(text) == [1]
