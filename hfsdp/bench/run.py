@@ -48,6 +48,9 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--timed-steps", type=positive(int), default=20, help="Timed steps per run.")
     p.add_argument("--configs", default=",".join(cfgs.DEFAULT_CONFIGS),
                    help="Comma-separated subset of " + ", ".join(cfgs.CONFIGS))
+    p.add_argument("--baseline", default=res.BASELINE, metavar="CONFIG",
+                   help="The configuration the 'x base' ratios divide by (default no_db), e.g. "
+                        "maxpool_graph to read maxpool_ub_graph's gain from user buffers; one of --configs.")
     p.add_argument("--preset", default="default", choices=sorted(cfgs.PRESETS))
     p.add_argument("--out-json", default="out/benchmark-results.json",
                    help="Results JSON (default under out/ of the current folder; folders are made).")
@@ -384,8 +387,11 @@ def _main(argv: Sequence[str]) -> int:
                             environ=job_env(os.environ, opts.env)), flush=True)
     if opts.deterministic:
         print(te_determinism.describe(), flush=True)  # what every run of this invocation gets, and why
-    if "no_db" not in wanted:
-        print("note: no_db not selected; ratios vs baseline will be empty")
+    if opts.baseline not in wanted:
+        if opts.baseline != res.BASELINE:
+            raise UserError(f"--baseline {opts.baseline} is not among --configs ({', '.join(wanted)})",
+                            f"add {opts.baseline} to --configs, or name one of them")
+        print(f"note: {res.BASELINE} not selected; ratios vs baseline will be empty")
     runnable, skipped = [], {}
     for name in wanted:
         reason = cfgs.availability(name)
@@ -402,8 +408,10 @@ def _main(argv: Sequence[str]) -> int:
         runs, failures = run_logs.runs_from_logs(opts.from_logs, order, flags, opts)
     else:
         runs, failures, primed = run_all(order, flags, opts, start)
-    summaries = res.summarize(runs, planned=planned)
+    summaries = res.summarize(runs, planned=planned, baseline=opts.baseline)
     print("\n".join(res.format_table(summaries, speed=not shared)))
+    if opts.baseline != res.BASELINE:
+        print(f"x base: against {opts.baseline}")
     if shared:
         print(res.no_speed_note(opts.ranks_per_gpu))
     # TE configurations also against their own eager baseline (the TE targets are ratios to it).
@@ -421,7 +429,7 @@ def _main(argv: Sequence[str]) -> int:
         print("\n".join(startup))
     speed = model_speed(flags, summaries, runs, opts) if not shared else {}
     meta = {
-        "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc,
+        "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc, "baseline": opts.baseline,
         "ranks_per_gpu": opts.ranks_per_gpu, "speed": res.no_speed_note(opts.ranks_per_gpu) if shared else "measured",
         "repeats": opts.repeats, "warmup_steps": opts.warmup_steps,
         "timed_steps": opts.timed_steps, "order": order, "skipped": skipped,

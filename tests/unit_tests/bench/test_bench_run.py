@@ -263,3 +263,20 @@ def test_output_folders_are_made_or_refused_before_any_run(monkeypatch, tmp_path
     png = "/proc/hfsdp/chart.png"  # a folder no one can make there
     assert B.main(["--nproc", "2", "--out-json", str(tmp_path / "a" / "r.json"), "--out-png", png]) == 2
     assert "--out-png /proc/hfsdp/chart.png: its folder cannot be made" in capsys.readouterr().err
+
+
+def test_baseline_names_the_configuration_ratios_divide_by(fake_launch, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    B.main(["--configs", "no_db,maxpool", "--baseline", "maxpool", "--repeats", "1", "--no-plan",
+            "--no-chart", "--no-prime", "--out-json", str(out)])
+    doc = json.loads(out.read_text())
+    no_db = next(s for s in doc["summary"] if s["config"] == "no_db")
+    assert no_db["step_time_ratio"] == pytest.approx(0.100 / 0.095) and doc["meta"]["baseline"] == "maxpool"
+    assert "x base: against maxpool" in capsys.readouterr().out
+
+
+def test_a_baseline_outside_the_configurations_is_one_sentence(fake_launch, tmp_path, capsys):
+    rc = B.main(["--configs", "no_db,maxpool", "--baseline", "maxpool_graph", "--no-plan", "--no-chart",
+                 "--out-json", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--baseline maxpool_graph is not among --configs" in err and not fake_launch
