@@ -9,7 +9,7 @@ working inside a patch queue.
 
 [Note: the import guard] The stamp records :func:`inputs_digest` of the checkout as it was built
 (the tooling calls this very function, from the tree it builds). The guard recomputes it: the
-standard library only, no import of the tooling, about a millisecond for the whole series.
+standard library only, no import of the tooling.
 """
 
 import hashlib
