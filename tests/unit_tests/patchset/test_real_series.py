@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -106,7 +108,12 @@ def test_the_import_guard_needs_no_tooling(tmp_path: Path) -> None:
     assert guard() == "ok"
     series = copy / "patches" / "series"
     series.write_text(series.read_text() + "\n")
-    assert "is stale" in guard()
+    stale = guard()
+    assert "is stale" in stale
+    # The two commands it suggests name this checkout, whose path holds a space, as a shell reads them.
+    materialize, install = re.findall(r"`([^`]+)`", stale)[-2:]
+    assert shlex.split(materialize) == [str(copy / "scripts" / "patchset"), "materialize"]
+    assert shlex.split(install) == ["pip", "install", "-e", str(copy)]
 
 
 def test_guard_rejects_megatron_resolving_elsewhere(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ standard library only, no import of the tooling.
 import hashlib
 import json
 import os
+import shlex
 from pathlib import Path
 
 FORK_NAME = "hfsdp"
@@ -81,7 +82,9 @@ def verify_tree() -> None:
     if os.environ.get("HFSDP_SKIP_FORK_GUARD") == "1":
         return
     checkout = _TREE.parent
-    fix = f"run `{checkout}/scripts/patchset materialize` or `pip install -e {checkout}`"
+    # Quoted for a shell: the checkout's path may hold spaces.
+    fix = (f"run `{shlex.quote(str(checkout / 'scripts' / 'patchset'))} materialize` or "
+           f"`pip install -e {shlex.quote(str(checkout))}`")
     if not _STAMP.is_file():
         raise ForkTreeError(f"{_TREE} has no {_STAMP.name}: it was not materialized by the hfsdp tooling; {fix}")
     if not (checkout / "patches").is_dir():
