@@ -5,10 +5,13 @@ it to a few numbers that decide between the explanations in docs/benchmark.md:
 
 * ``gpu_idle_ms``: time in the kernel window with no kernel on any stream (host-bound gaps);
 * ``exposed_nccl_ms``: NCCL kernel time not overlapped by any compute kernel (prefetch too shallow);
-* ``host_sync_ms``: host time blocked in CUDA synchronize calls (a sync in a hot path).
+* ``host_sync_ms``: host time blocked in CUDA synchronize calls (a sync in a hot path);
+* ``gpu_busy_ms``: the union of device intervals on all streams, the least a step can take.
 
 Per profiled step when ``steps`` is given. Standard library only; CLI:
-``python -m hfsdp.bench.timeline TRACE.json[.gz] [--steps N]``.
+``python -m hfsdp.bench.timeline TRACE.json[.gz] [TRACE ...] [--steps N] [--step-ms MS]``: one
+line per trace (one per rank); with several, rank 0's and the busiest rank's GPU-busy time, and
+with ``--step-ms`` (the measured step) the step against the busiest rank's GPU-busy time.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def summarize(events: Iterable[dict], steps: int | None = None) -> dict:
         "nccl_busy_ms": length(nccl_u) / div,
         "exposed_nccl_ms": (length(nccl_u) - intersection_length(nccl_u, compute_u)) / div,
         "gpu_idle_ms": (window - length(everything)) / div,
+        "gpu_busy_ms": length(everything) / div,
         "host_sync_ms": sum(us for _, us in syncs.values()) / div,
         "host_sync_calls": {name: count for name, (count, _) in sorted(syncs.items())},
     }
@@ -104,17 +108,36 @@ def load_events(path: str) -> list[dict]:
 
 def format_summary(s: dict) -> str:
     unit = "ms/step" if s["per_step"] else "ms"
-    keys = ("kernel_window_ms", "compute_busy_ms", "nccl_busy_ms", "exposed_nccl_ms",
+    keys = ("kernel_window_ms", "gpu_busy_ms", "compute_busy_ms", "nccl_busy_ms", "exposed_nccl_ms",
             "gpu_idle_ms", "host_sync_ms")
     return "  ".join(f"{k[:-3]}={s[k]:.2f}" for k in keys) + f" ({unit}); syncs {s['host_sync_calls']}"
 
 
+def busy_report(per_trace: dict[str, dict], step_ms: float | None = None) -> list[str]:
+    """Rank 0's (the first trace's) and the busiest trace's GPU-busy time; with ``step_ms``, the
+    measured step against the busiest one (a step longer than its GPU work waits on the host)."""
+    first = next(iter(per_trace))
+    busiest = max(per_trace, key=lambda name: per_trace[name]["gpu_busy_ms"])
+    unit = "ms/step" if per_trace[first]["per_step"] else "ms"
+    lines = [f"GPU busy: {first} {per_trace[first]['gpu_busy_ms']:.2f} {unit}; busiest {busiest} "
+             f"{per_trace[busiest]['gpu_busy_ms']:.2f} {unit}"]
+    if step_ms is not None and per_trace[busiest]["gpu_busy_ms"] > 0:
+        ratio = step_ms / per_trace[busiest]["gpu_busy_ms"]
+        lines.append(f"step {step_ms:.2f} ms = {ratio:.3f} x the busiest rank's GPU-busy time")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("trace")
+    p.add_argument("traces", nargs="+", metavar="trace", help="one trace per rank, rank 0 first")
     p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
+    p.add_argument("--step-ms", type=float, default=None,
+                   help="the measured step time, compared with the GPU-busy time (use with --steps)")
     opts = p.parse_args(argv)
-    print(format_summary(summarize(load_events(opts.trace), opts.steps)))
+    per_trace = {path: summarize(load_events(path), opts.steps) for path in opts.traces}
+    for path, summary in per_trace.items():
+        print(f"{path}: {format_summary(summary)}")
+    print("\n".join(busy_report(per_trace, opts.step_ms)))
     return 0
 
 

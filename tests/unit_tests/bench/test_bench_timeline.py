@@ -28,6 +28,7 @@ def test_exposed_nccl_idle_and_syncs():
     assert s["nccl_busy_ms"] == 0.100
     assert s["exposed_nccl_ms"] == 0.050
     assert s["gpu_idle_ms"] == 0.040
+    assert s["gpu_busy_ms"] == 0.260  # 0-150, 160-170, 200-300: window minus idle
     assert s["host_sync_ms"] == 0.070 and s["host_sync_calls"] == {"cudaStreamSynchronize": 1}
 
 
@@ -43,3 +44,13 @@ def test_per_step_division_and_gz_loading(tmp_path):
 def test_union_and_intersection():
     assert timeline.union([(5, 6), (0, 2), (1, 3)]) == [(0, 3), (5, 6)]
     assert timeline.intersection_length([(0, 3), (5, 6)], [(2, 5.5)]) == 1.5
+
+
+def test_busy_report_names_rank_0_and_the_busiest_rank(tmp_path, capsys):
+    rank0, rank1 = tmp_path / "rank0.json", tmp_path / "rank1.json"
+    rank0.write_text(json.dumps({"traceEvents": EVENTS}))
+    rank1.write_text(json.dumps({"traceEvents": [*EVENTS, k("ncclDevKernel_ReduceScatter", 300, 140)]}))
+    assert timeline.main([str(rank0), str(rank1), "--steps", "2", "--step-ms", "0.22"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2] == f"GPU busy: {rank0} 0.13 ms/step; busiest {rank1} 0.20 ms/step"
+    assert out[-1] == "step 0.22 ms = 1.100 x the busiest rank's GPU-busy time"
