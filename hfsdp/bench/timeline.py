@@ -22,6 +22,7 @@ import json
 from collections.abc import Iterable, Sequence
 
 from hfsdp.bench.kernels import is_nccl_kernel
+from hfsdp.usererror import UserError, not_a_regular_file, run_cli
 
 # Host calls that block until the device catches up.
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
@@ -127,14 +128,41 @@ def busy_report(per_trace: dict[str, dict], step_ms: float | None = None) -> lis
     return lines
 
 
+def read_trace(path: str) -> list[dict]:
+    """:func:`load_events` of a file a user named; what is not a Chrome trace is one sentence."""
+    if why := not_a_regular_file(path):
+        raise UserError(f"trace {path} {why}", "give the .json or .json.gz files a profiling run wrote")
+    try:
+        events = load_events(path)
+    except (OSError, EOFError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"trace {path} is not a readable Chrome trace ({type(exc).__name__}: {exc})",
+                        "give the .json or .json.gz files a profiling run wrote") from None
+    except (KeyError, TypeError):
+        events = None
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise UserError(f"trace {path} holds no list of trace events",
+                        "give the .json or .json.gz files a profiling run wrote")
+    return events
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("timeline", lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("traces", nargs="+", metavar="trace", help="one trace per rank, rank 0 first")
     p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
     p.add_argument("--step-ms", type=float, default=None,
                    help="the measured step time, compared with the GPU-busy time (use with --steps)")
     opts = p.parse_args(argv)
-    per_trace = {path: summarize(load_events(path), opts.steps) for path in opts.traces}
+    if opts.steps is not None and opts.steps < 1:
+        p.error(f"--steps {opts.steps}: give the number of profiled steps, 1 or more")
+    try:
+        per_trace = {path: summarize(read_trace(path), opts.steps) for path in opts.traces}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"a trace event lacks a number where one belongs ({type(exc).__name__}: {exc})",
+                        "give the .json or .json.gz files a profiling run wrote") from None
     for path, summary in per_trace.items():
         print(f"{path}: {format_summary(summary)}")
     print("\n".join(busy_report(per_trace, opts.step_ms)))

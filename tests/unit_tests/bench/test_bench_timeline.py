@@ -3,6 +3,8 @@
 import gzip
 import json
 
+import pytest
+
 from hfsdp.bench import timeline
 
 
@@ -54,3 +56,22 @@ def test_busy_report_names_rank_0_and_the_busiest_rank(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[-2] == f"GPU busy: {rank0} 0.13 ms/step; busiest {rank1} 0.20 ms/step"
     assert out[-1] == "step 0.22 ms = 1.100 x the busiest rank's GPU-busy time"
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "does not exist"),
+    ("folder", "is a folder"),
+    ("{broken", "is not a readable Chrome trace"),
+    ('{"traceEvents": 3}', "holds no list of trace events"),
+    ('{"other": []}', "holds no list of trace events"),
+    ('[{"ph": "X", "cat": "kernel", "name": "k", "ts": "soon", "dur": 1}]', "lacks a number"),
+])
+def test_a_file_that_is_no_trace_is_one_sentence(tmp_path, capsys, content, words):
+    path = tmp_path / "t.json"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    assert timeline.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
