@@ -18,7 +18,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
 from hfsdp.bench.idle import HOST_CATEGORIES
-from hfsdp.bench.timeline import load_events, span
+from hfsdp.bench.timeline import read_trace, span, well_formed_events
+from hfsdp.usererror import run_cli
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -87,6 +88,10 @@ def format_rows(rows: Sequence[tuple[str, float, float, int, int]], steps: int |
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("hostdiff", lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("a", help="baseline trace (e.g. no_db)")
     p.add_argument("b", help="compared trace (e.g. maxpool)")
@@ -97,9 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="also count threads that ran no cpu_op (background threads)")
     p.add_argument("--top", type=int, default=30)
     opts = p.parse_args(argv)
-    a = inclusive(load_events(opts.a), opts.under, opts.all_threads)
-    b = inclusive(load_events(opts.b), opts.under, opts.all_threads)
-    print(format_rows(diff_rows(a, b, opts.match), opts.steps, opts.top))
+    with well_formed_events():
+        a = inclusive(read_trace(opts.a), opts.under, opts.all_threads)
+        b = inclusive(read_trace(opts.b), opts.under, opts.all_threads)
+        print(format_rows(diff_rows(a, b, opts.match), opts.steps, opts.top))
     return 0
 
 

@@ -27,7 +27,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from hfsdp.bench.timeline import DEVICE_CATEGORIES, load_events, span, union
+from hfsdp.bench.timeline import DEVICE_CATEGORIES, read_trace, span, union, well_formed_events
+from hfsdp.usererror import run_cli
 
 HOST_CATEGORIES = ("cpu_op", "python_function", "user_annotation", "cuda_runtime", "cuda_driver")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
@@ -204,12 +205,17 @@ def format_report(report: IdleReport, steps: int | None = None, top: int = 12) -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("idle", lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
     p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
     p.add_argument("--top", type=int, default=12)
     opts = p.parse_args(argv)
-    print(format_report(attribute(load_events(opts.trace)), opts.steps, opts.top))
+    with well_formed_events():
+        print(format_report(attribute(read_trace(opts.trace)), opts.steps, opts.top))
     return 0
 
 

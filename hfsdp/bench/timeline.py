@@ -17,9 +17,10 @@ with ``--step-ms`` (the measured step) the step against the busiest rank's GPU-b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from hfsdp.bench.kernels import is_nccl_kernel
 from hfsdp.usererror import UserError, not_a_regular_file, run_cli
@@ -145,6 +146,17 @@ def read_trace(path: str) -> list[dict]:
     return events
 
 
+@contextlib.contextmanager
+def well_formed_events() -> Iterator[None]:
+    """Around the reduction of traces a user named: an event without a number where one belongs
+    is one sentence."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"a trace event lacks a number where one belongs ({type(exc).__name__}: {exc})",
+                        "give the .json or .json.gz files a profiling run wrote") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     return run_cli("timeline", lambda: _main(argv))
 
@@ -158,11 +170,8 @@ def _main(argv: Sequence[str] | None) -> int:
     opts = p.parse_args(argv)
     if opts.steps is not None and opts.steps < 1:
         p.error(f"--steps {opts.steps}: give the number of profiled steps, 1 or more")
-    try:
+    with well_formed_events():
         per_trace = {path: summarize(read_trace(path), opts.steps) for path in opts.traces}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"a trace event lacks a number where one belongs ({type(exc).__name__}: {exc})",
-                        "give the .json or .json.gz files a profiling run wrote") from None
     for path, summary in per_trace.items():
         print(f"{path}: {format_summary(summary)}")
     print("\n".join(busy_report(per_trace, opts.step_ms)))

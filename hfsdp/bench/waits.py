@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 
 from hfsdp.bench.idle import ThreadSegments
 from hfsdp.bench.kernels import is_nccl_kernel
-from hfsdp.bench.timeline import DEVICE_CATEGORIES, SYNC_CALLS, intersection_length, load_events, span, union
+from hfsdp.bench.timeline import (
+    DEVICE_CATEGORIES,
+    SYNC_CALLS,
+    intersection_length,
+    read_trace,
+    span,
+    union,
+    well_formed_events,
+)
+from hfsdp.usererror import run_cli
 
 BLOCKING_CALLS = SYNC_CALLS + ("cudaMemcpyAsync", "cuStreamSynchronize", "cuCtxSynchronize",
                                "cuEventSynchronize")
@@ -106,14 +115,19 @@ def format_report(report: WaitReport, steps: int | None = None, top: int = 12,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("waits", lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
     p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
     p.add_argument("--min-us", type=float, default=500.0, help="ignore shorter blocking calls")
     p.add_argument("--top", type=int, default=12)
     opts = p.parse_args(argv)
-    report = attribute(load_events(opts.trace), opts.min_us)
-    print(format_report(report, opts.steps, opts.top, opts.min_us))
+    with well_formed_events():
+        report = attribute(read_trace(opts.trace), opts.min_us)
+        print(format_report(report, opts.steps, opts.top, opts.min_us))
     return 0
 
 

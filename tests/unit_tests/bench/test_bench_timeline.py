@@ -1,6 +1,7 @@
 """CPU tests of the step-timeline reduction (hfsdp/bench/timeline.py)."""
 
 import gzip
+import importlib
 import json
 
 import pytest
@@ -75,3 +76,16 @@ def test_a_file_that_is_no_trace_is_one_sentence(tmp_path, capsys, content, word
     assert timeline.main([str(path)]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("tool", ["timeline", "idle", "waits", "hostdiff"])
+def test_every_trace_reader_says_what_is_wrong_with_its_file(tmp_path, capsys, tool):
+    module = importlib.import_module(f"hfsdp.bench.{tool}")
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"traceEvents": EVENTS}))
+    bad.write_text("{broken")
+    files = [str(good), str(bad)] if tool == "hostdiff" else [str(bad)]
+    assert module.main(files) == 2
+    err = capsys.readouterr().err
+    assert f"trace {bad} is not a readable Chrome trace" in err and "Traceback" not in err
+    assert module.main([str(good)] * (2 if tool == "hostdiff" else 1)) == 0
