@@ -113,7 +113,7 @@ def parse_log(lines: Iterable[str]) -> Metrics:
     return metrics
 
 
-# Megatron stamps each step's line with the local wall clock: " [2026-11-27 21:30:07.184438] iteration 2/ ..."
+# Megatron stamps each step's line with the local wall clock: " [<date> <time>.<microseconds>] iteration 2/ ..."
 _STAMPED_STEP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)\]\s*iteration\s+(\d+)/")
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S.%f"
 
