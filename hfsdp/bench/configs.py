@@ -27,6 +27,11 @@ class BenchConfig:
         return "--cuda-graph-impl" in self.flags
 
     @property
+    def user_buffers(self) -> bool:
+        """Registers its buffers with NCCL (``--use-nccl-ub``)."""
+        return "--use-nccl-ub" in self.flags
+
+    @property
     def lanes(self) -> int:
         """Max-pool lanes it runs with (the flag's value; 2, the default, without it)."""
         return int(self.flags[self.flags.index(LANES_FLAG) + 1]) if LANES_FLAG in self.flags else 2
@@ -103,7 +108,7 @@ def startup_class(name: str) -> tuple[str, bool]:
     ``--use-nccl-ub``, Megatron's NCCL allocator extension. Graphed and eager runs of one spec
     share their kernels."""
     config = CONFIGS[name]
-    return config.spec, "--use-nccl-ub" in config.flags
+    return config.spec, config.user_buffers
 
 
 def priming_configs(names: Sequence[str]) -> list[str]:
