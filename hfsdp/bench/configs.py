@@ -89,6 +89,9 @@ CONFIGS = {
     "te_maxpool_graph": BenchConfig(
         "te_maxpool_graph", (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, *GRAPH_FLAGS),
         "Transformer Engine specs, max-pool double buffer, full-iteration CUDA graph", "maxpool", "te"),
+    "te_maxpool_ub_graph": BenchConfig(
+        "te_maxpool_ub_graph", (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS),
+        "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph", "maxpool", "te"),
     # Diagnostic: Megatron's default --rerun-mode, kept explicitly, under the graph. Graphed runs
     # otherwise run it disabled (megatron/training/cuda_graph_rerun.py); this times the per-step
     # all-reduce and host sync that the change removes.
@@ -151,8 +154,17 @@ FILL80_OVERRIDES = (
 # the host rather than the GPU limits an eager step (its step times and memory, eager and
 # graphed, are in docs/results.md). fill80 is the compute-bound counterpart.
 FILL80_EXPERTS_OVERRIDES = ("--hybrid-layer-pattern", "M*E" * 16, "--num-experts", "80")
+# "What users train": the fill model (5.9B params, 24 layers M*E x 8, hidden 4096, seq 4096, 16
+# experts top-2, bf16) with Mamba's fused path (causal-conv1d), for the te_* configurations only.
+REALISTIC_OVERRIDES = FILL_GPU_OVERRIDES
 PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES, "fill80": FILL80_OVERRIDES,
-           "fill80_experts": FILL80_EXPERTS_OVERRIDES}
+           "fill80_experts": FILL80_EXPERTS_OVERRIDES, "realistic": REALISTIC_OVERRIDES}
+# Flags of the default model a preset removes (a switch cannot be overridden by a value).
+PRESET_DROPS = {"realistic": ("--disable-mamba-mem-eff-path",)}
+# Presets built for one layer spec: the configurations of any other spec are refused.
+PRESET_SPECS = {"realistic": "te"}
+# Python modules a preset needs on the machine that runs it (checked before the first run).
+PRESET_NEEDS = {"realistic": ("transformer_engine", "causal_conv1d")}
 
 
 def override_flags(base: Sequence[str], overrides: Sequence[str]) -> list[str]:
@@ -178,7 +190,18 @@ def override_flags(base: Sequence[str], overrides: Sequence[str]) -> list[str]:
 def model_flags(preset: str, extra: Sequence[str] = ()) -> list[str]:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    return override_flags(override_flags(DEFAULT_MODEL_FLAGS, PRESETS[preset]), extra)
+    base = [f for f in DEFAULT_MODEL_FLAGS if f not in PRESET_DROPS.get(preset, ())]
+    return override_flags(override_flags(base, PRESETS[preset]), extra)
+
+
+def preset_refusal(preset: str, names: Sequence[str]) -> str | None:
+    """None when every configuration of ``names`` suits ``preset``, else why not (one sentence)."""
+    spec = PRESET_SPECS.get(preset)
+    other = [n for n in names if spec is not None and CONFIGS[n].spec != spec]
+    if other:
+        return (f"the {preset} preset is built for {spec} layer specs, and {', '.join(other)} "
+                f"use{'s' if len(other) == 1 else ''} {CONFIGS[other[0]].spec} ones")
+    return None
 
 
 def availability(name: str) -> str | None:

@@ -358,6 +358,13 @@ def _main(argv: Sequence[str]) -> int:
                                                               else [], extra))
     check_counted_flags(flags)
     wanted = wanted_configs(opts.configs)
+    if refusal := cfgs.preset_refusal(opts.preset, wanted):
+        raise UserError(refusal, f"give te_* configurations with --preset {opts.preset}, or another preset")
+    if not opts.from_logs and (absent := [m for m in cfgs.PRESET_NEEDS.get(opts.preset, ())
+                                          if not requirements.importable(m)]):
+        raise UserError(f"the {opts.preset} preset needs {', '.join(absent)}, which "
+                        f"{'is' if len(absent) == 1 else 'are'} not importable here",
+                        "install the GPU extras (docs/benchmark.md), or pick another preset")
     te_wanted = [n for n in wanted if cfgs.CONFIGS[n].spec == "te"]
     if te_wanted and not opts.from_logs and not requirements.importable("transformer_engine"):
         raise UserError(f"{', '.join(te_wanted)} need Transformer Engine, which is not importable here",

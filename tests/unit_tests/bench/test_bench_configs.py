@@ -24,6 +24,17 @@ def test_presets():
         C.model_flags("nope")
 
 
+def test_realistic_preset_is_fill_with_the_fused_mamba_path():
+    """The realistic preset is the fill model's shape with Mamba's fused path (no
+    --disable-mamba-mem-eff-path), and it takes only Transformer Engine configurations."""
+    realistic, fill = C.model_flags("realistic"), C.model_flags("fill")
+    assert "--disable-mamba-mem-eff-path" in fill
+    assert realistic == [f for f in fill if f != "--disable-mamba-mem-eff-path"]
+    assert C.preset_refusal("realistic", ["te_no_db", "te_maxpool_ub_graph"]) is None
+    assert "no_db, maxpool_graph use local" in C.preset_refusal("realistic", ["te_no_db", "no_db", "maxpool_graph"])
+    assert C.preset_refusal("fill", ["no_db", "te_no_db"]) is None
+
+
 def test_fill80_experts_fills_an_80gb_gpu_with_parameters(tmp_path):
     """fill80_experts is the default model, deeper and with more experts: same width, sequence and
     micro-batch (so the per-layer compute of the default), 2.9-3.0B parameters whose model state
@@ -115,6 +126,7 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
     assert [n for n in C.CONFIGS if C.CONFIGS[n].graphed] == ["maxpool_ub_graph", "no_db_graph",
                                                               "maxpool_graph", "maxpool_lanes3_graph",
                                                               "te_no_db_graph", "te_maxpool_graph",
+                                                              "te_maxpool_ub_graph",
                                                               "no_db_graph_validate",
                                                               "te_no_db_graph_validate"]
     assert C.CONFIGS["maxpool_graph"].flags[:2] == C.CONFIGS["maxpool"].flags
