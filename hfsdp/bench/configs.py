@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
@@ -155,8 +156,11 @@ FILL80_OVERRIDES = (
 # graphed, are in docs/results.md). fill80 is the compute-bound counterpart.
 FILL80_EXPERTS_OVERRIDES = ("--hybrid-layer-pattern", "M*E" * 16, "--num-experts", "80")
 # "What users train": the fill model (5.9B params, 24 layers M*E x 8, hidden 4096, seq 4096, 16
-# experts top-2, bf16) with Mamba's fused path (causal-conv1d), for the te_* configurations only.
+# experts top-2, bf16) with Mamba's fused path (causal-conv1d), for the te_* configurations only;
+# experts are spread over up to REALISTIC_EP ranks (parallel_flags). Gradient-accumulation fusion
+# stays off: the output layer (ColumnParallelLinear) refuses it without Apex's extension.
 REALISTIC_OVERRIDES = FILL_GPU_OVERRIDES
+REALISTIC_EP = 4
 PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES, "fill80": FILL80_OVERRIDES,
            "fill80_experts": FILL80_EXPERTS_OVERRIDES, "realistic": REALISTIC_OVERRIDES}
 # Flags of the default model a preset removes (a switch cannot be overridden by a value).
@@ -192,6 +196,14 @@ def model_flags(preset: str, extra: Sequence[str] = ()) -> list[str]:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     base = [f for f in DEFAULT_MODEL_FLAGS if f not in PRESET_DROPS.get(preset, ())]
     return override_flags(override_flags(base, PRESETS[preset]), extra)
+
+
+def parallel_flags(preset: str, nproc: int) -> list[str]:
+    """The parallel layout a preset sets for ``nproc`` ranks: the realistic preset's experts over
+    gcd(nproc, REALISTIC_EP) ranks (expert parallelism must divide the world), none elsewhere."""
+    if preset == "realistic" and (ep := math.gcd(nproc, REALISTIC_EP)) > 1:
+        return ["--expert-model-parallel-size", str(ep)]
+    return []
 
 
 def preset_refusal(preset: str, names: Sequence[str]) -> str | None:

@@ -353,9 +353,10 @@ def _main(argv: Sequence[str]) -> int:
     opts, extra = parse(argv)
     if opts.chart_from:
         return chart_from(opts)
-    # Flags after -- win over --deterministic's, which win over the preset's.
-    flags = cfgs.model_flags(opts.preset, cfgs.override_flags(te_determinism.argv() if opts.deterministic
-                                                              else [], extra))
+    # Flags after -- win over --deterministic's, which win over the preset's (its layout included).
+    flags = cfgs.model_flags(opts.preset, cfgs.override_flags(
+        cfgs.override_flags(cfgs.parallel_flags(opts.preset, opts.nproc),
+                            te_determinism.argv() if opts.deterministic else []), extra))
     check_counted_flags(flags)
     wanted = wanted_configs(opts.configs)
     if refusal := cfgs.preset_refusal(opts.preset, wanted):

@@ -201,6 +201,7 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
             parser = megatron_parser()
         parser.parse_args(["--help"])  # prints the help and exits 0
     ensure_fork()
+    from hfsdp import autotune_cache
     from hfsdp.determinism import ENV as PIN_ENV
     from hfsdp.determinism import pin_triton_autotune_from_env
     from hfsdp.step_digest import ENV as DIGEST_ENV
@@ -224,6 +225,7 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
         print_rank_0(f"> hfsdp entry: {DIGEST_ENV} set, weight/optimizer digests are logged")
     if pin_triton_autotune_from_env():  # before any Triton kernel runs
         print_rank_0(f"> hfsdp entry: {PIN_ENV}=1, Triton autotuners use their first valid config")
+    autotune_cache.install()  # TRITON_CACHE_AUTOTUNING=1 covers pre_hook kernels too (inert without it)
     print_rank_0(f"> hfsdp entry: model family={family}, transformer_impl={args.transformer_impl}"
                  + (f", FSDP units override={units[0]}" if units else ""))
     with warnings.catch_warnings():

@@ -25,11 +25,16 @@ def test_presets():
 
 
 def test_realistic_preset_is_fill_with_the_fused_mamba_path():
-    """The realistic preset is the fill model's shape with Mamba's fused path (no
-    --disable-mamba-mem-eff-path), and it takes only Transformer Engine configurations."""
+    """The realistic preset is the fill model's shape with Mamba's fused path (the default model's
+    --disable-mamba-mem-eff-path dropped), experts over up to 4 ranks, and it takes only
+    Transformer Engine configurations."""
     realistic, fill = C.model_flags("realistic"), C.model_flags("fill")
-    assert "--disable-mamba-mem-eff-path" in fill
-    assert realistic == [f for f in fill if f != "--disable-mamba-mem-eff-path"]
+    dropped = ("--disable-mamba-mem-eff-path",)
+    assert all(f in fill for f in dropped)
+    assert realistic == [f for f in fill if f not in dropped]
+    assert C.parallel_flags("realistic", 4) == C.parallel_flags("realistic", 8) == ["--expert-model-parallel-size", "4"]
+    assert C.parallel_flags("realistic", 2) == ["--expert-model-parallel-size", "2"]
+    assert C.parallel_flags("realistic", 1) == C.parallel_flags("realistic", 3) == C.parallel_flags("fill", 4) == []
     assert C.preset_refusal("realistic", ["te_no_db", "te_maxpool_ub_graph"]) is None
     assert "no_db, maxpool_graph use local" in C.preset_refusal("realistic", ["te_no_db", "no_db", "maxpool_graph"])
     assert C.preset_refusal("fill", ["no_db", "te_no_db"]) is None

@@ -1,0 +1,134 @@
+"""Share Triton's autotuning between processes for kernels whose configs carry a ``pre_hook``.
+
+[Note: autotune cache for pre_hook kernels]
+With ``TRITON_CACHE_AUTOTUNING=1`` Triton stores each autotuner's timed choice on disk, so a later
+process on the machine reuses it instead of timing every candidate again. Triton skips that cache
+for any kernel whose candidate configs carry a ``pre_hook`` (it cannot serialize a function), and
+mamba_ssm's backward SSD kernels all do (``init_to_zero``). So every process re-times them in its
+first step: about 100 s a process for the 5.9B realistic preset at DP=4.
+
+:func:`install` extends the cache to those kernels. The file holds each candidate's fields without
+its hook (block sizes, warps, stages and the rest of ``Config.__dict__``); on a hit, each stored
+entry is matched back to the live config with the same fields, which keeps its own hook. The
+cache key is Triton's own (compiler, target, kernel source, cache-invalidating environment,
+tuning key, candidate list) plus a tag, so the two kinds of entry never collide.
+
+Invariants:
+- a hit restores the choice only when every live candidate has exactly one stored timing; any
+  other file (another candidate list, a truncated write, junk) means the kernel is timed again,
+  and the new timings replace the file;
+- kernels without hooks take Triton's own path, unchanged;
+- nothing changes unless the process asked for the cache (``TRITON_CACHE_AUTOTUNING=1`` or an
+  autotuner built with ``cache_results=True``): only then does Triton call ``check_disk_cache``.
+
+Standard library only at import time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_hfsdp_pre_hook_cache"
+_TAG = "hfsdp-pre-hook-v1"
+
+
+def config_fields(config: Any) -> str:
+    """A candidate config as canonical JSON, without its ``pre_hook``: what identifies it on disk."""
+    fields = {k: v for k, v in vars(config).items() if k != "pre_hook"}
+    return json.dumps(fields, sort_keys=True, default=repr)
+
+
+def cache_key(base_parts: Sequence[str], tuning_key: Any, configs: Sequence[Any]) -> str:
+    """The file's key: Triton's own parts, the tuning key and the candidates' fields, tagged."""
+    parts = [_TAG, *base_parts, str(tuning_key), *(config_fields(c) for c in configs)]
+    return hashlib.sha256("-".join(parts).encode("utf-8")).hexdigest()
+
+
+def restore(text: str, configs: Sequence[Any]) -> dict[Any, Any] | None:
+    """The stored timings keyed by the live ``configs``, or None when ``text`` does not time
+    exactly these candidates (each one once)."""
+    try:
+        stored = json.loads(text)["configs_timings"]
+        by_fields = {config_fields(c): c for c in configs}
+        timings: dict[Any, Any] = {}
+        for fields, timing in stored:
+            live = by_fields.get(json.dumps(fields, sort_keys=True, default=repr))
+            if live is None or live in timings:
+                return None
+            timings[live] = timing
+    except (ValueError, KeyError, TypeError):
+        return None
+    return timings if len(timings) == len(configs) else None
+
+
+def dump(tuning_key: Any, timings: dict[Any, Any]) -> str:
+    """What :func:`restore` reads back."""
+    return json.dumps({"key": str(tuning_key),
+                       "configs_timings": [(json.loads(config_fields(c)), t) for c, t in timings.items()]})
+
+
+def _triton_key_parts(fn: Any) -> list[str]:
+    """The parts of Triton's own autotune cache key, from the names its ``check_disk_cache`` uses."""
+    from triton.compiler.compiler import make_backend
+    from triton.runtime import autotuner as at
+
+    env_vars = at.get_cache_invalidating_env_vars()
+    return [at.triton_key(), make_backend(at.driver.active.get_current_target()).hash(), fn.cache_key,
+            str(sorted(env_vars.items()))]
+
+
+def make_check_disk_cache(original: Callable[..., bool], *,
+                          key_parts: Callable[[Any], list[str]] = _triton_key_parts,
+                          cache_manager: Callable[[str], Any] | None = None) -> Callable[..., bool]:
+    """``Autotuner.check_disk_cache`` that also caches kernels with ``pre_hook`` configs."""
+
+    def check_disk_cache(self: Any, tuning_key: Any, configs: Sequence[Any], bench_fn: Callable[[], None]) -> bool:
+        if not tuning_key or not any(c.pre_hook for c in configs):
+            return original(self, tuning_key, configs, bench_fn)
+        if cache_manager is None:
+            from triton.runtime.cache import get_cache_manager
+        else:
+            get_cache_manager = cache_manager
+        fn = self.fn
+        while not hasattr(fn, "cache_key"):  # the JITFunction under any heuristics wrappers
+            fn = fn.fn
+        cache = get_cache_manager(cache_key(key_parts(fn), tuning_key, configs))
+        file_name = f"{fn.__name__[:150]}.autotune.json"
+        path = cache.get_file(file_name)
+        if path:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                timings = restore(f.read(), configs)
+            if timings is not None:
+                self.cache[tuning_key] = min(timings, key=lambda c: timings[c])
+                self.configs_timings = timings
+                return True
+        bench_fn()
+        cache.put(dump(tuning_key, self.configs_timings), file_name, binary=False)
+        return False
+
+    setattr(check_disk_cache, _MARK, True)
+    check_disk_cache.__doc__ = original.__doc__
+    return check_disk_cache
+
+
+def install(autotuner_cls: Any | None = None) -> bool:
+    """Extend ``autotuner_cls`` (Triton's ``Autotuner`` by default) as the note says. True when it
+    patched; False when already installed, or when Triton (or its ``check_disk_cache``) is absent."""
+    if autotuner_cls is None:
+        try:
+            from triton.runtime.autotuner import Autotuner
+        except ImportError:
+            return False
+        autotuner_cls = Autotuner
+    original = getattr(autotuner_cls, "check_disk_cache", None)
+    if original is None or getattr(original, _MARK, False):
+        return False
+    autotuner_cls.check_disk_cache = make_check_disk_cache(original)
+    logger.debug("Triton's autotune disk cache now covers configs with a pre_hook")
+    return True
