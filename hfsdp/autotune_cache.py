@@ -18,6 +18,8 @@ Invariants:
   other file (another candidate list, a truncated write, junk) means the kernel is timed again,
   and the new timings replace the file;
 - kernels without hooks take Triton's own path, unchanged;
+- where Triton's key cannot be computed (its internals moved), the kernel takes Triton's own
+  path: timed, as without this module;
 - nothing changes unless the process asked for the cache (``TRITON_CACHE_AUTOTUNING=1`` or an
   autotuner built with ``cache_results=True``): only then does Triton call ``check_disk_cache``.
 
@@ -98,7 +100,12 @@ def make_check_disk_cache(original: Callable[..., bool], *,
         fn = self.fn
         while not hasattr(fn, "cache_key"):  # the JITFunction under any heuristics wrappers
             fn = fn.fn
-        cache = get_cache_manager(cache_key(key_parts(fn), tuning_key, configs))
+        try:
+            cache = get_cache_manager(cache_key(key_parts(fn), tuning_key, configs))
+        except Exception as exc:  # a Triton whose internals moved: time the kernel, as Triton would
+            logger.warning("autotune cache for %s unavailable (%s: %s); timing its configs",
+                           getattr(fn, "__name__", fn), type(exc).__name__, exc)
+            return original(self, tuning_key, configs, bench_fn)
         file_name = f"{fn.__name__[:150]}.autotune.json"
         path = cache.get_file(file_name)
         if path:

@@ -130,3 +130,16 @@ def test_tritons_autotuner_still_has_the_method_we_extend():
 
     assert list(inspect.signature(Autotuner.check_disk_cache).parameters) == ["self", "tuning_key", "configs",
                                                                               "bench_fn"]
+
+
+def test_a_key_that_cannot_be_computed_falls_back_to_tritons_own_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    seen = []
+
+    def broken(fn):
+        raise RuntimeError("0 active drivers")
+
+    patched = autotune_cache.make_check_disk_cache(lambda *a: seen.append(a) or False, key_parts=broken,
+                                                   cache_manager=get_cache_manager)
+    assert patched(FakeTuner(), KEY, candidates("a"), lambda: None) is False
+    assert len(seen) == 1
