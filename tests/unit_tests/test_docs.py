@@ -55,6 +55,36 @@ def test_local_links_point_at_files_the_repo_has(page: Path) -> None:
     assert not missing, f"{page.name} links to files the repo lacks: {missing}"
 
 
+def slug(heading: str) -> str:
+    """The anchor a heading gets on GitHub: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of the headings of ``page`` (outside code blocks)."""
+    found, code = set(), False
+    for line in page.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            code = not code
+        elif not code and line.startswith("#"):
+            found.add(slug(line.lstrip("#")))
+    return found
+
+
+@pytest.mark.parametrize("page", [REPO / "README.md", REPO / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))],
+                         ids=lambda p: p.name)
+def test_links_to_a_heading_find_it(page: Path) -> None:
+    missing = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target) or "#" not in target:
+            continue
+        name, anchor = target.split("#", 1)
+        linked = (page.parent / name).resolve() if name else page
+        if linked.suffix == ".md" and linked.is_file() and anchor not in anchors(linked):
+            missing.append(target)
+    assert not missing, f"{page.name} links to headings that do not exist: {missing}"
+
+
 def test_the_patterns_catch_what_they_are_for() -> None:
     assert DATE.findall("measured on 2026-11-24 on an H100") == ["2026-11-24"]
     assert COMMIT.findall("at cf5c87a and (b794119)") == ["cf5c87a", "b794119"]
@@ -103,6 +133,22 @@ def long_prose_lines(text: str) -> list[int]:
 @pytest.mark.parametrize("page", [REPO / "README.md", *sorted(DOCS.glob("*.md"))], ids=lambda p: p.name)
 def test_prose_lines_fit_a_screen(page: Path) -> None:
     assert not long_prose_lines(page.read_text()), f"{page.name}: lines {long_prose_lines(page.read_text())}"
+
+
+MAX_RESULTS_LINES = 300
+RESULTS = DOCS / "results.md"
+
+
+def test_results_hold_the_current_figures_only() -> None:
+    """results.md keeps the current run of each thing measured; every file under docs/results/ is
+    one of its figures' files, linked from it, and every file it links exists."""
+    text = RESULTS.read_text()
+    assert text.count("\n") <= MAX_RESULTS_LINES, f"results.md has {text.count(chr(10))} lines"
+    linked = {(DOCS / t.split("#", 1)[0]).resolve() for t in LINK.findall(text)
+              if t.startswith("results/") and not t.endswith("/")}
+    files = {p.resolve() for p in (DOCS / "results").rglob("*") if p.is_file()}
+    assert not linked - files, f"results.md links to missing files: {sorted(map(str, linked - files))}"
+    assert not files - linked, f"files under docs/results/ no figure cites: {sorted(p.name for p in files - linked)}"
 
 
 def test_long_lines_are_found_outside_tables_and_code_only() -> None:
