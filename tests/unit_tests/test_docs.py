@@ -35,6 +35,16 @@ def test_a_feature_page_is_a_reference(page: Path) -> None:
     assert not COMMIT.findall(text), f"{page.name} names commits {COMMIT.findall(text)}: they go to results.md"
 
 
+MAX_DOCS_LINES = 2200  # README.md and docs/*.md together: what a newcomer reads
+
+
+def test_the_readme_fits_a_page_and_all_docs_one_read() -> None:
+    readme = (REPO / "README.md").read_text().count("\n")
+    assert readme <= MAX_PAGE_LINES, f"README.md has {readme} lines (at most {MAX_PAGE_LINES})"
+    pages = {p.name: p.read_text().count("\n") for p in [REPO / "README.md", *DOCS.glob("*.md")]}
+    assert sum(pages.values()) <= MAX_DOCS_LINES, f"the docs have {sum(pages.values())} lines: {pages}"
+
+
 def test_the_readme_gives_its_two_commands_early() -> None:
     lines = (REPO / "README.md").read_text().splitlines()
     where = {cmd: next((i + 1 for i, line in enumerate(lines) if line.startswith(f"bash scripts/{cmd}")), None)
