@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job (README): train the reference hybrid model (M*E x4, hidden 1024, 16 experts, bf16)
 # on Megatron-FSDP with --megatron-fsdp-max-pool-double-buffer and full-iteration CUDA graphs
-# (mock data), on all local GPUs, then a short eager comparison (hfsdp/main_job.py).
+# (mock data), on all local GPUs, then a short eager comparison (hfsdp/main_job/).
 # On a machine without CUDA GPUs it does everything that needs none (verifies the fork, plans the
 # double-buffer memory of the same model, runs the CPU smoke of the data/entry path) and says so.
 # The console shows a short report; every run's whole output goes to log files in a new folder
@@ -30,13 +30,13 @@ ngpu=$("$HFSDP_PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/nu
 
 if [ "${ngpu:-0}" -ge 1 ]; then
   # Max-pool double buffer + full-iteration CUDA graphs when the model can be captured (else eager,
-  # saying why), then a short eager run for comparison: hfsdp/main_job.py. Your environment is
+  # saying why), then a short eager run for comparison: hfsdp/main_job/gpu.py. Your environment is
   # passed through, with two defaults where you set nothing (TRITON_CACHE_AUTOTUNING=1 and, on one
-  # GPU, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; hfsdp/main_job.py run_env). On shared
+  # GPU, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; hfsdp/main_job/runs.py run_env). On shared
   # machines where NVLink multicast must stay off, export NCCL_NVLS_ENABLE=0 yourself.
   exec "$HFSDP_PY" -m hfsdp.main_job "$@"
 fi
 
 # The planner, the CUDA-graph capture check (with your extra args) and the CPU smoke, each summed
-# up here, their whole output in the log file the job names (hfsdp/main_job.py cpu_main).
+# up here, their whole output in the log file the job names (hfsdp/main_job/cpu.py cpu_main).
 exec "$HFSDP_PY" -c 'import sys; from hfsdp.main_job import cpu_main; sys.exit(cpu_main(sys.argv[1:]))' "$@"

@@ -35,6 +35,16 @@ def test_a_feature_page_is_a_reference(page: Path) -> None:
     assert not COMMIT.findall(text), f"{page.name} names commits {COMMIT.findall(text)}: they go to results.md"
 
 
+MAX_DOCS_LINES = 2200  # README.md and docs/*.md together: what a newcomer reads
+
+
+def test_the_readme_fits_a_page_and_all_docs_one_read() -> None:
+    readme = (REPO / "README.md").read_text().count("\n")
+    assert readme <= MAX_PAGE_LINES, f"README.md has {readme} lines (at most {MAX_PAGE_LINES})"
+    pages = {p.name: p.read_text().count("\n") for p in [REPO / "README.md", *DOCS.glob("*.md")]}
+    assert sum(pages.values()) <= MAX_DOCS_LINES, f"the docs have {sum(pages.values())} lines: {pages}"
+
+
 def test_the_readme_gives_its_two_commands_early() -> None:
     lines = (REPO / "README.md").read_text().splitlines()
     where = {cmd: next((i + 1 for i, line in enumerate(lines) if line.startswith(f"bash scripts/{cmd}")), None)
@@ -55,6 +65,36 @@ def test_local_links_point_at_files_the_repo_has(page: Path) -> None:
     assert not missing, f"{page.name} links to files the repo lacks: {missing}"
 
 
+def slug(heading: str) -> str:
+    """The anchor a heading gets on GitHub: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of the headings of ``page`` (outside code blocks)."""
+    found, code = set(), False
+    for line in page.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            code = not code
+        elif not code and line.startswith("#"):
+            found.add(slug(line.lstrip("#")))
+    return found
+
+
+@pytest.mark.parametrize("page", [REPO / "README.md", REPO / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))],
+                         ids=lambda p: p.name)
+def test_links_to_a_heading_find_it(page: Path) -> None:
+    missing = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target) or "#" not in target:
+            continue
+        name, anchor = target.split("#", 1)
+        linked = (page.parent / name).resolve() if name else page
+        if linked.suffix == ".md" and linked.is_file() and anchor not in anchors(linked):
+            missing.append(target)
+    assert not missing, f"{page.name} links to headings that do not exist: {missing}"
+
+
 def test_the_patterns_catch_what_they_are_for() -> None:
     assert DATE.findall("measured on 2026-11-24 on an H100") == ["2026-11-24"]
     assert COMMIT.findall("at cf5c87a and (b794119)") == ["cf5c87a", "b794119"]
@@ -73,11 +113,17 @@ def unreleased(changelog: str) -> str:
     return changelog[start:end if end != -1 else None].split("\n", 1)[1]
 
 
-def test_unreleased_is_short_and_holds_no_measurements() -> None:
-    """Users read what changed; measurements, with date, commit and machine, are in results.md."""
+def test_unreleased_is_short() -> None:
     section = unreleased((REPO / "CHANGELOG.md").read_text())
     assert section.count("\n") <= MAX_UNRELEASED_LINES, f"[Unreleased] has {section.count(chr(10))} lines"
-    assert not MEASUREMENT.findall(section), MEASUREMENT.findall(section)
+
+
+def test_the_changelog_holds_no_measurements() -> None:
+    """Users read what changed, in every section, released or not; measurements, with date, commit
+    and machine, are in results.md."""
+    text = (REPO / "CHANGELOG.md").read_text()
+    found = [(n, m) for n, line in enumerate(text.splitlines(), 1) for m in MEASUREMENT.findall(line)]
+    assert not found, f"CHANGELOG.md (line, measurement): {found}"
 
 
 def test_the_measurement_pattern_catches_what_it_is_for() -> None:
@@ -103,6 +149,22 @@ def long_prose_lines(text: str) -> list[int]:
 @pytest.mark.parametrize("page", [REPO / "README.md", *sorted(DOCS.glob("*.md"))], ids=lambda p: p.name)
 def test_prose_lines_fit_a_screen(page: Path) -> None:
     assert not long_prose_lines(page.read_text()), f"{page.name}: lines {long_prose_lines(page.read_text())}"
+
+
+MAX_RESULTS_LINES = 300
+RESULTS = DOCS / "results.md"
+
+
+def test_results_hold_the_current_figures_only() -> None:
+    """results.md keeps the current run of each thing measured; every file under docs/results/ is
+    one of its figures' files, linked from it, and every file it links exists."""
+    text = RESULTS.read_text()
+    assert text.count("\n") <= MAX_RESULTS_LINES, f"results.md has {text.count(chr(10))} lines"
+    linked = {(DOCS / t.split("#", 1)[0]).resolve() for t in LINK.findall(text)
+              if t.startswith("results/") and not t.endswith("/")}
+    files = {p.resolve() for p in (DOCS / "results").rglob("*") if p.is_file()}
+    assert not linked - files, f"results.md links to missing files: {sorted(map(str, linked - files))}"
+    assert not files - linked, f"files under docs/results/ no figure cites: {sorted(p.name for p in files - linked)}"
 
 
 def test_long_lines_are_found_outside_tables_and_code_only() -> None:

@@ -8,6 +8,10 @@ import pytest
 import torch
 
 from hfsdp import main_job as M
+from hfsdp.main_job import cpu, gpu, logs, rehearsal, runs
+from hfsdp.usererror import UserError
+
+MIB = runs.MIB
 
 
 def _line(step: int, ms: float) -> str:
@@ -17,29 +21,29 @@ def _line(step: int, ms: float) -> str:
 
 @pytest.fixture
 def fake_train(monkeypatch, tmp_path):
-    runs = []
-    monkeypatch.setenv(M.OUT_ENV, str(tmp_path / "jobs"))
+    started = []
+    monkeypatch.setenv(logs.OUT_ENV, str(tmp_path / "jobs"))
 
     def train(flags, nproc, steps, log_path, ranks_per_gpu=1, extra_env=None):
         graphed = "--cuda-graph-impl" in flags
-        runs.append({"graphed": graphed, "steps": steps, "nproc": nproc, "flags": list(flags)})
+        started.append({"graphed": graphed, "steps": steps, "nproc": nproc, "flags": list(flags)})
         with open(log_path, "w") as f:
             f.writelines(_line(s, 70.0 if graphed else 280.0) for s in range(1, steps + 1))
         return 0
 
-    monkeypatch.setattr(M, "train", train)
+    monkeypatch.setattr(gpu, "train", train)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for key in ("NPROC", "TRAIN_ITERS", "EAGER_ITERS"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("REHEARSAL_ITERS", "0")  # its own tests below
-    return runs
+    return started
 
 
 def test_default_model_trains_graphed_then_eager(fake_train, capsys):
     assert M.main([]) == 0
     graphed, eager = fake_train
     assert graphed["graphed"] and graphed["steps"] == 30
-    assert M.MAXPOOL_FLAG in graphed["flags"] and M.MAXPOOL_FLAG in eager["flags"]
+    assert runs.MAXPOOL_FLAG in graphed["flags"] and runs.MAXPOOL_FLAG in eager["flags"]
     assert not eager["graphed"] and eager["steps"] == 10
     out = capsys.readouterr().out
     assert "max-pool + full-iteration CUDA graph: median step 70.0 ms" in out
@@ -61,10 +65,10 @@ def test_the_jobs_own_megatron_noise_goes_to_its_log(fake_train, monkeypatch, ca
         os.write(2, b"UserWarning: Apex is not installed. Falling back to Torch Norm\n")
         return []
 
-    monkeypatch.setattr(M, "capture_problems", noisy)
+    monkeypatch.setattr(gpu, "capture_problems", noisy)
     assert M.main([]) == 0
     assert "Apex" not in capfd.readouterr().err
-    (log,) = (tmp_path / "jobs").glob("*/" + M.IN_PROCESS_LOG)
+    (log,) = (tmp_path / "jobs").glob("*/" + logs.IN_PROCESS_LOG)
     assert "Apex is not installed" in log.read_text()
 
 
@@ -83,7 +87,7 @@ def test_stderr_into_moves_the_descriptor_and_gives_it_back(tmp_path):
             "    logging.getLogger('megatron').warning('log noise')\n"
             "logging.getLogger('megatron').warning('after the block')\n")
     run = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True,
-                         cwd=M.REPO_ROOT, check=False)
+                         cwd=logs.REPO_ROOT, check=False)
     assert run.returncode == 0, run.stderr
     assert "import noise" in log.read_text() and "log noise" in log.read_text()
     assert "noise" not in run.stderr and "after the block" in run.stderr
@@ -97,7 +101,7 @@ def test_no_gpu_is_a_clear_error(monkeypatch, capsys):
 
 
 def test_failed_training_returns_its_exit_code(monkeypatch, fake_train):
-    monkeypatch.setattr(M, "train", lambda *a: 7)
+    monkeypatch.setattr(gpu, "train", lambda *a: 7)
     assert M.main([]) == 7
 
 
@@ -108,15 +112,15 @@ def test_train_logs_everything_and_shows_the_steps(monkeypatch, tmp_path, capsys
 
     step = _line(1, 70.0).strip()
     script = f"import sys; print({step!r}); print('> arguments dump'); sys.exit(int(sys.argv[1]))"
-    monkeypatch.setattr(M.pretrain_launch, "command",
+    monkeypatch.setattr(runs.pretrain_launch, "command",
                         lambda flags, nproc, steps, rpg=1: [sys.executable, "-c", script, str(flags[0])])
     log = tmp_path / "main.log"
-    assert M.train(["0"], 1, 2, str(log)) == 0
+    assert runs.train(["0"], 1, 2, str(log)) == 0
     command, *output = log.read_text().splitlines()
     assert command.startswith("$ ") and output == [step, "> arguments dump"]
     out = capsys.readouterr().out
     assert step in out and "arguments dump" not in out and str(log.name) in out
-    assert M.train(["3"], 1, 2, str(log)) == 3
+    assert runs.train(["3"], 1, 2, str(log)) == 3
     out = capsys.readouterr().out
     assert "the run failed (exit status 3)" in out and "  | > arguments dump" in out
 
@@ -130,17 +134,18 @@ def test_runs_share_triton_autotuning_unless_the_caller_chose(monkeypatch, tmp_p
 
     names = ("TRITON_CACHE_AUTOTUNING", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_NVLS_ENABLE")
     script = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
-    monkeypatch.setattr(M.pretrain_launch, "command", lambda flags, nproc, steps, rpg=1: [sys.executable, "-c", script])
+    monkeypatch.setattr(runs.pretrain_launch, "command",
+                        lambda flags, nproc, steps, rpg=1: [sys.executable, "-c", script])
     log = tmp_path / "main.log"
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
-    assert M.train([], 1, 2, str(log)) == 0
+    assert runs.train([], 1, 2, str(log)) == 0
     assert json.loads(log.read_text().splitlines()[-1]) == {"TRITON_CACHE_AUTOTUNING": "1", "NCCL_NVLS_ENABLE": "1",
                                            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-    assert M.train([], 1, 2, str(log)) == 0
+    assert runs.train([], 1, 2, str(log)) == 0
     assert json.loads(log.read_text().splitlines()[-1]) == {"TRITON_CACHE_AUTOTUNING": "0", "NCCL_NVLS_ENABLE": "1",
                                            "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
 
@@ -148,11 +153,11 @@ def test_runs_share_triton_autotuning_unless_the_caller_chose(monkeypatch, tmp_p
 def test_expandable_segments_only_where_measured():
     """One GPU without NCCL user buffers gets the allocator default; several ranks (NCCL in the
     graph) or --use-nccl-ub keep the caller's allocator settings exactly."""
-    assert M.run_env({}, 1)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in M.run_env({}, 2)
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in M.run_env({}, 1, ["--use-nccl-ub"])
-    assert M.run_env({"PYTORCH_CUDA_ALLOC_CONF": "x"}, 1)["PYTORCH_CUDA_ALLOC_CONF"] == "x"
-    assert M.run_env({"PYTORCH_ALLOC_CONF": "x"}, 1) == {"PYTORCH_ALLOC_CONF": "x",
+    assert runs.run_env({}, 1)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in runs.run_env({}, 2)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in runs.run_env({}, 1, ["--use-nccl-ub"])
+    assert runs.run_env({"PYTORCH_CUDA_ALLOC_CONF": "x"}, 1)["PYTORCH_CUDA_ALLOC_CONF"] == "x"
+    assert runs.run_env({"PYTORCH_ALLOC_CONF": "x"}, 1) == {"PYTORCH_ALLOC_CONF": "x",
                                                         "TRITON_CACHE_AUTOTUNING": "1"}
 
 
@@ -164,12 +169,12 @@ def test_capture_check_sees_the_runs_allocator(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
-    flags = [*M.DEFAULT_MODEL_FLAGS, *M.MAXPOOL_FLAGS]
-    (problem,) = M.capture_problems(flags, 2)
+    flags = [*gpu.DEFAULT_MODEL_FLAGS, *runs.MAXPOOL_FLAGS]
+    (problem,) = runs.capture_problems(flags, 2)
     assert "NCCL_GRAPH_REGISTER=0" in problem
-    assert M.capture_problems(flags, 1) == []
+    assert runs.capture_problems(flags, 1) == []
     monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
-    assert M.capture_problems(flags, 2) == []
+    assert runs.capture_problems(flags, 2) == []
 
 
 def test_capture_check_leaves_the_environment_as_it_found_it(monkeypatch):
@@ -177,7 +182,7 @@ def test_capture_check_leaves_the_environment_as_it_found_it(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     before = dict(os.environ)
-    M.capture_problems([*M.DEFAULT_MODEL_FLAGS, *M.MAXPOOL_FLAGS], 2)
+    runs.capture_problems([*gpu.DEFAULT_MODEL_FLAGS, *runs.MAXPOOL_FLAGS], 2)
     assert dict(os.environ) == before
 
 
@@ -187,11 +192,11 @@ def test_one_gpu_says_the_double_buffer_was_idle_and_rehearses_at_dp2(fake_train
 
     def rehearse(base, steps, graphed, workdir):
         seen.append((steps, graphed))
-        return M.Rehearsal(steps=steps, identical_steps=steps, pool_bytes=384 * M.MIB,
-                           planned_pool_bytes=384 * M.MIB, home_misses=0,
-                           peak_allocated=(4323 * M.MIB, 4518 * M.MIB))
+        return rehearsal.Rehearsal(steps=steps, identical_steps=steps, pool_bytes=384 * MIB,
+                           planned_pool_bytes=384 * MIB, home_misses=0,
+                           peak_allocated=(4323 * MIB, 4518 * MIB))
 
-    monkeypatch.setattr(M, "rehearse", rehearse)
+    monkeypatch.setattr(gpu, "rehearse", rehearse)
     monkeypatch.setenv("REHEARSAL_ITERS", "8")
     assert M.main([]) == 0
     out = capsys.readouterr().out
@@ -200,14 +205,14 @@ def test_one_gpu_says_the_double_buffer_was_idle_and_rehearses_at_dp2(fake_train
     assert ("DP=2 rehearsal (2 ranks on one GPU, 8 steps): max-pool vs no double buffer: lm loss bit-identical "
             "at every step; pool 384.00 MiB = plan; home misses 0") in out
     assert "4,518 MiB with max-pool, 4,323 MiB without (1.045x)" in out
-    monkeypatch.setattr(M, "rehearse", lambda *a: M.Rehearsal(steps=8, identical_steps=5, home_misses=0))
+    monkeypatch.setattr(gpu, "rehearse", lambda *a: rehearsal.Rehearsal(steps=8, identical_steps=5, home_misses=0))
     assert M.main([]) == 1
     assert "DIFFERS: identical at 5 of 8 steps" in capsys.readouterr().out
 
 
 def test_several_gpus_need_no_rehearsal(fake_train, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(M, "rehearse", lambda *a: pytest.fail("DP=2 already gathers"))
+    monkeypatch.setattr(gpu, "rehearse", lambda *a: pytest.fail("DP=2 already gathers"))
     monkeypatch.setenv("REHEARSAL_ITERS", "8")
     assert M.main([]) == 0
     assert "never all-gathers" not in capsys.readouterr().out
@@ -223,7 +228,7 @@ def test_rehearse_compares_twin_and_maxpool(monkeypatch, tmp_path):
 
     def train(flags, nproc, steps, log_path, ranks_per_gpu=1, extra_env=None):
         calls.append((list(flags), nproc, ranks_per_gpu, dict(extra_env or {})))
-        maxpool = M.MAXPOOL_FLAG in flags
+        maxpool = runs.MAXPOOL_FLAG in flags
         with open(log_path, "w") as f:
             f.writelines(_line(s, 80.0) for s in range(1, steps + 1))
         for rank in range(nproc):
@@ -233,16 +238,16 @@ def test_rehearse_compares_twin_and_maxpool(monkeypatch, tmp_path):
                            "maxpool_stats": {"home_misses": 0} if maxpool else None}, f)
         return 0
 
-    monkeypatch.setattr(M, "train", train)
-    monkeypatch.setattr(M.fit, "preflight", lambda placement, flags, environ=None: "fits")
+    monkeypatch.setattr(rehearsal, "train", train)
+    monkeypatch.setattr(rehearsal.fit, "preflight", lambda placement, flags, environ=None: "fits")
     import hfsdp.bench.run as bench_run
 
     monkeypatch.setattr(bench_run, "planned_pools", lambda flags, nproc, names=None: {"maxpool": {"pool_bytes": 64}})
-    base = [*M.DEFAULT_MODEL_FLAGS, *M.MAXPOOL_FLAGS]
-    result = M.rehearse(base, 8, True, str(tmp_path))
+    base = [*gpu.DEFAULT_MODEL_FLAGS, *runs.MAXPOOL_FLAGS]
+    result = rehearsal.rehearse(base, 8, True, str(tmp_path))
     (twin, _, twin_rpg, twin_env), (pooled, _, rpg, env) = calls
-    assert M.MAXPOOL_FLAG not in twin and "--fsdp-double-buffer" not in twin and "--cuda-graph-impl" not in twin
-    assert M.MAXPOOL_FLAG in pooled and "--cuda-graph-impl" in pooled
+    assert runs.MAXPOOL_FLAG not in twin and "--fsdp-double-buffer" not in twin and "--cuda-graph-impl" not in twin
+    assert runs.MAXPOOL_FLAG in pooled and "--cuda-graph-impl" in pooled
     assert "--deterministic-mode" in twin and "--deterministic-mode" in pooled and twin_rpg == rpg == 2
     assert env["NCCL_ALGO"] == "Ring" and env["HFSDP_TRITON_PIN_AUTOTUNE"] == "1"
     assert (result.identical_steps, result.pool_bytes, result.planned_pool_bytes, result.home_misses) == (8, 64, 64, 0)
@@ -263,12 +268,12 @@ def test_runs_turn_one_logger_off_unless_it_is_installed(monkeypatch, fake_train
         monkeypatch.setattr(importlib.util, "find_spec", find_spec)
 
     installed(False)
-    assert M.one_logger_flags([]) == [M.NO_ONE_LOGGER]
-    assert M.one_logger_flags([M.NO_ONE_LOGGER]) == []
+    assert runs.one_logger_flags([]) == [runs.NO_ONE_LOGGER]
+    assert runs.one_logger_flags([runs.NO_ONE_LOGGER]) == []
     assert M.main([]) == 0
-    assert all(r["flags"].count(M.NO_ONE_LOGGER) == 1 for r in fake_train)
+    assert all(r["flags"].count(runs.NO_ONE_LOGGER) == 1 for r in fake_train)
     installed(True)
-    assert M.one_logger_flags([]) == []
+    assert runs.one_logger_flags([]) == []
 
 
 def test_each_job_keeps_its_logs_in_a_new_folder(fake_train, monkeypatch, tmp_path, capsys):
@@ -276,8 +281,8 @@ def test_each_job_keeps_its_logs_in_a_new_folder(fake_train, monkeypatch, tmp_pa
     monkeypatch.setenv("EAGER_ITERS", "4")
     assert M.main([]) == 0 and M.main([]) == 0
     jobs = sorted((tmp_path / "jobs").iterdir())
-    assert len(jobs) == 2 and all(sorted(p.name for p in job.iterdir()) == ["eager.log", "main.log", M.IN_PROCESS_LOG]
-                              for job in jobs)
+    expected = ["eager.log", "main.log", logs.IN_PROCESS_LOG]
+    assert len(jobs) == 2 and all(sorted(p.name for p in job.iterdir()) == expected for job in jobs)
     out = capsys.readouterr().out
     assert all(f"The runs' whole output: {job}" in out for job in jobs)
 
@@ -286,12 +291,12 @@ def test_job_folder_is_always_new_and_a_bad_root_is_one_sentence(tmp_path):
     root = tmp_path / "jobs"
     root.mkdir()
     (root / "notes.txt").write_text("mine")
-    first, second = M.job_folder("cpu", {M.OUT_ENV: str(root)}), M.job_folder("cpu", {M.OUT_ENV: str(root)})
+    first, second = logs.job_folder("cpu", {logs.OUT_ENV: str(root)}), logs.job_folder("cpu", {logs.OUT_ENV: str(root)})
     assert first != second and first.parent == second.parent == root and first.name.startswith("cpu-")
     assert (root / "notes.txt").read_text() == "mine" and not any(first.iterdir())
-    with pytest.raises(M.UserError) as info:
-        M.job_folder("cpu", {M.OUT_ENV: str(root / "notes.txt")})
-    assert "cannot make the job's log folder" in info.value.cause and M.OUT_ENV in info.value.fix
+    with pytest.raises(UserError) as info:
+        logs.job_folder("cpu", {logs.OUT_ENV: str(root / "notes.txt")})
+    assert "cannot make the job's log folder" in info.value.cause and logs.OUT_ENV in info.value.fix
 
 
 PLAN = {
@@ -299,19 +304,19 @@ PLAN = {
     "units": [{"cls": "MambaLayer", "params": 300}, {"cls": "MoETransformerLayer", "params": 500},
               {"cls": "MambaLayer", "params": 100}],
     "allocators": {
-        "grad": {"analytic_minimum_bytes": 2 * M.MIB, "maxpool_pool_bytes": 3 * M.MIB,
+        "grad": {"analytic_minimum_bytes": 2 * MIB, "maxpool_pool_bytes": 3 * MIB,
                  "maxpool_arena_numel": {"torch.float32": 1}, "lane_plans": {},
-                 "fixed_pool_pooled_units": [0, 2], "fixed_pool_outlier_units": [1], "fixed_pool_outlier_bytes": M.MIB},
-        "weight": {"analytic_minimum_bytes": M.MIB, "maxpool_pool_bytes": M.MIB,
-                   "maxpool_arena_numel": {"torch.bfloat16": 1}, "lane_plans": {"3": {"pool_bytes": M.MIB // 2}},
+                 "fixed_pool_pooled_units": [0, 2], "fixed_pool_outlier_units": [1], "fixed_pool_outlier_bytes": MIB},
+        "weight": {"analytic_minimum_bytes": MIB, "maxpool_pool_bytes": MIB,
+                   "maxpool_arena_numel": {"torch.bfloat16": 1}, "lane_plans": {"3": {"pool_bytes": MIB // 2}},
                    "fixed_pool_pooled_units": [0, 2], "fixed_pool_outlier_units": [1],
-                   "fixed_pool_outlier_bytes": M.MIB // 2},
+                   "fixed_pool_outlier_bytes": MIB // 2},
     },
 }
 
 
 def test_plan_summary_gives_units_pools_and_fixed_pool_in_sentences():
-    assert M.plan_summary(PLAN) == [
+    assert cpu.plan_summary(PLAN) == [
         "1,000 parameters: 3 FSDP units (2 x MambaLayer, 1 x MoETransformerLayer) and 100 outside them, "
         "which are never pooled.",
         "weights (bfloat16): max-pool double buffer 1.00 MiB, 1.000 x the analytic minimum of 1.00 MiB; "
@@ -326,9 +331,9 @@ def test_smoke_summary_reports_steps_and_loss(tmp_path):
     log = tmp_path / "run1.log"
     log.write_text("".join(f" iteration {s:8d}/       3 | lm loss: {5 - s:.6E} |\n" for s in (1, 2)))
     result = {"status": "FAIL", "reasons": ["run1.log: 2 iterations logged, need 3"], "runs": [{"log": str(log)}]}
-    assert M.smoke_summary(result, 3) == ["FAIL: 2 of 3 steps on 2 ranks, lm loss 4.0000 -> 3.0000.",
+    assert cpu.smoke_summary(result, 3) == ["FAIL: 2 of 3 steps on 2 ranks, lm loss 4.0000 -> 3.0000.",
                                           "  - run1.log: 2 iterations logged, need 3"]
-    assert M.smoke_summary({"status": "FAIL", "runs": []}, 3) == ["FAIL: 0 of 3 steps on 2 ranks, no lm loss logged."]
+    assert cpu.smoke_summary({"status": "FAIL", "runs": []}, 3) == ["FAIL: 0 of 3 steps on 2 ranks, no lm loss logged."]
 
 
 def test_a_failed_cpu_step_shows_its_error_or_the_end_of_its_output(monkeypatch, tmp_path, capsys):
@@ -338,18 +343,18 @@ def test_a_failed_cpu_step_shows_its_error_or_the_end_of_its_output(monkeypatch,
     error = ["fsdp_memory_planner: error: --hidden-size 1000 is not a multiple", "  -> fix the flags"]
     log_path = tmp_path / "main_job.log"
     for output, shown in ((noise + error + ["  (set HFSDP_DEBUG=1 for a traceback)"], error),
-                          (noise, noise[-M.FAILED_TAIL_LINES:])):
-        monkeypatch.setattr(M, "run_logged", lambda title, cmd, log, output=output: (2, output))
+                          (noise, noise[-logs.FAILED_TAIL_LINES:])):
+        monkeypatch.setattr(cpu, "run_logged", lambda title, cmd, log, output=output: (2, output))
         with open(log_path, "w") as log:
-            assert not M.plan_step(tmp_path, log, log_path)
+            assert not cpu.plan_step(tmp_path, log, log_path)
         first, *rest = capsys.readouterr().out.splitlines()
         assert first.startswith("the memory planner failed (exit status 2);") and str(log_path) in first
         assert rest == [f"  | {line}" for line in shown]
 
 
 def test_flags_megatron_refuses_are_one_sentence(fake_train, tmp_path, capsys):
-    with pytest.raises(M.UserError, match="Megatron's parser refuses the job's flags: unrecognized arguments: --bogus"):
-        M.capture_problems(["--bogus"], 1)
+    with pytest.raises(UserError, match="Megatron's parser refuses the job's flags: unrecognized arguments: --bogus"):
+        runs.capture_problems(["--bogus"], 1)
     assert M.main(["--bogus"]) == 2 and not fake_train
     assert not (tmp_path / "jobs").exists()  # a refused job leaves no folder
     assert "main_job: error: Megatron's parser refuses" in capsys.readouterr().err
@@ -363,14 +368,14 @@ def test_fork_report_is_two_lines_when_healthy_and_the_whole_status_when_not(tmp
     from hfsdp.patchset.series import read_series_names
 
     rc, lines = M.fork_report()
-    pin = Project(M.REPO_ROOT).pin()
+    pin = Project(logs.REPO_ROOT).pin()
     assert rc == 0 and len(lines) == 2, lines
-    overlay = len(Project(M.REPO_ROOT).overlay_files())
-    series = read_series_names(M.REPO_ROOT / "patches" / "series")
+    overlay = len(Project(logs.REPO_ROOT).overlay_files())
+    series = read_series_names(logs.REPO_ROOT / "patches" / "series")
     assert lines[0] == (f"fork {pin.fork_version}: {pin.distribution} {pin.version} + {overlay} files of our own "
                         f"(patches/overlay/) + {len(series)} patches (patches/series)."), lines
     assert lines[1].startswith("Its stamp is up to date and megatron/ has no local edits;"), lines
-    shutil.copytree(M.REPO_ROOT / "patches", tmp_path / "patches")
+    shutil.copytree(logs.REPO_ROOT / "patches", tmp_path / "patches")
     rc, lines = M.fork_report(tmp_path)
     assert rc == 1 and any("megatron/ not materialized" in line for line in lines), lines
 
@@ -385,15 +390,15 @@ def test_run_main_on_a_cpu_machine_is_a_short_report_with_the_whole_output_in_a_
     from hfsdp.patchset.project import Project
 
     env = {**os.environ, "HFSDP_SETUP_DONE": "1", "HFSDP_PY": sys.executable, "CUDA_VISIBLE_DEVICES": "",
-           M.OUT_ENV: str(tmp_path / "jobs"),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(M.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run(["bash", str(M.REPO_ROOT / "scripts" / "run_main.sh")], env=env, capture_output=True,
+           logs.OUT_ENV: str(tmp_path / "jobs"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(logs.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run(["bash", str(logs.REPO_ROOT / "scripts" / "run_main.sh")], env=env, capture_output=True,
                           text=True, timeout=600)
     console = done.stdout + done.stderr
     assert done.returncode == 0, console[-3000:]
     lines = console.splitlines()
     assert len(lines) <= 80, console
-    pin = Project(M.REPO_ROOT).pin()
+    pin = Project(logs.REPO_ROOT).pin()
     for sentence in (f"fork {pin.fork_version}: {pin.distribution} {pin.version} + ",
                      "Training with Megatron-FSDP needs NVIDIA GPUs",
                      "planning the default model (hybrid layers M*EM*EM*EM*E, hidden size 1024, 16 experts;",
@@ -405,7 +410,7 @@ def test_run_main_on_a_cpu_machine_is_a_short_report_with_the_whole_output_in_a_
         assert sentence in console, sentence
     assert "end of arguments" not in console and "one_logger" not in console and "https://" not in console
     (log_name,) = re.findall(r"^Full output: (.+)$", console, re.M)
-    log = (M.REPO_ROOT / log_name).read_text()
+    log = (logs.REPO_ROOT / log_name).read_text()
     assert log_name.startswith(str(tmp_path / "jobs"))
     for whole in ("Megatron-FSDP memory plan:", "[weight] 0.18.2 FixedPool", "end of arguments",
                   " iteration        8/       8 |", "HFSDP-FUNCTIONAL RESULT smoke/cpu_gloo_smoke: PASS"):
@@ -421,8 +426,19 @@ def test_capture_step_writes_the_problems_and_says_them(tmp_path):
     M.write_capture_problems(str(path), ["--moe-token-dispatcher-type", "allgather"])
     problems = json.loads(path.read_text())
     assert problems and any("allgather" in p for p in problems)
-    verdict = M.capture_verdict(problems)
+    verdict = cpu.capture_verdict(problems)
     assert verdict[0] == "the main job's model cannot be captured, so on a GPU it would train eagerly:"
     assert verdict[1:] == [f"  - {p}" for p in problems]
     M.write_capture_problems(str(path))
     assert json.loads(path.read_text()) == []
+
+
+def test_each_module_of_the_main_job_is_at_most_300_lines():
+    """The job is split along its concerns (GPU job, rehearsal, CPU fallback, logs, fork report):
+    no module of the package grows past 300 lines."""
+    from pathlib import Path
+
+    modules = sorted(Path(M.__file__).parent.glob("*.py"))
+    assert {m.name for m in modules} >= {"__init__.py", "__main__.py", "gpu.py", "cpu.py"}
+    long = {m.name: n for m in modules if (n := len(m.read_text().splitlines())) > 300}
+    assert not long, f"modules over 300 lines: {long}"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hfsdp import main_job as M
+from hfsdp.main_job import gpu, logs
 
 KNOBS = ("NPROC", "TRAIN_ITERS", "EAGER_ITERS", "REHEARSAL_ITERS")
 
@@ -26,7 +27,7 @@ ROWS = [
     ({"REHEARSAL_ITERS": "nan"}, [], 2, "REHEARSAL_ITERS='nan': 'nan' is not a whole number"),
     ({}, ["--bogus"], 2, "Megatron's parser refuses the job's flags: unrecognized arguments: --bogus"),
     ({}, ["--megatron-fsdp-max-pool-lanes", "abc"], 2, "Megatron's parser refuses the job's flags"),
-    ({M.OUT_ENV: "{file}"}, [], 2, "cannot make the job's log folder"),
+    ({logs.OUT_ENV: "{file}"}, [], 2, "cannot make the job's log folder"),
 ]
 
 
@@ -43,10 +44,10 @@ def no_training(monkeypatch, tmp_path):
             for s in range(1, steps + 1)))
         return 0
 
-    monkeypatch.setattr(M, "train", train)
+    monkeypatch.setattr(gpu, "train", train)
     for key in KNOBS:
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv(M.OUT_ENV, str(tmp_path / "jobs"))
+    monkeypatch.setenv(logs.OUT_ENV, str(tmp_path / "jobs"))
     return started
 
 
@@ -68,7 +69,7 @@ def test_a_bad_log_folder_on_a_cpu_machine_is_one_sentence(monkeypatch, tmp_path
     """The CPU path refuses the same folder before it plans, checks or smokes anything."""
     a_file = tmp_path / "a-file"
     a_file.write_text("mine")
-    monkeypatch.setenv(M.OUT_ENV, str(a_file))
+    monkeypatch.setenv(logs.OUT_ENV, str(a_file))
     assert M.cpu_main([]) == 2
     captured = capsys.readouterr()
     assert "main_job: error: cannot make the job's log folder" in captured.err and "Traceback" not in captured.err
@@ -91,8 +92,8 @@ def test_a_set_up_interpreter_that_is_none_is_one_sentence(python):
     import os
     import subprocess
 
-    env = {**os.environ, "HFSDP_SETUP_DONE": "1", "HFSDP_PY": str(M.REPO_ROOT / python)}  # absolute stays
-    done = subprocess.run(["bash", str(M.REPO_ROOT / "scripts" / "run_main.sh")], env=env, capture_output=True,
+    env = {**os.environ, "HFSDP_SETUP_DONE": "1", "HFSDP_PY": str(logs.REPO_ROOT / python)}  # absolute stays
+    done = subprocess.run(["bash", str(logs.REPO_ROOT / "scripts" / "run_main.sh")], env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "is not a Python >= 3.12 that runs here" in done.stderr, done.stderr
     assert "No such file or directory" not in done.stderr
