@@ -22,7 +22,7 @@ import gzip
 import json
 from collections.abc import Iterable, Iterator, Sequence
 
-from hfsdp.bench.kernels import is_nccl_kernel
+from hfsdp.bench.kernels import is_nccl_kernel, kernel_time
 from hfsdp.usererror import UserError, not_a_regular_file, run_cli
 
 # Host calls that block until the device catches up.
@@ -167,14 +167,26 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
     p.add_argument("--step-ms", type=float, default=None,
                    help="the measured step time, compared with the GPU-busy time (use with --steps)")
+    p.add_argument("--top", type=int, default=0, metavar="N",
+                   help="also print the first trace's device time by kernel class and its N longest kernels")
     opts = p.parse_args(argv)
     if opts.steps is not None and opts.steps < 1:
         p.error(f"--steps {opts.steps}: give the number of profiled steps, 1 or more")
+    if opts.top < 0:
+        p.error(f"--top {opts.top}: give how many kernels to list, 0 or more")
     with well_formed_events():
-        per_trace = {path: summarize(read_trace(path), opts.steps) for path in opts.traces}
+        events = {path: read_trace(path) for path in opts.traces}
+        per_trace = {path: summarize(evs, opts.steps) for path, evs in events.items()}
+        classes, names = kernel_time(next(iter(events.values())), opts.steps) if opts.top else ({}, [])
     for path, summary in per_trace.items():
         print(f"{path}: {format_summary(summary)}")
     print("\n".join(busy_report(per_trace, opts.step_ms)))
+    if opts.top:
+        unit = "ms/step" if opts.steps else "ms"
+        print(f"{opts.traces[0]}: device time by kernel class, summed over streams ({unit}): "
+              + ", ".join(f"{cls} {ms:.1f}" for cls, ms in classes.items()))
+        for name, ms, launches in names[:opts.top]:
+            print(f"  {ms:9.2f} {unit} {launches:7.1f} launches  {name[:100]}")
     return 0
 
 

@@ -59,6 +59,30 @@ def test_busy_report_names_rank_0_and_the_busiest_rank(tmp_path, capsys):
     assert out[-1] == "step 0.22 ms = 1.100 x the busiest rank's GPU-busy time"
 
 
+def test_kernel_classes_and_the_longest_kernels(tmp_path, capsys):
+    from hfsdp.bench.kernels import kernel_class, kernel_time
+
+    assert [kernel_class(n) for n in (
+        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "void multi_tensor_apply_kernel<TensorListMetadata<4>>",
+        "_chunk_scan_fwd_kernel", "triton_poi_fused_add_0", "void causal_conv1d_fwd_kernel<128>",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>",
+        "void transformer_engine::normalization::rmsnorm_fwd_tuned_kernel", "Memcpy DtoD")] == [
+        "nccl", "gemm", "attention", "optimizer", "triton", "triton", "conv1d", "torch elementwise",
+        "transformer engine", "other"]
+    classes, names = kernel_time(EVENTS, steps=2)
+    assert classes == {"gemm": 0.05, "nccl": 0.05, "triton": 0.05}  # the memcpy is no kernel event
+    assert names[0][1:] == (0.05, 0.5)
+    trace = tmp_path / "rank0.json"
+    trace.write_text(json.dumps({"traceEvents": [*EVENTS, k("ampere_bf16_gemm", 400, 100)]}))
+    assert timeline.main([str(trace), "--steps", "2", "--top", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].endswith("(ms/step): gemm 0.1, nccl 0.1, triton 0.1")
+    assert out[-1].split() == ["0.10", "ms/step", "1.0", "launches", "ampere_bf16_gemm"]
+    with pytest.raises(SystemExit):
+        timeline.main([str(trace), "--top", "-1"])
+
+
 @pytest.mark.parametrize("content, words", [
     (None, "does not exist"),
     ("folder", "is a folder"),
