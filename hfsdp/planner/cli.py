@@ -61,7 +61,7 @@ def resolve_unit_classes(value: str | None, strategy: str = "optim_grads_params"
     try:
         resolve = fsdp_units.unit_resolver(value)
         if resolve is None:
-            return [fsdp_units.import_unit_class(p) for p in fsdp_units.DEFAULT_UNIT_CLASSES]
+            return [fsdp_units.import_unit_class(p) for p in fsdp_units.default_unit_paths()]
         return resolve(strategy)
     except (ValueError, ImportError) as exc:
         why = str(exc).removeprefix(f"{fsdp_units.ENV}: ")

@@ -14,10 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hfsdp.training import fsdp_units
-
 MFSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp"
-DEFAULT_UNIT_CLASSES = fsdp_units.DEFAULT_UNIT_CLASSES  # the fork's default units
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,12 @@
 """Explicit Megatron-FSDP unit list, chosen by the environment (``HFSDP_FSDP_UNIT_MODULES``).
 
 Why: the fork changes the default FSDP units for ``optim_grads_params`` from 0.18.2's
-``[TransformerLayer]`` to ``[TransformerLayer, MoETransformerLayer, MambaLayer]``. To test that
-a checkpoint written with the old layout loads into the new one, we need to *produce* the old
-layout with the fork's code. ``megatron.training`` builds the FSDP wrapper as
-``megatron_FSDP(config=..., ddp_config=..., module=..., ...)`` and never passes
-``fsdp_unit_modules``, and ``DistributedDataParallelConfig`` has no such field, so the override
-swaps the module-global ``megatron.training.training.megatron_FSDP`` for a subclass that passes an
-explicit list. ``isinstance`` checks against the adapter class keep working.
+``[TransformerLayer]`` to ``[TransformerLayer, MoETransformerLayer, MambaLayer]`` ([Note: default
+FSDP units] in ``megatron/core/distributed/fsdp/fsdp_units.py``, which holds the one list). To test
+that a checkpoint written with the old layout loads into the new one, we need to *produce* the old
+layout with the fork's code: :func:`install_unit_override` gives that module a rule for the
+process, which the Megatron-FSDP adapter asks when its caller names no units (Megatron's training
+loop never does).
 
 Values of ``HFSDP_FSDP_UNIT_MODULES``:
   * unset or empty: no override (the tree's own default);
@@ -28,18 +27,22 @@ from typing import Any
 ENV = "HFSDP_FSDP_UNIT_MODULES"
 PRESET_0182 = "megatron-0.18.2"
 _TRANSFORMER_LAYER = "megatron.core.transformer.transformer_layer.TransformerLayer"
-# The fork's default units for optim_grads_params (the mfsdp-default-hybrid-units patch).
-DEFAULT_UNIT_CLASSES = (
-    _TRANSFORMER_LAYER,
-    "megatron.core.transformer.transformer_layer.MoETransformerLayer",
-    "megatron.core.ssm.mamba_layer.MambaLayer",
-)
+
+
+def _tree_units() -> Any:
+    """The built tree's unit module (megatron/core/distributed/fsdp/fsdp_units.py)."""
+    return importlib.import_module("megatron.core.distributed.fsdp.fsdp_units")
+
+
+def default_unit_paths() -> tuple[str, ...]:
+    """The fork's default unit classes for optim_grads_params, as dotted paths (the tree's list)."""
+    return tuple(_tree_units().DEFAULT_UNIT_MODULES)
 
 
 def import_unit_class(path: str) -> type:
-    """Import ``pkg.module.Class``; a bare name resolves against DEFAULT_UNIT_CLASSES."""
+    """Import ``pkg.module.Class``; a bare name resolves against the default unit classes."""
     if "." not in path:
-        matches = [p for p in DEFAULT_UNIT_CLASSES if p.rsplit(".", 1)[1] == path]
+        matches = [p for p in default_unit_paths() if p.rsplit(".", 1)[1] == path]
         if not matches:
             raise ValueError(f"{ENV}: unknown unit class {path!r}; give a dotted class path")
         path = matches[0]
@@ -69,34 +72,18 @@ def unit_resolver(value: str | None) -> Callable[[str], list[type]] | None:
 
 
 def install_unit_override(value: str | None = None) -> list[str] | None:
-    """Install the override named by ``value`` (default: ``$HFSDP_FSDP_UNIT_MODULES``).
+    """Install the override named by ``value`` (default: ``$HFSDP_FSDP_UNIT_MODULES``) as the
+    tree's unit rule for this process (``set_unit_modules_override``).
 
-    Returns a description of what was installed (for logging), or None when nothing was.
-    Idempotent: re-installing wraps the original adapter class, never a previous override.
+    Returns a description of what was installed (for logging), or None when nothing was. A later
+    call replaces the rule of an earlier one.
     """
     if value is None:
         value = os.environ.get(ENV)
     found = unit_resolver(value)
     if found is None or value is None:
         return None
-    resolve = found  # narrowed for the class body below
-    training = importlib.import_module("megatron.training.training")
-
-    base = getattr(training.megatron_FSDP, "_hfsdp_base", training.megatron_FSDP)
-
-    class FSDPWithExplicitUnits(base):  # type: ignore[misc, valid-type]
-        """Megatron-FSDP adapter with the unit list from ``HFSDP_FSDP_UNIT_MODULES``."""
-
-        _hfsdp_base = base
-
-        def __init__(self, *args: Any, fsdp_unit_modules: Any = None, **kwargs: Any) -> None:
-            ddp_config = kwargs.get("ddp_config", args[1] if len(args) > 1 else None)
-            assert ddp_config is not None, "megatron_FSDP called without ddp_config"
-            units = resolve(ddp_config.data_parallel_sharding_strategy)
-            super().__init__(*args, fsdp_unit_modules=units, **kwargs)
-
-    FSDPWithExplicitUnits.__qualname__ = base.__qualname__
-    setattr(training, "megatron_FSDP", FSDPWithExplicitUnits)  # noqa: B010 (module attribute swap)
+    _tree_units().set_unit_modules_override(found)
     return [value]
 
 

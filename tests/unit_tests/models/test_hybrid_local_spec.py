@@ -172,9 +172,9 @@ def test_build_full_hybrid_without_te(one_rank_parallel_state, pattern: str) -> 
             assert type(layer.self_attention.core_attention).__name__ == "DotProductAttention"
     # Default Megatron-FSDP units after the default-units patch: every decoder layer is one,
     # embedding / final norm / output layer are not.
-    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import _DEFAULT_FSDP_UNIT_MODULES
+    from megatron.core.distributed.fsdp.fsdp_units import default_unit_classes
 
-    units = [m for m in model.modules() if isinstance(m, _DEFAULT_FSDP_UNIT_MODULES)]
+    units = [m for m in model.modules() if isinstance(m, default_unit_classes())]
     assert units == list(model.decoder.layers)
 
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 
 from hfsdp.training import fsdp_units
@@ -24,28 +21,34 @@ def test_explicit_class_list_and_bad_paths() -> None:
         fsdp_units.unit_resolver("os.path.join")("optim_grads_params")
 
 
-def test_override_injects_units_into_the_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = {}
-
-    class FakeAdapter:
-        def __init__(self, config=None, ddp_config=None, module=None, fsdp_unit_modules=None, **kw):
-            seen["units"] = fsdp_unit_modules
-
-    fake_training = types.ModuleType("megatron.training.training")
-    fake_training.megatron_FSDP = FakeAdapter
-    monkeypatch.setitem(sys.modules, "megatron.training.training", fake_training)
-    if "megatron.training" in sys.modules:
-        monkeypatch.setattr(sys.modules["megatron.training"], "training", fake_training, raising=False)
-    assert fsdp_units.install_unit_override("fractions.Fraction") == ["fractions.Fraction"]
-    # Installing twice must wrap the original class, not the previous override.
-    fsdp_units.install_unit_override("collections.OrderedDict")
-    cls = fake_training.megatron_FSDP
-    assert cls._hfsdp_base is FakeAdapter and issubclass(cls, FakeAdapter)
-    cls(config=None, ddp_config=types.SimpleNamespace(data_parallel_sharding_strategy="optim_grads_params"),
-        module=None, fsdp_unit_modules=["ignored"])
+def test_override_is_the_trees_unit_rule_and_the_adapter_asks_it() -> None:
+    """The override sets the tree's rule (no class swap); the adapter takes its units from that
+    rule when its caller names none, and the tree holds the one default list."""
     import collections
-    assert seen["units"] == [collections.OrderedDict]
-    assert fsdp_units.install_unit_override("") is None
+    import fractions
+
+    from megatron.core.distributed.fsdp import fsdp_units as tree
+
+    try:
+        assert fsdp_units.install_unit_override("fractions.Fraction") == ["fractions.Fraction"]
+        assert tree.unit_modules("optim_grads_params") == [fractions.Fraction]
+        fsdp_units.install_unit_override("collections.OrderedDict")  # replaces, not stacks
+        assert tree.unit_modules("no_shard") == [collections.OrderedDict]
+        assert fsdp_units.install_unit_override("") is None
+        assert tree.unit_modules("optim_grads_params") == [collections.OrderedDict]
+    finally:
+        tree.set_unit_modules_override(None)
+    names = [c.__name__ for c in tree.unit_modules("optim_grads_params")]
+    assert names == ["TransformerLayer", "MoETransformerLayer", "MambaLayer"]
+    assert tree.unit_modules("optim_grads") == []
+    assert fsdp_units.default_unit_paths() == tree.DEFAULT_UNIT_MODULES
+    import inspect
+
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    source = inspect.getsource(mcore_fsdp_adapter.FullyShardedDataParallel.__init__)
+    assert "fsdp_units.unit_modules(" in source and "MambaLayer" not in source
+    assert "megatron_FSDP" not in inspect.getsource(fsdp_units)  # no module-global swap any more
 
 
 # Units per model chunk from the flags ([Note: FSDP units from the flags]) -----------------------
