@@ -41,7 +41,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +67,22 @@ class Prepared:
     sdist: Path
     sha256: str
     source: str  # where prepare found it
+    # helpers_cpp built by prepare, by the file name a tree gives it (the interpreter's suffix): file and sha256
+    helpers: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
-    def meta(self) -> dict[str, str]:
-        return {"version": self.version, "sdist": self.sdist.name, "sha256": self.sha256, "source": self.source}
+    def meta(self) -> dict[str, Any]:
+        return {"version": self.version, "sdist": self.sdist.name, "sha256": self.sha256, "source": self.source,
+                "helpers": self.helpers}
+
+    def prebuilt(self, name: str) -> Path | None:
+        """The helpers_cpp prepare built under tree file name ``name``, if its sha256 is the manifest's."""
+        from hfsdp.patchset.source import sha256_file
+
+        entry = self.helpers.get(name)
+        if not entry:
+            return None
+        path = self.sdist.parent / entry["file"]
+        return path if path.is_file() and sha256_file(path) == entry["sha256"] else None
 
 
 def names(values: Sequence[str] | None) -> list[str]:
@@ -169,15 +182,26 @@ def prepare(target: str, folder: Path, env: Mapping[str, str] | None = None) -> 
                                 f"delete {path} and prepare again")
             source = f"{other.filename} from {other.index_url}, sha256 as the index publishes it"
     digest = sha256_file(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    helpers: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory(prefix="hfsdp-base-") as tmp:
         extract_base(dataclasses.replace(other, sha256=digest), path, Path(tmp))  # a release we can read
-    folder.mkdir(parents=True, exist_ok=True)
+        # Its dataset helpers for this interpreter too, for a GPU machine without a compiler (build_dataset_helpers).
+        try:
+            built = build_dataset_helpers(Path(tmp))
+        except UserError as exc:
+            built = None
+            print(f"note: {exc.cause}; the machine that runs it will build them")
+        if built is not None:
+            kept = folder / f"megatron_core-{other.version}.{built.name}"
+            shutil.copyfile(built, kept)
+            helpers[built.name] = {"file": kept.name, "sha256": sha256_file(kept)}
     dest = folder / other.filename
     if dest.resolve() != path.resolve():
         part = dest.with_name(dest.name + ".part")
         shutil.copyfile(path, part)
         os.replace(part, dest)
-    prepared = Prepared(other.version, dest, digest, source)
+    prepared = Prepared(other.version, dest, digest, source, helpers)
     write_json_atomic(str(manifest_path(folder, other.version)), prepared.meta())
     return prepared
 
@@ -193,7 +217,7 @@ def find(base: str, folder: Path) -> Prepared:
     try:
         doc = json.loads(manifest.read_text())
         sdist = folder / doc["sdist"]
-        prepared = Prepared(doc["version"], sdist, doc["sha256"], doc["source"])
+        prepared = Prepared(doc["version"], sdist, doc["sha256"], doc["source"], dict(doc.get("helpers") or {}))
     except FileNotFoundError:
         raise UserError(f"{base} is not prepared: {folder} has no {manifest.name}", fix) from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -225,10 +249,15 @@ MAKEFILE_NOTE = ("# Not part of the release: written by hfsdp/bench/bases.py. Th
                  "# release's helpers.cpp beforehand, as installing the sdist builds it, so make has nothing to do.\n")
 
 
-def build_dataset_helpers(tree: Path) -> Path | None:
+_LOADS = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('helpers_cpp', sys.argv[1]); "
+          "s.loader.exec_module(importlib.util.module_from_spec(s))")
+
+
+def build_dataset_helpers(tree: Path, prebuilt: Callable[[str], Path | None] = lambda name: None) -> Path | None:
     """Build the release's ``helpers.cpp`` into ``helpers_cpp`` beside it, as installing its sdist does, and give
     its folder a Makefile naming the result, so that upstream's start-up ``make`` finds it built (the sdist has no
-    Makefile, so every pristine run would stop there). The compiler command is the fork's (helpers_build.py). A
+    Makefile, so every pristine run would stop there). The compiler command is the fork's (helpers_build.py);
+    ``prebuilt(file name)`` may offer the file prepare built from the same sdist, taken when it loads here. A
     release without ``helpers.cpp`` gets nothing (None); one that cannot be built here is one sentence."""
     import importlib.machinery
     import subprocess
@@ -240,6 +269,12 @@ def build_dataset_helpers(tree: Path) -> Path | None:
     if not source.is_file():
         return None
     target = folder / ("helpers_cpp" + importlib.machinery.EXTENSION_SUFFIXES[0])
+    if (ready := prebuilt(target.name)) is not None:
+        shutil.copyfile(ready, target)
+        if subprocess.run([sys.executable, "-c", _LOADS, str(target)], capture_output=True).returncode == 0:
+            (folder / "Makefile").write_text(f"{MAKEFILE_NOTE}default: {target.name}\n")
+            return target
+        target.unlink()  # built elsewhere and does not load here: build it
     try:
         command = [str(source) if arg == str(helpers_build.SOURCE) else arg
                    for arg in helpers_build.build_command(target)]
@@ -358,13 +393,13 @@ def resolve(bases: Sequence[str], folder: Path, stack: contextlib.ExitStack,
 
     found = {base: find(base, folder) for base in bases if base != FORK}
     fork = {"version": Project.default().pin().fork_version, "tree": "this checkout's megatron/"}
-    meta = {base: dict(fork) if base == FORK else found[base].meta() for base in bases}
+    meta: dict[str, dict[str, Any]] = {base: dict(fork) if base == FORK else found[base].meta() for base in bases}
     trees: dict[str, Path] = {}
     if found:
         dest = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hfsdp-bases-")))
         trees = {base: materialize(prepared, dest) for base, prepared in found.items()}
         for base in found if build else ():
-            if (built := build_dataset_helpers(trees[base])) is not None:
+            if (built := build_dataset_helpers(trees[base], found[base].prebuilt)) is not None:
                 meta[base]["dataset_helpers"] = (f"{built.name} built from the release's helpers.cpp; Makefile "
                                                  "added so that its start-up make finds it")
         trees[FORK_ONLY] = hfsdp_only(dest)

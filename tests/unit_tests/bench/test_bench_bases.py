@@ -260,19 +260,32 @@ def test_a_release_that_cannot_build_its_parser_here_is_one_sentence(tmp_path: P
             bases.capabilities("upstream-0.19.2", trees, os.environ)
 
 
-def test_the_dataset_helpers_are_built_so_that_upstreams_startup_make_finds_them(tmp_path: Path) -> None:
-    """The sdist has helpers.cpp but not the Makefile upstream's compile_helpers runs at start-up."""
+def test_the_dataset_helpers_are_built_so_that_upstreams_startup_make_finds_them(tmp_path: Path, monkeypatch) -> None:
+    """The sdist has helpers.cpp but not the Makefile upstream's compile_helpers runs at start-up. prepare builds
+    the extension too, for a machine without a compiler; a damaged copy is built again."""
+    from megatron.core.datasets import helpers_build
+
     (tmp_path / "dl").mkdir()
     helpers = "#include <pybind11/pybind11.h>\nPYBIND11_MODULE(helpers_cpp, m) { m.attr(\"built\") = 1; }\n"
     sdist = make_sdist(tmp_path / "dl", "0.19.2", {
         "megatron/core/__init__.py": "", "megatron/training/__init__.py": "", "megatron/core/datasets/__init__.py": "",
         "megatron/core/datasets/helpers.cpp": helpers})
     assert bases.main(["prepare", str(sdist), "--dir", str(tmp_path / "bases")]) == 0
-    with contextlib.ExitStack() as stack:
-        trees, meta = bases.resolve(["upstream-0.19.2"], tmp_path / "bases", stack)
-        folder = trees["upstream-0.19.2"] / "megatron/core/datasets"
-        assert subprocess.run(["make", "-C", str(folder)], capture_output=True).returncode == 0
-        env = B.job_env(os.environ, bases.run_env("upstream-0.19.2:no_db", trees, os.environ))
-        probe = "from megatron.core.datasets import helpers_cpp; print(helpers_cpp.built)"
-        assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout == "1\n"
-        assert "built from the release's helpers.cpp" in meta["upstream-0.19.2"]["dataset_helpers"]
+    (kept,) = json.loads((tmp_path / "bases/megatron_core-0.19.2.json").read_text())["helpers"].values()
+    assert (tmp_path / "bases" / kept["file"]).is_file()
+    real_command = helpers_build.build_command
+    for damaged in (False, True):
+        if damaged:
+            (tmp_path / "bases" / kept["file"]).write_bytes(b"damaged")
+            monkeypatch.setattr(helpers_build, "build_command", real_command)
+        else:  # the prepared copy is taken: nothing is compiled
+            monkeypatch.setattr(helpers_build, "build_command", lambda output: ["false"])
+        with contextlib.ExitStack() as stack:
+            trees, meta = bases.resolve(["upstream-0.19.2"], tmp_path / "bases", stack)
+            folder = trees["upstream-0.19.2"] / "megatron/core/datasets"
+            assert subprocess.run(["make", "-C", str(folder)], capture_output=True).returncode == 0
+            env = B.job_env(os.environ, bases.run_env("upstream-0.19.2:no_db", trees, os.environ))
+            probe = "from megatron.core.datasets import helpers_cpp; print(helpers_cpp.built)"
+            done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+            assert done.stdout == "1\n", done.stderr
+            assert "built from the release's helpers.cpp" in meta["upstream-0.19.2"]["dataset_helpers"]
