@@ -11,6 +11,7 @@ environment unchanged plus ``--env KEY=VALUE`` ([Note: launch environment] in hf
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,12 +20,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hfsdp import extras, te_determinism
 from hfsdp.atomic import NonFiniteJSON
+from hfsdp.bench import bases, flops, pretrain_launch, run_logs
 from hfsdp.bench import configs as cfgs
-from hfsdp.bench import flops, pretrain_launch, run_logs
 from hfsdp.bench import results as res
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments, shared_autotune
@@ -86,8 +88,15 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         "hfsdp/te_determinism.py (flags and environment; Triton choices shared through "
                         "TRITON_CACHE_AUTOTUNING), so losses of one spec can agree bit for bit. Timings "
                         "are then those of the deterministic kernels. --env and flags after -- win.")
+    p.add_argument("--base", action="append", default=None, metavar="NAMES",
+                   help=f"Megatron trees to run each configuration on, comma-separated or repeated: "
+                        f"{', '.join(bases.CHOICES)} (default fork). A release runs pristine, from "
+                        f"--bases-dir (hfsdp/bench/bases.py); its rows are named <base>:<config>.")
+    p.add_argument("--bases-dir", default=bases.DEFAULT_DIR,
+                   help="Where `python -m hfsdp.bench.bases prepare` put the releases (default out/bases).")
     add_env_option(p)
     opts = p.parse_args(argv[:split])
+    opts.trees = {}  # base -> its extracted tree, filled by _main (bases.resolve)
     opts.env = parse_assignments(opts.env)
     if opts.deterministic:
         # With several ranks per GPU nothing is timed, so every process takes the pinned Triton
@@ -186,7 +195,9 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     stem = os.path.join(workdir, f"{config.name}-{repeat}")
     steps = opts.warmup_steps + opts.timed_steps
     cmd = pretrain_launch.command([*flags, *config.flags], opts.nproc, steps, opts.ranks_per_gpu)
-    env = job_env(os.environ, opts.env, pretrain_launch.report_env(f"{stem}.report.json"))
+    caller = job_env(os.environ, opts.env)
+    env = job_env(caller, bases.run_env(config.name, opts.trees, caller),
+                  pretrain_launch.report_env(f"{stem}.report.json"))
     with open(f"{stem}.log", "w") as f:
         f.write(pretrain_launch.launch_line())
         f.flush()
@@ -226,9 +237,9 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
             # autotunes, and takes far longer than the processes after it; a user-buffer run also
             # builds Megatron's NCCL allocator once. One discarded run per start-up class
             # (cfgs.startup_class) pays those costs before anything is timed.
-            for name in cfgs.priming_configs([n for _, n in order]):
+            for name in bases.priming_runs([n for _, n in order]):
                 t0 = time.time()
-                run, _ = launch(cfgs.CONFIGS[name], -1, flags, opts, workdir,
+                run, _ = launch(bases.config(name), -1, flags, opts, workdir,
                                 timeout_s=max(2 * opts.run_timeout, 300))
                 wall = round(time.time() - t0, 1)
                 primed[name] = {"wall_s": wall, "ok": run is not None,
@@ -237,12 +248,18 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
                       f"{startup_words(run)}", flush=True)
         for k, (repeat, name) in enumerate(order, 1):
             t0 = time.time()
-            run, info = launch(cfgs.CONFIGS[name], repeat, flags, opts, workdir)
+            run, info = launch(bases.config(name), repeat, flags, opts, workdir)
             wall = time.time() - t0
             if run is None:
                 failures[f"{name}#{repeat}"] = info
-                print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} FAILED after {wall:.0f}s\n{info}",
-                      flush=True)
+                if bases.split(name)[0] == bases.FORK:
+                    print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} FAILED after {wall:.0f}s\n{info}",
+                          flush=True)
+                else:  # an upstream release that cannot run a configuration: the reason in one line
+                    why, _, tail = info.partition("; log tail:\n")
+                    failures[f"{name}#{repeat}"] = bases.failure_line(name, why, tail)
+                    print(f"[{k}/{len(order)}] repeat {repeat} {failures[f'{name}#{repeat}']} ({wall:.0f}s)",
+                          flush=True)
                 continue
             runs.append(run)
             step = f"median step {run.median_step_s * 1e3:8.1f} ms  " if opts.ranks_per_gpu == 1 else ""
@@ -254,7 +271,13 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli("benchmark_double_buffer", lambda: _main(sys.argv[1:] if argv is None else argv))
+    return run_cli("benchmark_double_buffer", lambda: _with_trees(sys.argv[1:] if argv is None else argv))
+
+
+def _with_trees(argv: Sequence[str]) -> int:
+    """:func:`_main`, with a folder for the upstream trees it extracts that is removed when it ends."""
+    with contextlib.ExitStack() as stack:
+        return _main(argv, stack)
 
 
 def wanted_configs(text: str) -> list[str]:
@@ -349,8 +372,9 @@ def check_machine(flags: Sequence[str], opts: argparse.Namespace) -> None:
         raise exc.user_error("install what the model needs, or change its flags after --") from None
 
 
-def _main(argv: Sequence[str]) -> int:
+def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
     opts, extra = parse(argv)
+    base_names = bases.names(opts.base)
     if opts.chart_from:
         return chart_from(opts)
     # Flags after -- win over --deterministic's, which win over the preset's (its layout included).
@@ -373,6 +397,9 @@ def _main(argv: Sequence[str]) -> int:
                         f"{extras.install_hint(extras.te_extra(requirements.torch_cuda_version()))}, "
                         "or drop the te_* configurations from --configs")
     graphed = [n for n in wanted if cfgs.CONFIGS[n].graphed]
+    if profiling(opts) and base_names != [bases.FORK]:
+        raise UserError("the profiling passes (--profile-dir, --pyprofile-dir, --memory-trace-dir) run the bench "
+                        "worker, which needs the fork's tree", "profile the fork alone (--base fork)")
     if graphed and profiling(opts):
         raise UserError(f"{', '.join(graphed)} run under a CUDA graph inside pretrain, which the profiling "
                         "passes (--profile-dir, --pyprofile-dir, --memory-trace-dir) cannot time: they use "
@@ -408,33 +435,54 @@ def _main(argv: Sequence[str]) -> int:
         else:
             skipped[name] = reason
             print(f"skip {name}: {reason}")
-    planned = {} if opts.no_plan else planned_pools(flags, opts.nproc, opts.env, runnable)
-    order = res.interleaved_order(runnable, opts.repeats)
+    rows = [n for n in runnable if bases.FORK in base_names]
+    opts.trees, base_meta = bases.resolve(base_names, Path(opts.bases_dir), stack, build=not opts.from_logs)
+    if upstream := [b for b in base_names if b != bases.FORK]:
+        for base in upstream:
+            offers = bases.capabilities(base, opts.trees, job_env(os.environ, opts.env))
+            for name in runnable:
+                row = bases.run_name(base, name)
+                if (reason := bases.refusal(row, flags, offers)) is None:
+                    rows.append(row)
+                else:
+                    skipped[row] = reason
+                    print(f"skip {row}: {reason}")
+    fork_rows = [n for n in rows if n in cfgs.CONFIGS]  # the planner plans the fork's pools only
+    planned = {} if opts.no_plan or not fork_rows else planned_pools(flags, opts.nproc, opts.env, fork_rows)
+    order = res.interleaved_order(rows, opts.repeats)
     start = time.time()
     primed: dict[str, Any] = {}
     if opts.from_logs:
         runs, failures = run_logs.runs_from_logs(opts.from_logs, order, flags, opts)
     else:
         runs, failures, primed = run_all(order, flags, opts, start)
-    summaries = res.summarize(runs, planned=planned, baseline=opts.baseline)
+    # Without the fork, ratios divide by the first release's row of --baseline.
+    baseline = bases.run_name(base_names[0], opts.baseline)
+    summaries = res.summarize(runs, planned=planned, baseline=baseline)
     print("\n".join(res.format_table(summaries, speed=not shared)))
     if opts.baseline != res.BASELINE:
         print(f"x base: against {opts.baseline}")
     if shared:
         print(res.no_speed_note(opts.ranks_per_gpu))
     # TE configurations also against their own eager baseline (the TE targets are ratios to it).
-    te_runs = [r for r in runs if cfgs.CONFIGS[r.config].spec == "te"]
+    te_runs = [r for r in runs if bases.config(r.config).spec == "te"]
     te_summaries = res.summarize(te_runs, planned=planned, baseline=cfgs.BASELINES["te"])
     if te_runs:
         print(f"Transformer Engine configurations, x base against {cfgs.BASELINES['te']}:")
         print("\n".join(res.format_table(te_summaries, speed=not shared)))
     agreements = {base: res.loss_agreement([r for r in runs if r.config in names], base)
-                  for base, names in cfgs.loss_groups([r.config for r in runs]).items()}
+                  for base, names in bases.loss_groups([r.config for r in runs]).items()}
     for agreement in agreements.values():
         print("\n".join(res.format_loss_agreement(agreement)))
-    print("\n".join(res.format_pool_check(summaries, runs)))
+    print("\n".join(res.format_pool_check(summaries, runs, baseline)))
     if startup := res.format_startup(runs):
         print("\n".join(startup))
+    best = bases.best_per_base(summaries) if not shared else {}
+    if best_lines := bases.format_best(best):
+        print("\n".join(best_lines))
+    for key, why in failures.items():  # a release's failed runs again, one line each, below its best
+        if (base := bases.split(key)[0]) != bases.FORK:
+            print(why if why.startswith(f"{base} ") else f"{key}: {why}")
     speed = model_speed(flags, summaries, runs, opts) if not shared else {}
     meta = {
         "preset": opts.preset, "model_flags": flags, "nproc": opts.nproc, "baseline": opts.baseline,
@@ -448,6 +496,10 @@ def _main(argv: Sequence[str]) -> int:
         "optional_packages": requirements.installed_versions(),  # the runs inherit this environment
         "wall_s": None if opts.from_logs else round(time.time() - start, 1),
         "deterministic": opts.deterministic,
+        # Per --base: the fork's version, or a release's sdist (file name, sha256, where it came from).
+        "bases": base_meta, "best_per_base": best,
+        "peak_memory_from": ("the run report pretrain_gpt.py writes (HFSDP_RUN_REPORT), on the fork and on "
+                             "upstream trees alike; upstream rows have no pool or home-miss figures"),
         **speed,
     }
     doc = res.to_json(summaries, runs, meta, agreements)

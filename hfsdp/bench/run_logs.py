@@ -14,8 +14,8 @@ import os
 import shutil
 from collections.abc import Sequence
 
+from hfsdp.bench import bases, pretrain_launch
 from hfsdp.bench import configs as cfgs
-from hfsdp.bench import pretrain_launch
 from hfsdp.bench import results as res
 from hfsdp.usererror import UserError
 
@@ -69,7 +69,7 @@ def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequenc
             failures[f"{name}#{repeat}"] = f"failed when it ran: {failed_reason(f'{stem}.failed')}"
             continue
         try:
-            run = read_run(cfgs.CONFIGS[name], repeat, stem, flags, opts)
+            run = read_run(bases.config(name), repeat, stem, flags, opts)
         except pretrain_launch.RunFailed as exc:
             failures[f"{name}#{repeat}"] = str(exc)
             continue

@@ -25,10 +25,12 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from hfsdp.diagnostics import install_stack_dump_signal
 from hfsdp.patchset.guard import ensure_fork
+from hfsdp.training import upstream_base
 from hfsdp.usererror import UserError, quoted, rejection, run_cli
 
 
@@ -144,7 +146,7 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
     family = specs.resolve_family(args, forced_family)
     requirements.check(args)  # clear errors before any CUDA/NCCL work
     # More max-pool lanes than a model chunk's units: the flags tell, before any buffer is built.
-    if problem := fsdp_units.lanes_problem(args, os.environ.get(fsdp_units.ENV)):
+    if upstream_base.active() is None and (problem := fsdp_units.lanes_problem(args, os.environ.get(fsdp_units.ENV))):
         raise UserError(problem, flags_fix())
     specs.use_transformer_engine(args)
     return args, family
@@ -161,6 +163,35 @@ def unit_override() -> list[str] | None:
         raise UserError(f"{fsdp_units.ENV}={os.environ.get(fsdp_units.ENV)!r}: {what}",
                         f"unset it, or give {fsdp_units.PRESET_0182}, none, or comma-separated dotted class "
                         "paths (docs/functional-tests.md)") from exc
+
+
+def ensure_tree() -> Path | None:
+    """The fork's guard, or on an upstream tree (``HFSDP_UPSTREAM_BASE``) the check that ``megatron`` is that
+    tree; returns the upstream tree, None for the fork."""
+    base = upstream_base.active()
+    if base is None:
+        ensure_fork()
+    else:
+        upstream_base.ensure(base)
+    return base
+
+
+def no_unit_override() -> None:
+    """On an upstream tree (upstream_base.py) the FSDP units are upstream's: the fork's unit list is refused."""
+    from hfsdp.training import fsdp_units
+
+    if os.environ.get(fsdp_units.ENV):
+        raise UserError(f"{fsdp_units.ENV} is the fork's setting, and this run is on the upstream tree "
+                        f"{upstream_base.active()}, whose FSDP units are its own", f"unset {fsdp_units.ENV}")
+
+
+def lanes_errors(base: Path | None) -> tuple[type[Exception], ...]:
+    """The fork's max-pool lanes error, which the entry turns into one sentence; none on an upstream tree."""
+    if base is not None:
+        return ()
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
+
+    return (MaxPoolLanesError,)
 
 
 def require_cuda() -> None:
@@ -197,10 +228,10 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
         from hfsdp.flags import quiet
 
         with quiet():  # every flag, without Megatron's import-time warnings before them
-            ensure_fork()
+            ensure_tree()
             parser = megatron_parser()
         parser.parse_args(["--help"])  # prints the help and exits 0
-    ensure_fork()
+    base = ensure_tree()
     from hfsdp import autotune_cache
     from hfsdp.determinism import ENV as PIN_ENV
     from hfsdp.determinism import pin_triton_autotune_from_env
@@ -208,7 +239,6 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     from hfsdp.step_digest import install_from_env as install_digest_from_env
     from hfsdp.training import data, forward_step, model_provider, run_report
     from hfsdp.training.spec_error import SpecError
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
     from megatron.core.enums import ModelType
     from megatron.training import print_rank_0
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -219,7 +249,9 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
         args, family = parse_args(argv, forced_family)
     except SpecError as exc:  # a MissingPackage carries its own way out: the extra, or a flag that avoids it
         raise exc.user_error(flags_fix()) from exc
-    units = unit_override()  # an environment setting: checked before the GPU is
+    if base is not None:
+        no_unit_override()
+    units = unit_override() if base is None else None  # an environment setting: checked before the GPU is
     require_cuda()
     if install_digest_from_env() is not None:
         print_rank_0(f"> hfsdp entry: {DIGEST_ENV} set, weight/optimizer digests are logged")
@@ -227,7 +259,8 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
         print_rank_0(f"> hfsdp entry: {PIN_ENV}=1, Triton autotuners use their first valid config")
     autotune_cache.install()  # TRITON_CACHE_AUTOTUNING=1 covers pre_hook kernels too (inert without it)
     print_rank_0(f"> hfsdp entry: model family={family}, transformer_impl={args.transformer_impl}"
-                 + (f", FSDP units override={units[0]}" if units else ""))
+                 + (f", FSDP units override={units[0]}" if units else "")
+                 + (f", pristine upstream tree {base}" if base is not None else ""))
     with warnings.catch_warnings():
         # We pass a model_provider function on purpose (the ModelConfig path is hybrid-only).
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
@@ -240,6 +273,6 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
             ModelType.encoder_or_decoder,
             forward_step.forward_step,
         )
-    except MaxPoolLanesError as exc:  # a flag error only the built model reveals (unit count)
+    except lanes_errors(base) as exc:  # a flag error only the built model reveals (unit count)
         raise UserError(str(exc), flags_fix()) from exc
     run_report.write_if_requested()  # HFSDP_RUN_REPORT: peaks, pools, capture (run_report.py)

@@ -72,25 +72,33 @@ def maxpool_stats(model: Any) -> dict[str, int] | None:
 
 
 def collect() -> dict[str, Any]:
-    """The report of this process."""
+    """The report of this process. On a pristine upstream tree (hfsdp/training/upstream_base.py) the
+    fork's allocators and teardown are absent: no max-pool figures, and the graph is read where
+    upstream's pretrain leaves it."""
     import torch
 
+    from hfsdp.training import upstream_base
+    from megatron.core import __version__ as megatron_version
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-    from megatron.training import teardown
 
     model = _model_ref() if _model_ref is not None else None
+    fork = upstream_base.active() is None
+    if fork:
+        from megatron.training import teardown
+
+        # pretrain()'s teardown destroys the graphs before this runs ([Note: graphs before
+        # communicators] in megatron/training/teardown.py) and says which it destroyed.
+        destroyed = "training" in teardown.destroyed_graph_stages
     return {
         "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
         "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
         "peaks_from": "first training forward step" if model is not None else "process start",
         "pool_bytes_measured": pool_bytes_held(),
-        "maxpool_stats": maxpool_stats(model),
-        # pretrain()'s teardown destroys the graphs before this runs ([Note: graphs before
-        # communicators] in megatron/training/teardown.py) and says which it destroyed.
-        "cuda_graph_captured": (FullCudaGraphWrapper.cuda_graph.get("training") is not None
-                                or "training" in teardown.destroyed_graph_stages),
+        "maxpool_stats": maxpool_stats(model) if fork else None,
+        "cuda_graph_captured": FullCudaGraphWrapper.cuda_graph.get("training") is not None or (fork and destroyed),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
+        "megatron_core": megatron_version if fork else f"{megatron_version} (pristine, {upstream_base.active()})",
     }
 
 
