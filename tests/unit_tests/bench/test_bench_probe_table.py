@@ -256,6 +256,8 @@ TRACE_ROWS = [
      "argument --under: '(' is not a valid regular expression"),
     ("hostdiff", ["TMP/good.json", "TMP/good.json", "--match", "a["], 2,
      "argument --match: 'a[' is not a valid regular expression"),
+    # memtrace is read by the benchmark's workers: run by hand, it says so instead of passing silently.
+    ("memtrace", ["TMP/good.json"], 2, "hfsdp.bench.memtrace has no command line"),
 ]
 
 
