@@ -17,13 +17,12 @@ ranks on each of the ``--gpus-per-node`` GPUs, as the launcher of the same name 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from hfsdp.atomic import write_json_atomic
+from hfsdp.atomic import loads_strict, write_json_atomic
 from hfsdp.functional import outdir
 from hfsdp.functional.recipe import load_recipe
 from hfsdp.launch.env import add_env_option, parse_assignments
@@ -48,7 +47,7 @@ def load_manifest(log_dir: Path, required: bool = False) -> list[dict]:
         return []
     fix = f"restore {path} or move it away (submitting again starts a new one)"
     try:
-        entries = json.loads(path.read_text())
+        entries = loads_strict(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UserError(f"{path} cannot be read as JSON: {exc}", fix) from exc
     if not isinstance(entries, list) or not all(
