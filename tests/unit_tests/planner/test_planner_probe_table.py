@@ -86,9 +86,9 @@ ROWS: dict[str, Row] = {
     "--plan-json in a new folder": Row(["--plan-json", "TMP/new/plan.json"], 0, "wrote the plan as JSON"),
     # What the rename of a write in one step would replace: refused, and left as it was (no device here: a
     # regression run as root would replace it).
-    "--plan-json a named pipe": Row(["--plan-json", "TMP/pipe"], 2, "pipe is a named pipe, not a regular file; writing"),
+    "--plan-json a named pipe": Row(["--plan-json", "TMP/pipe"], 2, "pipe is a named pipe, not a regular file"),
     "--plan-json a link to nothing": Row(["--plan-json", "TMP/link"], 2, "link is a symbolic link to nothing; writing"),
-    "--plan-json with a space and non-ASCII": Row(["--plan-json", "TMP/pl än/plan 1.json"], 0, "wrote the plan as JSON"),
+    "--plan-json with a space and non-ASCII": Row(["--plan-json", "TMP/pl än/plan 1.json"], 0, "wrote the plan"),
     "HFSDP_DEBUG junk": Row(["--plan-dp-size", "0"], 2, "--plan-dp-size: must be > 0", {"HFSDP_DEBUG": "\x01 no"}),
     "HFSDP_FSDP_UNIT_MODULES white space": Row([], 0, "Megatron-FSDP memory plan:",
                                                {"HFSDP_FSDP_UNIT_MODULES": "  "}),
