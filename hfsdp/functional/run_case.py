@@ -48,7 +48,7 @@ from hfsdp.functional import golden, logparse, outdir
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
-from hfsdp.usererror import Interrupted, UserError, not_a_regular_file, positive, run_cli
+from hfsdp.usererror import Interrupted, UserError, not_a_regular_file, positive, quoted, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULT_MARK = "HFSDP-FUNCTIONAL RESULT"
@@ -166,7 +166,7 @@ def check_gpus_for(recipe: Recipe, env: Mapping[str, str]) -> None:
         raise UserError(f"{recipe.model}/{recipe.name} trains with {recipe.training_script.split()[0]}, which needs "
                         f"CUDA GPUs, and its ranks would see none here{where}",
                         f"run it on a machine with NVIDIA GPUs; on this one `python -m hfsdp.functional.run_case "
-                        f"{CPU_CASE}` runs the CPU smoke case")
+                        f"{quoted(CPU_CASE)}` (in the checkout) runs the CPU smoke case")
 
 
 def build_command(recipe: Recipe, argv: Sequence[str], launch: Launch,
