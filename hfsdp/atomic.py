@@ -6,6 +6,9 @@ tokens Python's ``json`` writes by default, which are not JSON and which other r
 browsers, most languages) refuse. A non-finite number is refused with :class:`NonFiniteJSON`,
 which names where it sits (``$.runs[0].step_times_s[2]``); whoever produces the document keeps
 such values out (the benchmark counts a run with a non-finite step time or loss as failed).
+Files we wrote are read back with :func:`loads_strict`, which holds them to the same rule and to
+one value per key: a ``NaN`` token or a key given twice in one object is a ``ValueError``, never
+a value silently taken (``json`` would read ``NaN`` as a float and keep the last of two keys).
 
 Standard library only (``hfsdp.patchset`` uses it inside pip's build environment).
 """
@@ -18,6 +21,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def _mode_for(path: Path) -> int:
@@ -95,3 +99,23 @@ def write_json_atomic(path: Path | str, obj: object, *, indent: int | None = 1, 
     except NonFiniteJSON as exc:
         raise NonFiniteJSON(f"not writing {path}: {exc}") from None
     write_text_atomic(Path(path), text)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook: a key given twice is an error (JSON would keep the last)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} is given twice in one object, and JSON would keep only the last")
+        seen[key] = value
+    return seen
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (strict JSON: this project never writes it)")
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """``text`` as strict JSON ([Note: strict JSON]): ``NaN``, ``Infinity`` or a key given twice in
+    one object raises ``ValueError``, as a syntax error does."""
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)

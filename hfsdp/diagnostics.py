@@ -13,6 +13,8 @@ import signal
 import sys
 from collections.abc import Mapping
 
+from hfsdp.usererror import env_number
+
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
@@ -28,16 +30,20 @@ def install_stack_dump_signal(environ: Mapping[str, str] | None = None) -> bool:
     """
     if not hasattr(faulthandler, "register"):  # not on Windows
         return False
+    seconds = stack_dump_after_s(environ)
     faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
-    after = (os.environ if environ is None else environ).get(AFTER_ENV, "")
-    if after:
-        try:
-            seconds = float(after)
-        except ValueError:
-            raise ValueError(f"{AFTER_ENV}={after!r}: expected seconds") from None
-        if seconds > 0:
-            faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.stderr, exit=False)
+    if seconds:
+        faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.stderr, exit=False)
     return True
+
+
+def stack_dump_after_s(environ: Mapping[str, str] | None = None) -> float | None:
+    """``HFSDP_STACK_DUMP_AFTER_S`` in seconds (None when unset, 0: no timed dump); a value that is
+    no number >= 0 is a :class:`~hfsdp.usererror.UserError` naming the variable. Our launchers ask
+    this before they start anything (hfsdp/proc.py), so junk is one sentence, not a failure in
+    every rank."""
+    return env_number(AFTER_ENV, None, kind=float, zero=True, environ=environ,
+                      unset_means="no timed stack dump (SIGUSR1 still dumps them)")
 
 
 def handles_signal(pid: int, signum: int = STACK_DUMP_SIGNAL) -> bool:

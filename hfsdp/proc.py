@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from hfsdp.diagnostics import AFTER_ENV, STACK_DUMP_SIGNAL, descendant_pids, handles_signal
+from hfsdp.diagnostics import AFTER_ENV, STACK_DUMP_SIGNAL, descendant_pids, handles_signal, stack_dump_after_s
 from hfsdp.usererror import Interrupted
 
 STACK_GRACE_S = 5.0  # time the ranks get to write their stacks before SIGTERM
@@ -159,6 +159,7 @@ class _Group:
 def child_env(env: Mapping[str, str] | None, timeout_s: float | None, stack_grace_s: float) -> dict[str, str]:
     """The caller's environment (``env`` or ours), plus the stack-dump watchdog under a timeout."""
     out = dict(os.environ if env is None else env)
+    stack_dump_after_s(out)  # the caller's value is checked here, before any rank reads it
     if timeout_s and AFTER_ENV not in out:
         out[AFTER_ENV] = f"{max(timeout_s - 2 * stack_grace_s, 1.0):g}"
     return out

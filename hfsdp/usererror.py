@@ -143,13 +143,17 @@ def not_a_regular_file(path: str | Path) -> str | None:
 
 def output_file(option: str, path: str | Path) -> None:
     """Refuse, before any work, a file ``option`` could not write: a folder, a path through a file,
-    a folder we may not write to. Missing folders on the way are fine (they are made)."""
+    a folder we may not write to, or something that is no regular file (a named pipe, a device, a
+    link to nothing), which the rename of a write in one step would replace. Missing folders on
+    the way are fine (they are made)."""
     fix = f"give {option} a file in a folder you can write to"
     if not str(path):
         raise UserError(f"{option} is empty", fix)
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{option} {path} is a folder, not a file", fix)
+    if os.path.lexists(path) and (why := not_a_regular_file(path)):  # written in one step, it would be replaced
+        raise UserError(f"{option} {path} {why}; writing it would put a regular file in its place", fix)
     _check_parent(option, path, path.parent, fix)
 
 

@@ -18,8 +18,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
 from hfsdp.bench.idle import HOST_CATEGORIES
-from hfsdp.bench.timeline import read_trace, span, well_formed_events
-from hfsdp.usererror import run_cli
+from hfsdp.bench.timeline import read_trace, regex, span, well_formed_events
+from hfsdp.usererror import positive, run_cli
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -95,12 +95,12 @@ def _main(argv: Sequence[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("a", help="baseline trace (e.g. no_db)")
     p.add_argument("b", help="compared trace (e.g. maxpool)")
-    p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
-    p.add_argument("--under", default=None, help="only events below an ancestor matching this regex")
-    p.add_argument("--match", default=None, help="only names matching this regex")
+    p.add_argument("--steps", type=positive(), default=None, help="profiled steps (per-step numbers)")
+    p.add_argument("--under", type=regex, default=None, help="only events below an ancestor matching this regex")
+    p.add_argument("--match", type=regex, default=None, help="only names matching this regex")
     p.add_argument("--all-threads", action="store_true",
                    help="also count threads that ran no cpu_op (background threads)")
-    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--top", type=positive(), default=30)
     opts = p.parse_args(argv)
     with well_formed_events():
         a = inclusive(read_trace(opts.a), opts.under, opts.all_threads)

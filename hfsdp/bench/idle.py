@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from hfsdp.bench.timeline import DEVICE_CATEGORIES, read_trace, span, union, well_formed_events
-from hfsdp.usererror import run_cli
+from hfsdp.usererror import positive, run_cli
 
 HOST_CATEGORIES = ("cpu_op", "python_function", "user_annotation", "cuda_runtime", "cuda_driver")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
@@ -211,8 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
-    p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
-    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--steps", type=positive(), default=None, help="profiled steps (per-step numbers)")
+    p.add_argument("--top", type=positive(), default=12)
     opts = p.parse_args(argv)
     with well_formed_events():
         print(format_report(attribute(read_trace(opts.trace)), opts.steps, opts.top))

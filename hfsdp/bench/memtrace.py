@@ -132,3 +132,19 @@ def stop_and_summarize(baseline_bytes: int, max_entries: int = MAX_ENTRIES,
     traces = snap.get("device_traces") or [[]]
     trace = traces[torch.cuda.current_device()] if len(traces) > 1 else traces[0]
     return peak_live_set(trace, baseline_bytes, max_entries)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hfsdp.bench.memtrace``: there is nothing to run here, which is said, not passed over."""
+    from hfsdp.usererror import UserError, run_cli
+
+    def refuse() -> int:
+        raise UserError("hfsdp.bench.memtrace has no command line: the benchmark's workers call it",
+                        "give scripts/benchmark_double_buffer.py --memory-trace-dir DIR; each rank's peak live set "
+                        "is then in DIR/*.memtrace.txt")
+
+    return run_cli("memtrace", refuse)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,6 +19,7 @@ from hfsdp.bench.results import RunResult
 from hfsdp.functional import logparse
 from hfsdp.launch import torchrun
 from hfsdp.training import run_report
+from hfsdp.usererror import not_a_regular_file
 
 TRAINING_SCRIPT = Path(__file__).resolve().parents[2] / "pretrain_gpt.py"
 # Micro-batches per step and data-parallel rank: more than one, as in real training, so the
@@ -103,6 +104,8 @@ def result(config: str, repeat: int, log_path: str, report_path: str, *, warmup_
     timed step whose time is missing, not a number > 0 (``nan``, ``inf``), a loss that is not
     finite (the run diverged, so its steps are not those of training), or a run report that
     cannot be read as one."""
+    if why := not_a_regular_file(log_path):  # a named pipe or a device would block the read, or never end
+        raise RunFailed(f"log {log_path} {why}")
     try:
         metrics = logparse.parse_file(log_path)
     except OSError as exc:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp import extras, te_determinism
-from hfsdp.atomic import NonFiniteJSON
+from hfsdp.atomic import NonFiniteJSON, loads_strict
 from hfsdp.bench import bases, flops, pretrain_launch, run_logs
 from hfsdp.bench import configs as cfgs
 from hfsdp.bench import results as res
@@ -32,7 +32,7 @@ from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments, shared_autotune
 from hfsdp.proc import run_group
 from hfsdp.training import requirements
-from hfsdp.usererror import UserError, output_file, output_folder, positive, run_cli
+from hfsdp.usererror import UserError, not_a_regular_file, output_file, output_folder, positive, run_cli
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -337,9 +337,11 @@ def chart_from(opts: argparse.Namespace) -> int:
 
     path = opts.chart_from
     fix = "give --chart-from a results JSON an earlier invocation wrote (--out-json)"
+    if why := not_a_regular_file(path):
+        raise UserError(f"--chart-from {path} {why}", fix)
     try:
         with open(path) as f:
-            doc = json.load(f)
+            doc = loads_strict(f.read())
     except OSError as exc:
         raise UserError(f"--chart-from {path}: {exc.strerror or exc}", fix) from exc
     except ValueError as exc:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from hfsdp.bench import bases, pretrain_launch
 from hfsdp.bench import configs as cfgs
 from hfsdp.bench import results as res
-from hfsdp.usererror import UserError
+from hfsdp.usererror import UserError, not_a_regular_file
 
 
 def read_run(config: cfgs.BenchConfig, repeat: int, stem: str, flags: Sequence[str],
@@ -90,6 +90,8 @@ def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequenc
 
 def failed_reason(marker: str) -> str:
     """What a ``<config>-<repeat>.failed`` marker says (:func:`keep_run`)."""
+    if why := not_a_regular_file(marker):
+        return f"no reason recorded ({marker} {why})"
     try:
         with open(marker, errors="replace") as f:
             return f.read().strip() or "no reason recorded"

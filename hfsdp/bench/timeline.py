@@ -20,10 +20,12 @@ import argparse
 import contextlib
 import gzip
 import json
+import math
+import re
 from collections.abc import Iterable, Iterator, Sequence
 
 from hfsdp.bench.kernels import is_nccl_kernel, kernel_time
-from hfsdp.usererror import UserError, not_a_regular_file, run_cli
+from hfsdp.usererror import UserError, not_a_regular_file, positive, run_cli
 
 # Host calls that block until the device catches up.
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
@@ -143,7 +145,35 @@ def read_trace(path: str) -> list[dict]:
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         raise UserError(f"trace {path} holds no list of trace events",
                         "give the .json or .json.gz files a profiling run wrote")
+    for index, event in enumerate(events):
+        if problem := _time_problem(event):
+            raise UserError(f"trace {path}: event {index} ({str(event.get('name'))[:60]!r}) {problem}",
+                            "give the .json or .json.gz files a profiling run wrote")
     return events
+
+
+def _time_problem(event: dict) -> str | None:
+    """What is wrong with an event's times, as the profiler writes them: ``ts`` and ``dur`` are
+    finite numbers, ``dur`` not negative (a string, a bool, NaN or a negative span would be
+    summed as if it were time)."""
+    for key in ("ts", "dur"):
+        if key not in event:
+            continue
+        value = event[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return f"has {key} {value!r}, not a finite number of microseconds"
+        if key == "dur" and value < 0:
+            return f"has a negative dur ({value})"
+    return None
+
+
+def regex(text: str) -> str:
+    """argparse ``type=``: a regular expression that compiles (argparse then names the option)."""
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid regular expression ({exc})") from None
+    return text
 
 
 @contextlib.contextmanager
@@ -164,14 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("traces", nargs="+", metavar="trace", help="one trace per rank, rank 0 first")
-    p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
-    p.add_argument("--step-ms", type=float, default=None,
+    p.add_argument("--steps", type=positive(), default=None, help="profiled steps (per-step numbers)")
+    p.add_argument("--step-ms", type=positive(float), default=None,
                    help="the measured step time, compared with the GPU-busy time (use with --steps)")
     p.add_argument("--top", type=int, default=0, metavar="N",
                    help="also print the first trace's device time by kernel class and its N longest kernels")
     opts = p.parse_args(argv)
-    if opts.steps is not None and opts.steps < 1:
-        p.error(f"--steps {opts.steps}: give the number of profiled steps, 1 or more")
     if opts.top < 0:
         p.error(f"--top {opts.top}: give how many kernels to list, 0 or more")
     with well_formed_events():

@@ -33,7 +33,7 @@ from hfsdp.bench.timeline import (
     union,
     well_formed_events,
 )
-from hfsdp.usererror import run_cli
+from hfsdp.usererror import positive, run_cli
 
 BLOCKING_CALLS = SYNC_CALLS + ("cudaMemcpyAsync", "cuStreamSynchronize", "cuCtxSynchronize",
                                "cuEventSynchronize")
@@ -121,9 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
-    p.add_argument("--steps", type=int, default=None, help="profiled steps (per-step numbers)")
-    p.add_argument("--min-us", type=float, default=500.0, help="ignore shorter blocking calls")
-    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--steps", type=positive(), default=None, help="profiled steps (per-step numbers)")
+    p.add_argument("--min-us", type=positive(float, zero=True), default=500.0, help="ignore shorter blocking calls")
+    p.add_argument("--top", type=positive(), default=12)
     opts = p.parse_args(argv)
     with well_formed_events():
         report = attribute(read_trace(opts.trace), opts.min_us)

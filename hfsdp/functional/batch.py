@@ -37,11 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from hfsdp.diagnostics import stack_dump_after_s
 from hfsdp.functional import golden, outdir
 from hfsdp.functional.recipe import Recipe, load_recipe
 from hfsdp.functional.run_case import RESULT_MARK, output_dir_for, trains_on_gpus
 from hfsdp.launch import fit, torchrun
-from hfsdp.launch.env import add_env_option, parse_assignments
+from hfsdp.launch.env import add_env_option, job_env, parse_assignments
 from hfsdp.usererror import Interrupted, UserError, output_file, positive, run_cli
 
 ENVIRONMENT = "dev"
@@ -268,6 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run() -> int:
         ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         parse_assignments(ns.env)  # refuse a malformed --env before anything runs
+        stack_dump_after_s(job_env(os.environ, parse_assignments(ns.env)))  # and junk in a variable we read
+        if not ns.record:
+            golden.iter_time_max_ratio()
         shared = ns.ranks_per_gpu > 1
         slots = None
         if ns.jobs > 1 and not shared:

@@ -28,7 +28,6 @@ benchmark's job, which measures both sides in one invocation on one host (docs/b
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hfsdp.atomic import write_json_atomic
+from hfsdp.atomic import loads_strict, write_json_atomic
 from hfsdp.functional.logparse import Metrics
 from hfsdp.usererror import UserError, quoted
 
@@ -158,19 +157,9 @@ def check_golden(obj: Any, names: tuple[str, ...] | list[str]) -> list[str]:
     return problems
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads``' object hook: a key given twice is an error (JSON would keep the last)."""
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise ValueError(f"key {key!r} is given twice in one object, and JSON would keep only the last")
-        seen[key] = value
-    return seen
-
-
 def read_json(path: Path) -> Any:
-    """A golden or metrics file as the driver writes it: one value for every key."""
-    return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+    """A golden or metrics file as the driver writes it: strict JSON, one value for every key."""
+    return loads_strict(path.read_text(encoding="utf-8"))
 
 
 def read_golden(path: Path, names: tuple[str, ...] | list[str]) -> Metrics:

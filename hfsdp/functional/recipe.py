@@ -42,6 +42,7 @@ from typing import Any, TypeGuard
 import yaml
 
 from hfsdp import te_determinism
+from hfsdp.launch.torchrun import MAX_NPROC
 from hfsdp.usererror import UserError, not_a_regular_file
 
 TEST_TYPES = ("regular", "ckpt-resume", "smoke")
@@ -50,7 +51,6 @@ KEYS = ("ENV_VARS", "MODEL_ARGS", "MODEL_ARGS_2", "ENV_VARS_2", "TEST_TYPE", "ME
         "NPROC", "COMPARE_TO", "CHECKS", "REQUIRE_GOLDEN", "RESUME_COMPARE", "DETERMINISM")
 CHECK_KEYS = ("log_absent", "log_present", "min_iterations", "loss_decreases")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MAX_NPROC = 1024  # ranks on one node: a typo, not a launch, beyond this
 RECIPE_FIX = "fix model_config.yaml; docs/functional-tests.md lists every key and its type"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -43,11 +43,12 @@ from pathlib import Path
 
 from hfsdp import proc
 from hfsdp.atomic import write_json_atomic
+from hfsdp.diagnostics import stack_dump_after_s
 from hfsdp.functional import golden, logparse, outdir
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
-from hfsdp.usererror import Interrupted, UserError, not_a_regular_file, positive, run_cli
+from hfsdp.usererror import Interrupted, UserError, not_a_regular_file, positive, quoted, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULT_MARK = "HFSDP-FUNCTIONAL RESULT"
@@ -165,7 +166,7 @@ def check_gpus_for(recipe: Recipe, env: Mapping[str, str]) -> None:
         raise UserError(f"{recipe.model}/{recipe.name} trains with {recipe.training_script.split()[0]}, which needs "
                         f"CUDA GPUs, and its ranks would see none here{where}",
                         f"run it on a machine with NVIDIA GPUs; on this one `python -m hfsdp.functional.run_case "
-                        f"{CPU_CASE}` runs the CPU smoke case")
+                        f"{quoted(CPU_CASE)}` (in the checkout) runs the CPU smoke case")
 
 
 def build_command(recipe: Recipe, argv: Sequence[str], launch: Launch,
@@ -353,8 +354,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         if recipe.test_type == "ckpt-resume":
             raise UserError(f"{recipe.model}/{recipe.name} is a ckpt-resume case; --evaluate-log judges "
                             "single-run cases only", "run it without --evaluate-log (the driver launches both runs)")
-        if not Path(evaluate_log).is_file():
-            what = "is a folder, not a log file" if Path(evaluate_log).is_dir() else "does not exist"
+        if why := not_a_regular_file(evaluate_log):
+            what = "is a folder, not a log file" if Path(evaluate_log).is_dir() else why
             raise UserError(f"--evaluate-log {evaluate_log} {what}",
                             "pass the log the training wrote (the srun-per-GPU sbatch script tees it to run1.log)")
         outdir.prepare(out, clear=False)  # writes only into a folder the driver made (outdir's note)
@@ -518,6 +519,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         nonlocal failed_verdict
         ns = parser.parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         extra_env = parse_assignments(ns.env)
+        stack_dump_after_s(job_env(os.environ, extra_env))  # junk in a variable we read: one sentence, up front
+        if not ns.record:
+            golden.iter_time_max_ratio()  # read when the run is judged, after the run: checked before it
         recipe = load_recipe(ns.case_dir)
         port = ns.master_port if ns.master_port is not None else env_port(os.environ)
         if port is None and ns.nnodes > 1:

@@ -58,12 +58,18 @@ class Placement:
         return self.ranks_per_gpu > 1
 
 
+MAX_NPROC = 1024  # ranks on one host: a typo, not a launch, beyond this (torchrun would try to start them all)
+
+
 def check(placement: Placement) -> None:
     """Refuse a placement that cannot start, in one sentence (no GPU is looked at here)."""
     p = placement
     if p.nproc < 1 or p.ranks_per_gpu < 1 or p.nnodes < 1:
         raise UserError(f"ranks {p.nproc}, ranks per GPU {p.ranks_per_gpu} and nodes {p.nnodes} must all be >= 1",
                         "give positive counts")
+    if p.nproc > MAX_NPROC:
+        raise UserError(f"{p.nproc:,} ranks is more ranks on one host than any launch can start (at most {MAX_NPROC})",
+                        "give the ranks per host, e.g. --nproc 8")
     if not 0 <= p.node_rank < p.nnodes:
         raise UserError(f"node rank {p.node_rank} is not in [0, nodes {p.nnodes})",
                         "pass the node's index, 0 for the first node")

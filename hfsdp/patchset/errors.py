@@ -8,7 +8,7 @@ for a new folder of the user's choice.
 
 from __future__ import annotations
 
-from hfsdp.usererror import UserError
+from hfsdp.usererror import UserError, quoted
 
 
 class PatchsetError(UserError):
@@ -45,8 +45,8 @@ class PatchDoesNotApply(PatchsetError):
             super().__init__(
                 f"patch {patch} does not apply: it was saved with CRLF (Windows) line endings, so no line of it "
                 f"matches (file: {where}). Nothing was changed",
-                f"restore it with LF endings: `git checkout patches/{patch}` (the committed copy), or save it with "
-                "LF line endings in your editor; `scripts/patchset lint` names every such patch",
+                f"restore it with LF endings: `git checkout {quoted(f'patches/{patch}')}` (the committed copy), or "
+                "save it with LF line endings in your editor; `scripts/patchset lint` names every such patch",
             )
             return
         super().__init__(

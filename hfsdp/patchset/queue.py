@@ -24,7 +24,6 @@ otherwise undo.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import tempfile
@@ -32,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hfsdp.atomic import write_json_atomic
+from hfsdp.atomic import loads_strict, write_json_atomic
 from hfsdp.usererror import UserError, output_folder, quoted
 
 from . import gitops
@@ -85,7 +84,7 @@ def read_state(repo: Path) -> QueueState | None:
     if not path.is_file():
         return None
     try:
-        state = QueueState(**json.loads(path.read_text(encoding="utf-8")))
+        state = QueueState(**loads_strict(path.read_text(encoding="utf-8")))
         if why := _state_problem(state):
             raise ValueError(why)
         return state

@@ -24,11 +24,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hfsdp.atomic import json_text, write_text_atomic
+from hfsdp.atomic import json_text, loads_strict, write_text_atomic
 
 from .errors import PatchsetError
 from .overlay import Overlay, text_sha256
@@ -160,7 +159,7 @@ def read_stamp_file(path: Path, checkout: Path | None = None) -> Stamp | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_strict(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise _corrupt(path, f"not readable JSON: {exc}") from exc
     if not isinstance(data, dict):

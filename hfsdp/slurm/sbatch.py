@@ -30,12 +30,11 @@ hfsdp/launch/env.py).
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hfsdp.atomic import write_text_atomic
-from hfsdp.usererror import UserError
+from hfsdp.usererror import UserError, quoted
 
 LAUNCHERS = ("torchrun", "srun")
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,:+@-]+$")
@@ -120,10 +119,6 @@ def master_port(job_id: int) -> int:
     return 61000 + job_id % 4536
 
 
-def _q(value: object) -> str:
-    return shlex.quote(str(value))
-
-
 STOPPED_LINE = ("HFSDP-SLURM STOPPED node=$SLURMD_NODENAME: time limit (the job time limit less its buffer ran "
                 "out; the run was ended)")
 
@@ -185,13 +180,13 @@ def render_sbatch(spec: JobSpec) -> str:
 
     # Options both the driver and launch_cmd take: --env wins over the case's ENV_VARS there.
     shared = [f"--ranks-per-gpu {spec.ranks_per_gpu}"] if spec.ranks_per_gpu > 1 else []
-    shared += [f"--env {_q(f'{k}={v}')}" for k, v in sorted(spec.env.items())]
+    shared += [f"--env {quoted(f'{k}={v}')}" for k, v in sorted(spec.env.items())]
     record = ["--record"] if spec.record else []
     body = [
         "set -euo pipefail",
-        f"cd {_q(spec.repo_root)}",
-        *(f"export {k}={_q(v)}" for k, v in sorted(spec.env.items())),  # --env only
-        f"export PYTHONPATH={_q(spec.repo_root)}${{PYTHONPATH:+:$PYTHONPATH}}",
+        f"cd {quoted(spec.repo_root)}",
+        *(f"export {k}={quoted(v)}" for k, v in sorted(spec.env.items())),  # --env only
+        f"export PYTHONPATH={quoted(spec.repo_root)}${{PYTHONPATH:+:$PYTHONPATH}}",
         "",
         "# Time budget: the job's own limit when SLURM exports it, else what we asked for.",
         f"LIMIT_S={spec.time_limit_min * 60}",
@@ -203,9 +198,9 @@ def render_sbatch(spec: JobSpec) -> str:
         f"KILL_AFTER_S=$(( LIMIT_S - {spec.kill_buffer_s} - (SECONDS) ))",
         "",
         *master_lines(),
-        f"PY={_q(spec.python)}",
-        f"OUT_ROOT={_q(out_root)}/$SLURM_JOB_ID",
-        f"CASE={_q(spec.case_dir)}",
+        f"PY={quoted(spec.python)}",
+        f"OUT_ROOT={quoted(out_root)}/$SLURM_JOB_ID",
+        f"CASE={quoted(spec.case_dir)}",
         'echo "hfsdp: case=$CASE nodes=$SLURM_JOB_NUM_NODES ($SLURM_JOB_NODELIST) '
         'master=$FIRST_NODE@$MASTER_ADDR:$MASTER_PORT limit=${LIMIT_S}s exit_mins=$EXIT_MINS"',
         "",
@@ -214,7 +209,7 @@ def render_sbatch(spec: JobSpec) -> str:
         body += [
             "# One driver per node (torchrun inside); --label prefixes each line with the node's task",
             "# number, srun names the node of a task that fails, and --kill-on-bad-exit ends the others.",
-            f"NODE_SCRIPT={_q(NODE_SCRIPT)}",
+            f"NODE_SCRIPT={quoted(NODE_SCRIPT)}",
             f'RUN_CASE=("$PY" -m hfsdp.functional.run_case "$CASE" --nproc {ranks} '
             '--nnodes "$SLURM_JOB_NUM_NODES" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" '
             '--output-dir "$OUT_ROOT" --exit-duration-in-mins "$EXIT_MINS"'

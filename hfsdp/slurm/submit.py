@@ -17,19 +17,19 @@ ranks on each of the ``--gpus-per-node`` GPUs, as the launcher of the same name 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from hfsdp.atomic import write_json_atomic
+from hfsdp.atomic import loads_strict, write_json_atomic
 from hfsdp.functional import outdir
 from hfsdp.functional.recipe import load_recipe
 from hfsdp.launch.env import add_env_option, parse_assignments
 from hfsdp.launch.torchrun import add_ranks_per_gpu_option
 from hfsdp.slurm.sbatch import JobSpec, write_sbatch
-from hfsdp.usererror import UserError, output_folder, positive, run_cli
+from hfsdp.usererror import UserError, not_a_regular_file, output_folder, positive, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = "jobs.json"
@@ -38,9 +38,16 @@ _NO_GRES = re.compile(r"\bgres\b|generic resource", re.IGNORECASE)
 _ENTRY_KEYS = {"case": str, "script": str}
 
 
+def _job_id(value: object) -> bool:
+    """Whether ``value`` is a Slurm job id as sbatch gives them: a whole number > 0 (not true)."""
+    return type(value) is int and value > 0
+
+
 def load_manifest(log_dir: Path, required: bool = False) -> list[dict]:
     """The jobs recorded in ``log_dir/jobs.json`` ([] when absent, unless ``required``)."""
     path = log_dir / MANIFEST
+    if os.path.lexists(path) and (why := not_a_regular_file(path)):  # reading a pipe would block, writing replace it
+        raise UserError(f"{path} {why}", f"move {path} away, or give another --log-dir")
     if not path.is_file():
         if required:
             raise UserError(f"{log_dir} has no {MANIFEST}: no jobs were submitted with this --log-dir",
@@ -48,12 +55,12 @@ def load_manifest(log_dir: Path, required: bool = False) -> list[dict]:
         return []
     fix = f"restore {path} or move it away (submitting again starts a new one)"
     try:
-        entries = json.loads(path.read_text())
+        entries = loads_strict(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UserError(f"{path} cannot be read as JSON: {exc}", fix) from exc
     if not isinstance(entries, list) or not all(
         isinstance(e, dict) and all(isinstance(e.get(k), t) for k, t in _ENTRY_KEYS.items())
-        and (e.get("job_id") is None or isinstance(e.get("job_id"), int)) for e in entries
+        and (e.get("job_id") is None or _job_id(e.get("job_id"))) for e in entries
     ):
         raise UserError(f"{path} is not a list of jobs ({{case, script, job_id, stdout}} objects)", fix)
     return entries

@@ -12,12 +12,12 @@ are the maximum over ranks). Without the variable nothing here runs.
 
 from __future__ import annotations
 
-import json
 import os
 import weakref
 from typing import Any
 
-from hfsdp.atomic import write_json_atomic
+from hfsdp.atomic import loads_strict, write_json_atomic
+from hfsdp.usererror import not_a_regular_file
 
 ENV = "HFSDP_RUN_REPORT"
 # Megatron-FSDP's named global buffers that belong to double-buffer pools.
@@ -148,10 +148,12 @@ def read(path: str, world_size: int) -> dict[str, Any]:
     reports = []
     for rank in range(world_size):
         name = rank_path(path, rank)
+        if os.path.lexists(name) and (why := not_a_regular_file(name)):  # a named pipe would block the read
+            raise ValueError(f"{name} {why}")
         with open(name) as f:
             try:
-                doc = json.load(f)
-            except ValueError as exc:  # JSONDecodeError, or bytes that are not text
+                doc = loads_strict(f.read())
+            except ValueError as exc:  # JSONDecodeError, bytes that are not text, NaN, a key twice
                 raise ValueError(f"{name} is not JSON ({exc})") from None
         if (problem := report_problem(doc)) is not None:
             raise ValueError(f"{name} {problem}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -45,6 +46,17 @@ def replaced_by_folder(path: Path) -> None:
     path.mkdir()
 
 
+def replaced_by_fifo(path: Path) -> None:
+    """A named pipe in place of a run file: reading it would block forever."""
+    path.unlink()
+    os.mkfifo(path)
+
+
+def replaced_by_link(path: Path, target: str) -> None:
+    path.unlink()
+    path.symlink_to(target)
+
+
 class Row(NamedTuple):
     argv: Callable[[Path], list[str]]  # tmp -> arguments (files made under tmp)
     rc: int
@@ -61,6 +73,16 @@ def from_logs(make: Callable[[Path], object], *extra: str, configs: str = "no_db
 
 def plain(*args: str) -> Callable[[Path], list[str]]:
     return lambda tmp: [a.replace("TMP", str(tmp)) for a in args]
+
+
+def fifo(tmp: Path) -> str:
+    os.mkfifo(tmp / "pipe")
+    return str(tmp / "pipe")
+
+
+def link(tmp: Path, target: str) -> str:
+    (tmp / "link").symlink_to(target)
+    return str(tmp / "link")
 
 
 def results_file(tmp: Path, text: str) -> str:
@@ -80,9 +102,23 @@ ROWS: dict[str, Row] = {
                           "has peak_reserved_bytes True, not a whole number of bytes"),
     "report is not JSON": Row(from_logs(lambda d: keep(d, report="{half")), 2, "no_db-0.report.json is not JSON"),
     "report is a folder": Row(from_logs(lambda d: replaced_by_folder(keep(d) / "no_db-0.report.json")), 2,
-                              "no_db-0.report.json: Is a directory"),
+                              "no_db-0.report.json is a folder, not a regular file"),
+    "report is a named pipe": Row(from_logs(lambda d: replaced_by_fifo(keep(d) / "no_db-0.report.json")), 2,
+                                  "no_db-0.report.json is a named pipe, not a regular file"),
+    "report holds NaN": Row(from_logs(lambda d: keep(d, report=json.dumps(REPORT).replace("64", "NaN"))), 2,
+                            "no_db-0.report.json is not JSON (NaN is not a JSON number"),
+    "report gives a key twice": Row(from_logs(lambda d: keep(d, report=json.dumps(REPORT)[:-1] + ', "device": "x"}')),
+                                    2, "key 'device' is given twice in one object"),
     "log is a folder": Row(from_logs(lambda d: replaced_by_folder(keep(d) / "no_db-0.log")), 2,
-                           "log unreadable: "),
+                           "no_db-0.log is a folder, not a regular file"),
+    "log is a named pipe": Row(from_logs(lambda d: replaced_by_fifo(keep(d) / "no_db-0.log")), 2,
+                               "no_db-0.log is a named pipe, not a regular file"),
+    "log links to /dev/zero": Row(from_logs(lambda d: replaced_by_link(keep(d) / "no_db-0.log", "/dev/zero")), 2,
+                                  "no_db-0.log is a character device, not a regular file"),
+    "log links to nothing": Row(from_logs(lambda d: replaced_by_link(keep(d) / "no_db-0.log", "nowhere")), 2,
+                                "no_db#0: not in"),
+    "failed marker is a named pipe": Row(from_logs(lambda d: os.mkfifo(keep(d) / "no_db-0.failed")), 2,
+                                         "no reason recorded (" ),
     "log is binary": Row(from_logs(lambda d: (keep(d) / "no_db-0.log").write_bytes(bytes(range(256)) * 8)), 2,
                          "no step time logged for steps [6, 7, 8]"),
     "failed marker is a folder": Row(from_logs(lambda d: (keep(d) / "no_db-0.failed").mkdir()), 2,
@@ -133,16 +169,30 @@ ROWS: dict[str, Row] = {
     "--out-json a folder": Row(from_logs(keep, "--out-json", "."), 2, "--out-json . is a folder, not a file"),
     "--out-json under a file": Row(from_logs(keep, "--out-json", f"{__file__}/r.json"), 2, "which is a file"),
     "--out-json empty": Row(from_logs(keep, "--out-json", ""), 2, "--out-json is empty"),
+    # A named pipe or a link to nothing would be replaced by the results file (written in one step).
+    "--out-json a named pipe": Row(lambda tmp: from_logs(keep, "--out-json", fifo(tmp))(tmp), 2,
+                                   "is a named pipe, not a regular file; writing it would put a regular file"),
+    "--out-json links to nothing": Row(lambda tmp: from_logs(keep, "--out-json", link(tmp, "nowhere"))(tmp), 2,
+                                       "is a symbolic link to nothing; writing it would put"),
+    "paths with a space and non-ASCII": Row(lambda tmp: [*BASE, "--configs", "no_db", "--from-logs",
+                                                         str(keep(tmp / "ke pt ö")), "--out-json", str(tmp / "r.json")],
+                                            0, "1 of 1 runs read"),
     "--out-png a folder": Row(lambda tmp: [a for a in from_logs(keep, "--out-png", str(tmp))(tmp)
                                            if a != "--no-chart"], 2, "is a folder, not a file"),
     "--keep-logs a file": Row(plain(*BASE, "--configs", "no_db", "--keep-logs", __file__, "--out-json", "TMP/r.json"),
                               2, "--keep-logs " + __file__ + " is a file, not a folder"),
     # --chart-from with the wrong file.
-    "--chart-from missing": Row(plain("--chart-from", "TMP/absent.json"), 2, "absent.json: No such file"),
-    "--chart-from a folder": Row(plain("--chart-from", "TMP"), 2, ": Is a directory"),
+    "--chart-from missing": Row(plain("--chart-from", "TMP/absent.json"), 2, "absent.json does not exist"),
+    "--chart-from a folder": Row(plain("--chart-from", "TMP"), 2, "is a folder, not a regular file"),
     "--chart-from not JSON": Row(lambda tmp: ["--chart-from", results_file(tmp, "nope")], 2, "is not JSON"),
     "--chart-from a JSON list": Row(lambda tmp: ["--chart-from", results_file(tmp, "[]")], 2,
                                     "is not a benchmark results file"),
+    "--chart-from a named pipe": Row(lambda tmp: ["--chart-from", fifo(tmp)], 2, "is a named pipe, not a regular file"),
+    "--chart-from /dev/null": Row(plain("--chart-from", "/dev/null"), 2, "is a character device, not a regular file"),
+    "--chart-from a key twice": Row(lambda tmp: ["--chart-from", results_file(tmp, '{"summary": [], "summary": []}')],
+                                    2, "key 'summary' is given twice"),
+    "--chart-from NaN": Row(lambda tmp: ["--chart-from", results_file(tmp, '{"summary": NaN}')], 2,
+                            "NaN is not a JSON number"),
 }
 
 @pytest.fixture(autouse=True)
@@ -166,6 +216,10 @@ def test_probe_row(name, tmp_path, monkeypatch, call_cli):
         text = results.read_text()
         assert "NaN" not in text and "Infinity" not in text
         json.loads(text)
+    if os.path.lexists(tmp_path / "pipe"):
+        assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode), "the named pipe was replaced"
+    if os.path.lexists(tmp_path / "link"):
+        assert os.path.islink(tmp_path / "link"), "the link was replaced"
 
 
 def test_the_one_good_run_is_summarized_and_the_nan_one_listed(tmp_path, call_cli):
@@ -203,3 +257,82 @@ def test_a_flag_written_with_equals_replaces_the_presets(tmp_path, call_cli):
     assert doc["runs"][0]["tokens_per_step"] == 4 * 2048  # global batch 2 (mbs) x 1 rank x 2 micro-batches
     flags = doc["meta"]["model_flags"]
     assert "--seq-length=2048" not in flags and flags[flags.index("--seq-length") + 1] == "2048"
+
+
+# --- the trace readers: python -m hfsdp.bench.{timeline,idle,waits,hostdiff} -----------------------------------
+
+KERNEL = {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 5, "pid": 0, "tid": 0}
+TRACES = {  # name -> the text of a trace file written under tmp
+    "good.json": json.dumps({"traceEvents": [KERNEL]}),
+    "nan.json": '{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": NaN, "dur": 5}]}',
+    "inf.json": '{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": Infinity}]}',
+    "negative.json": json.dumps({"traceEvents": [{**KERNEL, "dur": -5}]}),
+    "string.json": json.dumps({"traceEvents": [{**KERNEL, "dur": "5"}]}),
+    "bool.json": json.dumps({"traceEvents": [{**KERNEL, "ts": True}]}),
+    "twice.json": '{"traceEvents": [], "traceEvents": 3}',
+    "sp ö/t r.json": json.dumps({"traceEvents": [KERNEL]}),
+}
+
+
+def trace_tool(module: str) -> Callable[[list[str]], int]:
+    import importlib
+
+    return importlib.import_module(f"hfsdp.bench.{module}").main
+
+
+# (tool, arguments with TMP for the folder of TRACES, exit status, fragment of the output)
+TRACE_ROWS = [
+    *[(tool, [name if name.startswith("/") else f"TMP/{name}"], 2, says)
+      for tool in ("timeline", "idle", "waits") for name, says in (
+        ("nan.json", "event 0 ('k') has ts nan, not a finite number"),
+        ("inf.json", "has dur inf, not a finite number"),
+        ("negative.json", "has a negative dur (-5)"),
+        ("string.json", "has dur '5', not a finite number"),
+        ("bool.json", "has ts True, not a finite number"),
+        ("twice.json", "holds no list of trace events"),
+        ("fifo", "is a named pipe, not a regular file"),
+        ("broken", "is a symbolic link to nothing"),
+        ("/dev/null", "is a character device, not a regular file"),
+        ("", "does not exist"),
+    )],
+    *[(tool, ["TMP/sp ö/t r.json"], 0, "") for tool in ("timeline", "idle", "waits")],
+    *[(tool, ["TMP/good.json", "--steps", bad], 2, "argument --steps: must be > 0")
+      for tool in ("timeline", "idle", "waits") for bad in ("0", "-1")],
+    *[(tool, ["TMP/good.json", "--top", "0"], 2, "argument --top: must be > 0") for tool in ("idle", "waits")],
+    ("timeline", ["TMP/good.json", "--step-ms", "nan"], 2, "argument --step-ms: must be > 0, got nan"),
+    ("timeline", ["TMP/good.json", "--step-ms", "-1"], 2, "argument --step-ms: must be > 0, got -1"),
+    ("waits", ["TMP/good.json", "--min-us", "nan"], 2, "argument --min-us: must be >= 0, got nan"),
+    ("waits", ["TMP/good.json", "--min-us", "0"], 0, ""),
+    ("hostdiff", ["TMP/good.json", "TMP/sp ö/t r.json"], 0, ""),
+    ("hostdiff", ["TMP/good.json", "TMP/fifo"], 2, "is a named pipe, not a regular file"),
+    ("hostdiff", ["TMP/good.json", "TMP/nan.json"], 2, "has ts nan"),
+    ("hostdiff", ["TMP/good.json", "TMP/good.json", "--top", "-1"], 2, "argument --top: must be > 0"),
+    ("hostdiff", ["TMP/good.json", "TMP/good.json", "--under", "("], 2,
+     "argument --under: '(' is not a valid regular expression"),
+    ("hostdiff", ["TMP/good.json", "TMP/good.json", "--match", "a["], 2,
+     "argument --match: 'a[' is not a valid regular expression"),
+    # memtrace is read by the benchmark's workers: run by hand, it says so instead of passing silently.
+    ("memtrace", ["TMP/good.json"], 2, "hfsdp.bench.memtrace has no command line"),
+]
+
+
+@pytest.fixture
+def traces(tmp_path: Path) -> Path:
+    (tmp_path / "sp ö").mkdir()
+    for name, text in TRACES.items():
+        (tmp_path / name).write_text(text)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("tool", "args", "rc", "says"), TRACE_ROWS,
+                         ids=[f"{t}:{' '.join(a).replace('TMP/', '')}" for t, a, _, _ in TRACE_ROWS])
+def test_trace_reader_row(tool, args, rc, says, traces, call_cli):
+    argv = [a.replace("TMP", str(traces)) for a in args]
+    if argv[0] == f"{traces}/":
+        argv[0] = f"{traces}/absent.json"
+    rc_got, said = call_cli(trace_tool(tool), argv)  # a named pipe would hang here if it were opened
+    assert "Traceback" not in said, said[-3000:]
+    assert rc_got == rc, (rc_got, said[-3000:])
+    assert says in said, said[-3000:]

@@ -89,7 +89,7 @@ def test_kernel_classes_and_the_longest_kernels(tmp_path, capsys):
     ("{broken", "is not a readable Chrome trace"),
     ('{"traceEvents": 3}', "holds no list of trace events"),
     ('{"other": []}', "holds no list of trace events"),
-    ('[{"ph": "X", "cat": "kernel", "name": "k", "ts": "soon", "dur": 1}]', "lacks a number"),
+    ('[{"ph": "X", "cat": "kernel", "name": "k", "ts": "soon", "dur": 1}]', "has ts 'soon', not a finite number"),
 ])
 def test_a_file_that_is_no_trace_is_one_sentence(tmp_path, capsys, content, words):
     path = tmp_path / "t.json"

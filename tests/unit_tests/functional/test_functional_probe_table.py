@@ -5,6 +5,7 @@ traceback. (Interrupts have their own tests: test_interrupts.py.)"""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,24 @@ ROWS = [
      "is a folder, not a log file", False),
     ("--evaluate-log missing", [*RUN_CASE, SMOKE, "--evaluate-log", "{tmp}/no.log", "--output-dir", "{tmp}/out"],
      2, "no.log does not exist", False),
+    ("--evaluate-log a named pipe", [*RUN_CASE, SMOKE, "--evaluate-log", "{tmp}/pipe", "--output-dir", "{tmp}/out"],
+     2, "pipe is a named pipe, not a regular file", False),
+    ("--evaluate-log /dev/null", [*RUN_CASE, SMOKE, "--evaluate-log", "/dev/null", "--output-dir", "{tmp}/out"],
+     2, "/dev/null is a character device, not a regular file", False),
+    ("--evaluate-log a link to nothing", [*RUN_CASE, SMOKE, "--evaluate-log", "{tmp}/broken", "--output-dir",
+                                          "{tmp}/out"], 2, "broken is a symbolic link to nothing", False),
+    ("recipe a named pipe", [*RUN_CASE, "{tmp}/pipe_case"], 2, "is a named pipe, not a regular file, so", False),
+    ("recipe a link to /dev/zero", [*RUN_CASE, "{tmp}/device_case"], 2, "is a character device, not a regular", False),
+    ("case path with a space and non-ASCII", [*RUN_CASE, "{tmp}/ca sé/bad_yaml"], 2, "is not valid YAML", False),
+    ("HFSDP_STACK_DUMP_AFTER_S a word", [*RUN_CASE, SMOKE, "--output-dir", "{tmp}/out", "--env",
+                                         "HFSDP_STACK_DUMP_AFTER_S=soon"], 2,
+     "HFSDP_STACK_DUMP_AFTER_S='soon': 'soon' is not a number", False),
+    ("HFSDP_ITER_TIME_MAX_RATIO nan", ["ENV:HFSDP_ITER_TIME_MAX_RATIO=nan", *RUN_CASE, SMOKE, "--output-dir",
+                                       "{tmp}/out"], 2, "HFSDP_ITER_TIME_MAX_RATIO='nan' is not a number >= 1", False),
+    ("HFSDP_FUNCTIONAL_OUT a named pipe", ["ENV:HFSDP_FUNCTIONAL_OUT={tmp}/pipe", *RUN_CASE, SMOKE], 2,
+     "pipe, which is a file", False),
+    ("MASTER_PORT a word", ["ENV:MASTER_PORT=abc", *RUN_CASE, SMOKE, "--output-dir", "{tmp}/out"], 2,
+     "MASTER_PORT='abc' is not a TCP port", False),
     ("--ranks-per-gpu 0", [*RUN_CASE, SMOKE, "--ranks-per-gpu", "0"], 2, "--ranks-per-gpu: must be > 0, got 0",
      False),
     ("--ranks-per-gpu -1", [*RUN_CASE, SMOKE, "--ranks-per-gpu", "-1"], 2, "must be > 0, got -1", False),
@@ -90,6 +109,12 @@ ROWS = [
     ("batch: --ranks-per-gpu auto", [*BATCH, SMOKE, "--ranks-per-gpu", "auto"], 2, "'auto' is taken only", False),
     ("batch: --output-dir a file", [*BATCH, SMOKE, "--output-dir", str(REPO_ROOT / "README.md")], 2,
      "README.md is a file", False),
+    ("batch: --summary a named pipe", [*BATCH, SMOKE, "--summary", "{tmp}/pipe"], 2,
+     "pipe is a named pipe, not a regular file; writing", False),
+    ("batch: HFSDP_STACK_DUMP_AFTER_S junk", ["ENV:HFSDP_STACK_DUMP_AFTER_S=x", *BATCH, SMOKE, "--output-dir",
+                                              "{tmp}/out"], 2, "HFSDP_STACK_DUMP_AFTER_S='x'", False),
+    ("batch: HFSDP_ITER_TIME_MAX_RATIO 0.5", ["ENV:HFSDP_ITER_TIME_MAX_RATIO=0.5", *BATCH, SMOKE, "--output-dir",
+                                              "{tmp}/out"], 2, "RATIO='0.5' is not a number", False),
     ("batch: GPU case without a GPU", [*BATCH, SMOKE, GPU_CASE, "--output-dir", "{tmp}/out"], 2,
      "train on CUDA GPUs and their ranks would see none here", True),
     ("batch: several ranks per GPU without one", [*BATCH, SMOKE, "--ranks-per-gpu", "2"], 2,
@@ -105,6 +130,14 @@ def tmp(tmp_path_factory) -> Path:
         (root / name / "model_config.yaml").write_text(text)
     (root / "empty").mkdir()
     (root / "recipe_folder" / "model_config.yaml").mkdir(parents=True)
+    os.mkfifo(root / "pipe")
+    (root / "broken").symlink_to(root / "nowhere")
+    (root / "pipe_case").mkdir()
+    os.mkfifo(root / "pipe_case" / "model_config.yaml")
+    (root / "device_case").mkdir()
+    (root / "device_case" / "model_config.yaml").symlink_to("/dev/zero")
+    (root / "ca sé" / "bad_yaml").mkdir(parents=True)
+    (root / "ca sé" / "bad_yaml" / "model_config.yaml").write_text(RECIPES["bad_yaml"])
     return root
 
 
@@ -114,9 +147,12 @@ def test_probe_row(tmp, argv, status, fragment):
     env = {k: v for k, v in os.environ.items() if k not in ("HFSDP_DEBUG", "MASTER_PORT")}
     env["HFSDP_FUNCTIONAL_OUT"] = str(tmp / "default-out")
     argv = [a.replace("{tmp}", str(tmp)) for a in argv]
+    while argv[0].startswith("ENV:"):  # "ENV:NAME=VALUE": the row's environment
+        env.update([argv.pop(0)[4:].split("=", 1)])  # type: ignore[list-item]
     proc = subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == status, output[-3000:]
     assert fragment.replace("{tmp}", str(tmp)) in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+    assert stat.S_ISFIFO(os.lstat(tmp / "pipe").st_mode), "the named pipe was replaced"

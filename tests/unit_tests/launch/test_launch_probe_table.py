@@ -30,13 +30,28 @@ ROWS = [
     ("script missing", ["--nproc", "2", "--", "/nonexistent.py"], 2, "the script /nonexistent.py does not exist"),
     ("script a folder", ["--nproc", "2", "--", "hfsdp"], 2, "the script hfsdp is a folder, not a regular file"),
     ("module missing", ["--nproc", "2", "--", "-m", "no_such.module"], 2, "-m 'no_such.module' names no module"),
+    ("nproc absurd", ["--nproc", "100000000", "--", "{tmp}/s ö.py"], 2,
+     "100,000,000 ranks is more ranks on one host than any launch can start"),
+    ("script a named pipe", ["--nproc", "1", "--", "{tmp}/pipe"], 2, "pipe is a named pipe, not a regular file"),
+    ("script /dev/null", ["--nproc", "1", "--", "/dev/null"], 2, "/dev/null is a character device"),
+    ("script a link to nothing", ["--nproc", "1", "--", "{tmp}/broken"], 2, "broken is a symbolic link to nothing"),
+    ("HFSDP_STACK_DUMP_AFTER_S junk", ["ENV:HFSDP_STACK_DUMP_AFTER_S=nan", "--nproc", "1", "--", "{tmp}/s ö.py"], 2,
+     "HFSDP_STACK_DUMP_AFTER_S='nan': must be >= 0"),
+    ("script path with a space and non-ASCII", ["--nproc", "1", "--", "{tmp}/s ö.py"], 0, ""),
 ]
 
 
 @pytest.mark.no_cuda  # the rows describe a machine without a GPU
 @pytest.mark.parametrize(("args", "rc", "says"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
-def test_probe(args, rc, says):
-    env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
+def test_probe(args, rc, says, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("HFSDP_DEBUG", "HFSDP_STACK_DUMP_AFTER_S")}
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "s ö.py").write_text("import os\nassert os.environ['RANK'] == '0'\n")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    while args and args[0].startswith("ENV:"):
+        key, value = args.pop(0)[4:].split("=", 1)
+        env[key] = value
     proc = subprocess.run([sys.executable, "-m", "hfsdp.launch", *args], cwd=REPO_ROOT, env=env, text=True,
                           capture_output=True, timeout=120)
     assert proc.returncode == rc, proc.stderr

@@ -164,7 +164,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Env:
     store = tmp_path / "store"
     store.mkdir()
     sdist = make_sdist(store)
-    root = tmp_path / "my checkout"  # a space: every command the tools suggest must survive it
+    root = tmp_path / "my chéckout"  # a space and non-ASCII: every command the tools suggest must survive them
     (root / "patches").mkdir(parents=True)
     (root / "patches" / "base.toml").write_text(textwrap.dedent(f"""\
         [base]

@@ -84,6 +84,14 @@ ROWS: dict[str, Row] = {
     "--plan-json under a file": Row(["--plan-json", f"{__file__}/plan.json"], 2, "which is a file"),
     "--plan-json empty": Row(["--plan-json", ""], 2, "--plan-json is empty"),
     "--plan-json in a new folder": Row(["--plan-json", "TMP/new/plan.json"], 0, "wrote the plan as JSON"),
+    # What the rename of a write in one step would replace: refused, and left as it was (no device here: a
+    # regression run as root would replace it).
+    "--plan-json a named pipe": Row(["--plan-json", "TMP/pipe"], 2, "pipe is a named pipe, not a regular file"),
+    "--plan-json a link to nothing": Row(["--plan-json", "TMP/link"], 2, "link is a symbolic link to nothing; writing"),
+    "--plan-json with a space and non-ASCII": Row(["--plan-json", "TMP/pl än/plan 1.json"], 0, "wrote the plan"),
+    "HFSDP_DEBUG junk": Row(["--plan-dp-size", "0"], 2, "--plan-dp-size: must be > 0", {"HFSDP_DEBUG": "\x01 no"}),
+    "HFSDP_FSDP_UNIT_MODULES white space": Row([], 0, "Megatron-FSDP memory plan:",
+                                               {"HFSDP_FSDP_UNIT_MODULES": "  "}),
     # A folder every check calls writable, where no file can be made.
     "--plan-json in /proc": Row(["--plan-json", "/proc/plan.json"], 2, "/proc/plan.json could not be written"),
     # Flags that would make training read other flags.
@@ -107,12 +115,18 @@ def test_probe_row(name, tmp_path, monkeypatch, call_cli):
     monkeypatch.delenv(fsdp_units.ENV, raising=False)
     for key, value in row.env.items():
         monkeypatch.setenv(key, value)
+    made = {"TMP/pipe": lambda p: os.mkfifo(p), "TMP/link": lambda p: p.symlink_to(tmp_path / "nowhere")}
+    for token, make in made.items():
+        if token in row.argv:
+            make(tmp_path / token[4:])
+    kept = {p.name: os.lstat(p).st_mode for p in tmp_path.iterdir()}
     rc, said = call_cli(cli.main, [a.replace("TMP", str(tmp_path)) for a in row.argv])
     assert "Traceback" not in said, said[-3000:]
     assert rc == row.rc, (rc, said[-3000:])
     assert row.says in said, said[-3000:]
     if rc != 0:
-        assert "wrote the plan" not in said and list(tmp_path.iterdir()) == []
+        assert "wrote the plan" not in said
+        assert {p.name: os.lstat(p).st_mode for p in tmp_path.iterdir()} == kept, "a refused row changed files"
 
 
 def test_a_plan_json_is_strict_json(tmp_path, call_cli):

@@ -10,6 +10,7 @@ GPUs does.
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,17 @@ ROWS = [
     (SUMMARY, "--log-dir {dry} --wait -1", 2, "must be >= 0"),
     (SUMMARY, "--log-dir {dry} --wait nan", 2, "must be >= 0"),
     (LAUNCH_CMD, "{tmp}/no_case", 2, "is not a test case"),
+    # A jobs.json that is no regular file: reading a named pipe would block, writing would replace it.
+    (SUMMARY, "--log-dir {pipe}", 2, "jobs.json is a named pipe, not a regular file"),
+    (SUBMIT, "{case} --dry-run --log-dir {pipe}", 2, "jobs.json is a named pipe, not a regular file"),
+    (SUMMARY, "--log-dir {folder}", 2, "jobs.json is a folder, not a regular file"),
+    # A jobs.json that parses, but that submit never writes.
+    (SUMMARY, "--log-dir {negative_id}", 2, "is not a list of jobs"),
+    (SUMMARY, "--log-dir {true_id}", 2, "is not a list of jobs"),
+    (SUMMARY, "--log-dir {key_twice}", 2, "key 'job_id' is given twice in one object"),
+    (SUMMARY, "--log-dir {nan_id}", 2, "NaN is not a JSON number"),
+    # A --log-dir with a space (sbatch splits #SBATCH lines) is refused; non-ASCII alone is fine.
+    (SUBMIT, "{case} --dry-run --log-dir {tmp}/lo_gs_ö", 0, ""),
 ]
 
 # What sbatch says on a cluster without GPUs when a job asks for some.
@@ -69,6 +81,15 @@ def test_bad_input_is_one_sentence(tmp_path: Path, module: str, args: str, statu
     empty.mkdir()
     (empty / "jobs.json").write_text("[]\n")
     places = {"case": str(CASE), "file": str(afile), "dry": str(dry), "empty": str(empty), "tmp": str(tmp_path)}
+    manifest = (dry / "jobs.json").read_text()
+    ids = {"negative_id": "-3", "true_id": "true", "key_twice": "7, \"job_id\": 7", "nan_id": "NaN"}
+    makers = {name: (lambda p, v=v: p.write_text(manifest.replace('"job_id": null', f'"job_id": {v}')))
+              for name, v in ids.items()}
+    for name, make in {"pipe": lambda p: os.mkfifo(p), "folder": lambda p: p.mkdir(), **makers}.items():
+        if "{" + name + "}" in args:
+            (tmp_path / name).mkdir()
+            make(tmp_path / name / "jobs.json")
+            places[name] = str(tmp_path / name)
     argv = _argv(args, places)
     env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
     if argv[-1] == "gres":
@@ -84,6 +105,10 @@ def test_bad_input_is_one_sentence(tmp_path: Path, module: str, args: str, statu
     assert proc.returncode == status, proc.stdout + proc.stderr
     assert fragment in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+    if "pipe" in places:
+        assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe" / "jobs.json").st_mode), "the named pipe was replaced"
+    if status == 0:
+        return
     prog = module.rsplit(".", 1)[1]
     assert [ln for ln in proc.stderr.splitlines() if "error:" in ln] == [
         next(ln for ln in proc.stderr.splitlines() if ln.startswith(f"{prog}: error:"))], proc.stderr  # one

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hfsdp.atomic import NonFiniteJSON, json_text, write_json_atomic, write_text_atomic
-from hfsdp.usererror import UserError, env_number, report, run_cli
+from hfsdp.atomic import NonFiniteJSON, json_text, loads_strict, write_json_atomic, write_text_atomic
+from hfsdp.usererror import UserError, env_number, output_file, report, run_cli
 
 
 def test_a_user_error_is_two_lines_and_a_hint(monkeypatch):
@@ -159,3 +159,26 @@ def test_output_paths_refuse_a_folder_that_is_not_writable(tmp_path, lock_folder
         output_folder("--log-dir", locked)
     with pytest.raises(UserError, match=f"{locked} is not writable"):
         output_file("--summary", locked / "s.txt")
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ('{"a": NaN}', "NaN is not a JSON number"),
+    ('[Infinity]', "Infinity is not a JSON number"),
+    ('{"a": 1, "b": {"c": 2, "c": 3}}', "key 'c' is given twice"),
+])
+def test_files_we_wrote_are_read_back_as_strict_json(text, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        loads_strict(text)
+    assert loads_strict('{"a": [1, 2.5, "NaN"]}') == {"a": [1, 2.5, "NaN"]}
+
+
+@pytest.mark.parametrize("kind", ["pipe", "link to nothing"])
+def test_an_output_file_that_a_write_in_one_step_would_replace_is_refused(tmp_path, kind):
+    target = tmp_path / "out.json"
+    if kind == "pipe":
+        os.mkfifo(target)
+    else:
+        target.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(UserError, match="writing it would put a regular file in its place"):
+        output_file("--out", target)
+    assert os.path.lexists(target) and not target.is_file()
