@@ -29,10 +29,12 @@ Standard library only at import time.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from hfsdp.atomic import json_text, loads_strict
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ _TAG = "hfsdp-pre-hook-v1"
 def config_fields(config: Any) -> str:
     """A candidate config as canonical JSON, without its ``pre_hook``: what identifies it on disk."""
     fields = {k: v for k, v in vars(config).items() if k != "pre_hook"}
-    return json.dumps(fields, sort_keys=True, default=repr)
+    return json_text(fields, indent=None)
 
 
 def cache_key(base_parts: Sequence[str], tuning_key: Any, configs: Sequence[Any]) -> str:
@@ -52,18 +54,36 @@ def cache_key(base_parts: Sequence[str], tuning_key: Any, configs: Sequence[Any]
     return hashlib.sha256("-".join(parts).encode("utf-8")).hexdigest()
 
 
+def _stored(timing: Any) -> Any:
+    """A timing as strict JSON: a candidate that cannot run has Triton's ``inf``, stored as null."""
+    if isinstance(timing, (list, tuple)):
+        return [_stored(t) for t in timing]
+    return timing if math.isfinite(timing) else None
+
+
+def _timing(stored: Any) -> Any:
+    """What :func:`_stored` wrote, back as Triton's timing (null -> ``inf``)."""
+    if isinstance(stored, list):
+        return [_timing(t) for t in stored]
+    if stored is None:
+        return math.inf
+    if isinstance(stored, bool) or not isinstance(stored, (int, float)):
+        raise TypeError(f"a timing is a number, got {stored!r}")
+    return float(stored)
+
+
 def restore(text: str, configs: Sequence[Any]) -> dict[Any, Any] | None:
     """The stored timings keyed by the live ``configs``, or None when ``text`` does not time
     exactly these candidates (each one once)."""
     try:
-        stored = json.loads(text)["configs_timings"]
+        stored = loads_strict(text)["configs_timings"]
         by_fields = {config_fields(c): c for c in configs}
         timings: dict[Any, Any] = {}
         for fields, timing in stored:
-            live = by_fields.get(json.dumps(fields, sort_keys=True, default=repr))
+            live = by_fields.get(json_text(fields, indent=None))
             if live is None or live in timings:
                 return None
-            timings[live] = timing
+            timings[live] = _timing(timing)
     except (ValueError, KeyError, TypeError):
         return None
     return timings if len(timings) == len(configs) else None
@@ -71,8 +91,9 @@ def restore(text: str, configs: Sequence[Any]) -> dict[Any, Any] | None:
 
 def dump(tuning_key: Any, timings: dict[Any, Any]) -> str:
     """What :func:`restore` reads back."""
-    return json.dumps({"key": str(tuning_key),
-                       "configs_timings": [(json.loads(config_fields(c)), t) for c, t in timings.items()]})
+    return json_text({"key": str(tuning_key),
+                      "configs_timings": [(loads_strict(config_fields(c)), _stored(t)) for c, t in timings.items()]},
+                     indent=None)
 
 
 def _triton_key_parts(fn: Any) -> list[str]:
@@ -116,7 +137,10 @@ def make_check_disk_cache(original: Callable[..., bool], *,
                 self.configs_timings = timings
                 return True
         bench_fn()
-        cache.put(dump(tuning_key, self.configs_timings), file_name, binary=False)
+        try:
+            cache.put(dump(tuning_key, self.configs_timings), file_name, binary=False)
+        except (TypeError, ValueError, OSError) as exc:  # a config field or timing JSON cannot hold
+            logger.warning("autotune cache for %s not written (%s: %s)", fn.__name__, type(exc).__name__, exc)
         return False
 
     setattr(check_disk_cache, _MARK, True)

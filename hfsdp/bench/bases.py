@@ -313,7 +313,8 @@ class Capabilities:
 
 # Run in a release's environment: what Capabilities holds, as JSON on the last line.
 _PROBE = """
-import argparse, importlib.util, json, sys
+import argparse, importlib.util, sys
+from hfsdp.atomic import json_text
 from hfsdp.training import upstream_base
 upstream_base.ensure(upstream_base.active())
 from megatron.training.arguments import add_megatron_arguments
@@ -324,7 +325,7 @@ try:
     local_hybrid = importlib.util.find_spec(sys.argv[1]) is not None
 except ModuleNotFoundError:  # a package on the way is missing
     local_hybrid = False
-print(json.dumps({"flags": flags, "local_hybrid": local_hybrid}))
+print(json_text({"flags": flags, "local_hybrid": local_hybrid}, indent=None), end="")
 """
 
 

@@ -143,3 +143,17 @@ def test_a_key_that_cannot_be_computed_falls_back_to_tritons_own_path(tmp_path, 
                                                    cache_manager=get_cache_manager)
     assert patched(FakeTuner(), KEY, candidates("a"), lambda: None) is False
     assert len(seen) == 1
+
+
+def test_a_candidate_that_cannot_run_keeps_its_infinite_time(check):
+    """Triton times a config that cannot run here as inf; the file (strict JSON) holds null, and a
+    later process reads inf back, so the choice is the same."""
+    import math
+
+    first, calls = FakeTuner(), []
+    configs = candidates("a")
+    check(first, KEY, configs, bench(first, configs, [math.inf, 2.0, 1.0], calls))
+    second, later = FakeTuner(), candidates("b")
+    assert check(second, KEY, later, bench(second, later, [0.1, 0.1, 0.1], calls)) is True
+    assert calls == [1] and second.cache[KEY] is later[2]
+    assert second.configs_timings[later[0]] == [math.inf] * 3
