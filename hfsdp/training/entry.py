@@ -266,12 +266,12 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
         cfg = pretrain_cfg_container_from_args(args)
     try:
-        pretrain(
+        pretrain(  # by keyword: 0.19 moved model_provider behind forward_step_func
             cfg,
-            data.train_valid_test_datasets_provider,
-            model_provider.make_model_provider(family),
-            ModelType.encoder_or_decoder,
-            forward_step.forward_step,
+            train_valid_test_dataset_provider=data.train_valid_test_datasets_provider,
+            model_provider=model_provider.make_model_provider(family),
+            model_type=ModelType.encoder_or_decoder,
+            forward_step_func=forward_step.forward_step,
         )
     except lanes_errors(base) as exc:  # a flag error only the built model reveals (unit count)
         raise UserError(str(exc), flags_fix()) from exc
