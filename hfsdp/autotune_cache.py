@@ -23,6 +23,18 @@ Invariants:
 - nothing changes unless the process asked for the cache (``TRITON_CACHE_AUTOTUNING=1`` or an
   autotuner built with ``cache_results=True``): only then does Triton call ``check_disk_cache``.
 
+[Note: one Triton cache directory per process life]
+Triton reads ``TRITON_CACHE_DIR`` on every cache lookup, and TorchInductor sets it, when unset, to
+``<inductor cache>/triton/<device index>`` the first time it builds a kernel launcher, which is
+at some point inside the first step of a process with ``torch.compile``'d functions (Megatron's
+``jit_fuser``). Kernels compiled or tuned before that moment (mamba_ssm's, on a hybrid's first
+layer) go to Triton's default folder, those after it to Inductor's; where that moment falls differs
+between processes (a cold compile against an Inductor cache hit), so a later process looks for its
+kernels in the other folder, misses, and compiles and times them again: 90 s or more of every
+process's first step on the realistic preset at DP=4. :func:`pin_cache_dir`, called by our entry
+before anything is compiled, sets the variable to Triton's own default when the user has not set
+it, so every kernel of every process and rank lives in one folder. A user's value is kept.
+
 Standard library only at import time.
 """
 
@@ -31,13 +43,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 from hfsdp.atomic import json_text, loads_strict
 
 logger = logging.getLogger(__name__)
 
+CACHE_DIR_ENV = "TRITON_CACHE_DIR"
 _MARK = "_hfsdp_pre_hook_cache"
 _TAG = "hfsdp-pre-hook-v1"
 
@@ -163,3 +177,20 @@ def install(autotuner_cls: Any | None = None) -> bool:
     autotuner_cls.check_disk_cache = make_check_disk_cache(original)
     logger.debug("Triton's autotune disk cache now covers configs with a pre_hook")
     return True
+
+
+def default_cache_dir(environ: MutableMapping[str, str]) -> str:
+    """Triton's own default cache folder: ``$TRITON_HOME/.triton/cache``, ``TRITON_HOME`` being the home
+    folder when unset (triton.knobs.cache)."""
+    home = environ.get("TRITON_HOME") or os.path.expanduser("~/")
+    return os.path.join(home, ".triton", "cache")
+
+
+def pin_cache_dir(environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Set ``TRITON_CACHE_DIR`` to Triton's default where unset ([Note: one Triton cache directory per
+    process life]); the folder set, or None when the user's value stands."""
+    env = os.environ if environ is None else environ
+    if env.get(CACHE_DIR_ENV):
+        return None
+    env[CACHE_DIR_ENV] = default_cache_dir(env)
+    return env[CACHE_DIR_ENV]

@@ -224,6 +224,8 @@ def main(argv: Sequence[str] | None = None, forced_family: str | None = None) ->
 def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     program_start = time.time()
     install_stack_dump_signal()  # `kill -USR1 <pid>` prints this rank's stacks (hung jobs)
+    from hfsdp.autotune_cache import pin_cache_dir
+    pin_cache_dir()  # before torch.compile runs: one Triton cache folder for every process ([Note] there)
     if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
         from hfsdp.flags import quiet
 
