@@ -198,3 +198,20 @@ def test_a_queue_dir_in_a_folder_that_is_not_writable_is_refused_before_anything
     with pytest.raises(PatchsetError, match=f"--dir {locked / 'empty'}: {locked} is not writable"):
         make_queue(fake.project, locked / "empty")  # replaced from beside it
     assert sorted(p.name for p in locked.iterdir()) == ["empty"]
+
+
+def test_a_repository_variable_of_the_caller_does_not_reach_the_queues_git(
+        fake: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GIT_OBJECT_DIRECTORY (or GIT_DIR, ...) from a git hook must not send a queue's objects elsewhere: the
+    queue would be unusable once the variable is gone."""
+    import subprocess
+
+    elsewhere = tmp_path / "objects"
+    monkeypatch.setenv("GIT_OBJECT_DIRECTORY", str(elsewhere))
+    monkeypatch.setenv("GIT_CONFIG_PARAMETERS", "'core.autocrlf'='true'")
+    assert cli(fake, "queue", "--dir", str(tmp_path / "q")) == 0
+    assert not elsewhere.exists()
+    monkeypatch.delenv("GIT_OBJECT_DIRECTORY")
+    monkeypatch.delenv("GIT_CONFIG_PARAMETERS")
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=tmp_path / "q", capture_output=True, text=True)
+    assert log.returncode == 0 and log.stdout.split() == ["train", "alloc", "overlay", "base"], log
