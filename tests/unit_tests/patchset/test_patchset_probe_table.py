@@ -318,6 +318,20 @@ PROBES = [
     Probe("against-garbage", ("check", "--against", "0.18.2; rm -rf /"), 2, "is neither an sdist file nor a version"),
     Probe("cache-a-file", ("materialize",), 2, "the download cache", write("{tmp}/cache", "x"),
           env={**NO_SDIST, "MEGATRON_PATCHSET_CACHE": "{tmp}/cache"}),
+    # The cached sdist is no regular file: never read (a pipe blocks), never replaced by a download.
+    *[Probe(f"cached-sdist-{kind}-{verb[-1]}", verb, 2, f"the cached sdist {{tmp}}/cache/{name} is {says}",
+            odd(f"{{tmp}}/cache/{name}", kind), env={**NO_SDIST, **OFFLINE, "MEGATRON_PATCHSET_CACHE": "{tmp}/cache"})
+      for kind, says in (("fifo", "a named pipe"), ("dangling", "a symbolic link to nothing"), ("folder", "a folder"))
+      for verb, name in ((("materialize",), "megatron_core-0.18.2.tar.gz"),
+                         (("check", "--against", "0.19.0"), "megatron_core-0.19.0.tar.gz"))],
+    Probe("sdist-variable-devnull", ("materialize",), 2, "MEGATRON_PATCHSET_SDIST /dev/null is a character device",
+          env={"MEGATRON_PATCHSET_SDIST": os.devnull}),
+    # check --against a version: an index that does not answer, or a cache it cannot be downloaded into.
+    Probe("against-index-down", ("check", "--against", "0.19.0"), 2,
+          "http://127.0.0.1:9/simple did not answer for megatron_core-0.19.0.tar.gz",
+          env={"MEGATRON_PATCHSET_CACHE": "{tmp}/cache"}),
+    Probe("against-cache-a-file", ("check", "--against", "0.19.0"), 2, "the download cache {tmp}/cache is a file",
+          write("{tmp}/cache", "x"), env={"MEGATRON_PATCHSET_CACHE": "{tmp}/cache"}),
     # A stamp that is no regular file is no stamp this tool wrote (a pipe would block the read).
     *[Probe(f"stamp-{kind}-{verb}", (verb,), 2, "so which files are yours cannot be told",
             then(materialized, odd("megatron/.patchset-stamp.json", kind)))
