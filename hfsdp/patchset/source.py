@@ -25,12 +25,11 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from hfsdp.usererror import UserError, not_a_regular_file, output_folder, quoted
+from hfsdp.usererror import UserError, env_flag, not_a_regular_file, output_folder, quoted
 
 from .errors import HashMismatch, SourceUnavailable, WrongBaseVersion
 from .pin import BasePin
 
-_TRUTHY = {"1", "true", "yes", "on"}
 _SDIST_NAME = re.compile(r"^(?P<dist>[A-Za-z0-9_.]+?)-(?P<version>[0-9][^/]*?)\.tar\.gz$")
 
 
@@ -45,11 +44,8 @@ def sha256_file(path: Path) -> str:
 
 def is_offline(env: Mapping[str, str] | None = None) -> bool:
     """True when the user asked for no network access."""
-    environ = os.environ if env is None else env
-    return (
-        environ.get("MEGATRON_PATCHSET_OFFLINE", "").lower() in _TRUTHY
-        or environ.get("PIP_NO_INDEX", "").lower() in _TRUTHY
-    )
+    return any(env_flag(name, environ=env, unset_means="the index may be asked")
+               for name in ("MEGATRON_PATCHSET_OFFLINE", "PIP_NO_INDEX"))
 
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:

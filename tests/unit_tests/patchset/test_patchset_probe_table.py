@@ -274,7 +274,9 @@ PROBES = [
     *[Probe(f"source-date-{i}", ("refresh", "--new", "x"), 2, says,
             then(materialized, write("megatron/core/__init__.py", "V = 5\n")), env={"SOURCE_DATE_EPOCH": value})
       for i, (value, says) in enumerate((("soon", "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number"),
-                                         ("99999999999999", "is past the last date a patch header can carry")))],
+                                         ("99999999999999", "is past the last date a patch header can carry"),
+                                         ("-1", "SOURCE_DATE_EPOCH='-1': must be >= 0, got -1"),
+                                         ("1e9", "'1e9' is not a whole number"), ("é", "'é' is not a whole number")))],
     # A series that lost patches patches/ still holds: no tree stamped as the fork without them.
     *[Probe(f"series-lost-{when}", ("materialize",), 2,
             "patches/ holds 2 more it does not list (alloc.patch, train.patch)",
@@ -347,6 +349,31 @@ PROBES = [
           then(queue_at("q"), odd("patches/extra.patch", "fifo"))),
     Probe("patches-fifo-refresh", ("refresh", "--new", "x"), 2, "extra.patch is a named pipe",
           then(materialized, write("megatron/core/__init__.py", "V = 5\n"), odd("patches/extra.patch", "fifo"))),
+    # Switches: a word that is neither on nor off is refused; pip's y/t for PIP_NO_INDEX mean on, as for pip.
+    *[Probe(f"offline-{i}", ("materialize",), 2, says, env={**NO_SDIST, **variables})
+      for i, (variables, says) in enumerate((
+          ({"MEGATRON_PATCHSET_OFFLINE": "maybe"}, "MEGATRON_PATCHSET_OFFLINE='maybe' is neither on"),
+          ({"MEGATRON_PATCHSET_OFFLINE": "é"}, "MEGATRON_PATCHSET_OFFLINE='é' is neither on"),
+          ({"MEGATRON_PATCHSET_OFFLINE": "2"}, "MEGATRON_PATCHSET_OFFLINE='2' is neither on"),
+          ({"PIP_NO_INDEX": "y"}, "offline (MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX set)"),
+          ({"MEGATRON_PATCHSET_OFFLINE": "Off", "PIP_NO_INDEX": "T"},
+           "offline (MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX")))],
+    # 9. Names and options.
+    Probe("new-bad-name", ("refresh", "--new", "Bad Name"), 2, "--new 'Bad Name' is not a patch name", materialized),
+    Probe("drop-bad-name", ("export", "--queue", "{tmp}", "--drop", "../x"), 2, "--drop '../x' is not a patch name"),
+    Probe("patch-and-new", ("refresh", "--patch", "a", "--new", "b"), 2, "not allowed with argument"),
+    Probe("unknown-verb", ("frobnicate",), 2, "invalid choice"),
+    Probe("no-verb", (), 2, "required"),
+    # 9. Ctrl-C, a closed pipe, and HFSDP_DEBUG=1 (through the program itself).
+    Probe("ctrl-c-materialize", ("materialize",), 130, "patchset: interrupted", process=True, interrupt_at=8),
+    Probe("ctrl-c-refresh", ("refresh", "--new", "x"), 130, "patchset: interrupted",
+          then(materialized, write("megatron/core/__init__.py", "VALUE = 5\n")), process=True, interrupt_at=30),
+    Probe("ctrl-c-queue", ("queue", "--dir", "{tmp}/q"), 130, "patchset: interrupted", process=True, interrupt_at=12),
+    *[Probe(f"pipe-{verb[0]}", verb, QUIET, "", materialized, process=True, closed_stdout=True)
+      for verb in (("status",), ("overlay",), ("lint",), ("diff", "--series"))],
+    Probe("wrapper-python-missing", ("status",), 2, "PYTHON=/nonexistent is not a Python >= 3.11",
+          env={"PYTHON": "/nonexistent"}, process=True),
+    Probe("debug-traceback", ("status",), 2, "Traceback", root="{tmp}", env={"HFSDP_DEBUG": "1"}),
 ]
 
 
