@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from hfsdp.extras import EXTRAS  # noqa: E402
-from hfsdp.patchset.errors import PatchsetError  # noqa: E402
 from hfsdp.patchset.materialize import materialize  # noqa: E402
 from hfsdp.patchset.project import Project  # noqa: E402
+from hfsdp.usererror import UserError  # noqa: E402
 
 PROJECT = Project(ROOT)
 
@@ -40,7 +40,7 @@ try:
     if os.environ.get("HFSDP_SKIP_MATERIALIZE") != "1":
         materialize(PROJECT, log=lambda line: print(line, file=sys.stderr))
     PACKAGE_DATA = overlay_package_data()
-except PatchsetError as exc:
+except UserError as exc:  # a PatchsetError, or a bad environment variable (MEGATRON_PATCHSET_OFFLINE=maybe)
     sys.exit(f"\nhfsdp: cannot materialize megatron/: {exc.cause}\n  -> {exc.fix}\n")
 PACKAGE_DATA.setdefault("megatron.core.datasets", []).append("helpers.cpp")
 

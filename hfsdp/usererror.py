@@ -103,6 +103,22 @@ def env_number(name: str, default: float | int | None, *, kind: type = int, zero
                         f"{'>= 0' if zero else '> 0'}, or unset it for {unset}") from None
 
 
+_ON, _OFF = ("1", "true", "yes", "on", "y", "t"), ("0", "false", "no", "off", "n", "f")
+
+
+def env_flag(name: str, *, environ: Mapping[str, str] | None = None, unset_means: str = "off") -> bool:
+    """Whether environment variable ``name`` is on: 1/true/yes/on or 0/false/no/off, in any case (y, t, n, f
+    too, as pip reads its own PIP_* switches); unset or empty is off. Any other value is a :class:`UserError`
+    naming the variable: a typo must not silently mean off."""
+    text = (os.environ if environ is None else environ).get(name, "").strip()
+    if text.lower() in _ON:
+        return True
+    if not text or text.lower() in _OFF:
+        return False
+    raise UserError(f"{name}={text!r} is neither on (1, true, yes, on) nor off (0, false, no, off)",
+                    f"set {name}=1 or {name}=0, or unset it ({unset_means})")
+
+
 def _nearest_existing(path: Path) -> Path:
     """``path`` or its nearest ancestor that is there; a symbolic link to nothing counts (nothing
     can be made through it)."""

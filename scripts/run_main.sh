@@ -12,17 +12,29 @@
 #   extra args are passed to pretrain
 set -eo pipefail
 cd "$(dirname "$0")/.."
-if [ "${HFSDP_SETUP_DONE:-0}" = 1 ] && [ -n "${HFSDP_PY:-}" ]; then
-  if ! "$HFSDP_PY" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
-    echo "run_main: error: HFSDP_PY=$HFSDP_PY is not a Python >= 3.12 that runs here" >&2
-    echo "  -> set HFSDP_PY to the interpreter of your set-up environment (e.g. .venv/bin/python), or unset" \
-      "HFSDP_SETUP_DONE to let scripts/setup_env.sh make one" >&2
+case "${HFSDP_SETUP_DONE:-0}" in
+  1)
+    if [ -z "${HFSDP_PY:-}" ]; then
+      echo "run_main: error: HFSDP_SETUP_DONE=1 skips the set-up, but HFSDP_PY names no interpreter to use" >&2
+      echo "  -> set HFSDP_PY to the interpreter of your set-up environment (e.g. .venv/bin/python), or unset" \
+        "HFSDP_SETUP_DONE to let scripts/setup_env.sh make one" >&2
+      exit 2
+    fi
+    if ! "$HFSDP_PY" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
+      echo "run_main: error: HFSDP_PY=$HFSDP_PY is not a Python >= 3.12 that runs here" >&2
+      echo "  -> set HFSDP_PY to the interpreter of your set-up environment (e.g. .venv/bin/python), or unset" \
+        "HFSDP_SETUP_DONE to let scripts/setup_env.sh make one" >&2
+      exit 2
+    fi
+    echo "run_main: HFSDP_SETUP_DONE=1: using $HFSDP_PY as it is (no set-up)"
+    ;;
+  0) HFSDP_WITH_MAMBA=${HFSDP_WITH_MAMBA:-1} . scripts/setup_env.sh ;;
+  *)
+    echo "run_main: error: HFSDP_SETUP_DONE must be 0 or 1, got '$HFSDP_SETUP_DONE'" >&2
+    echo "  -> set HFSDP_SETUP_DONE=1 with HFSDP_PY=/path/to/python to skip the set-up, or unset it" >&2
     exit 2
-  fi
-  echo "run_main: HFSDP_SETUP_DONE=1: using $HFSDP_PY as it is (no set-up)"
-else
-  HFSDP_WITH_MAMBA=${HFSDP_WITH_MAMBA:-1} . scripts/setup_env.sh
-fi
+    ;;
+esac
 
 echo "== run_main: the fork =="
 "$HFSDP_PY" -c 'import sys; from hfsdp.main_job import print_fork; sys.exit(print_fork())'

@@ -16,26 +16,61 @@
 set -eo pipefail
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
+# Every knob is checked before anything is installed or made: one sentence (exit 2), nothing changed.
+case "${HFSDP_WITH_MAMBA:-0}" in
+  0|1) ;;
+  *)
+    echo "setup_env: HFSDP_WITH_MAMBA must be 0 or 1, got '$HFSDP_WITH_MAMBA'" >&2
+    echo "  -> set HFSDP_WITH_MAMBA=1 (install mamba_ssm) or HFSDP_WITH_MAMBA=0 (leave it; the Mamba tests skip)" >&2
+    exit 2
+    ;;
+esac
+
 _ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
 _find_python() {
   local c
+  # A PYTHON that is set is the only one tried: another one found instead would be a silent surprise.
+  if [ -n "${PYTHON:-}" ]; then
+    command -v "$PYTHON" >/dev/null 2>&1 && _ok "$(command -v "$PYTHON")" && { command -v "$PYTHON"; return 0; }
+    return 1
+  fi
   # 3.12 first: it is what the GPU machines run and what megatron-core 0.18.2 is tested on.
-  for c in ${PYTHON:-} python3.12 python3.13 python3; do
-    command -v "$c" >/dev/null 2>&1 && _ok "$c" && { command -v "$c"; return 0; }
+  for c in python3.12 python3.13 python3; do
+    command -v "$c" >/dev/null 2>&1 && _ok "$(command -v "$c")" && { command -v "$c"; return 0; }
   done
-  # pyenv installs that are not the active version (the CPU machines ship 3.12 this way).
-  for c in $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3 2>/dev/null | sort -V -r) \
-           $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[3-9]*/bin/python3 2>/dev/null | sort -V); do
+  # pyenv installs that are not the active version (the CPU machines ship 3.12 this way); one a line, so
+  # that a PYENV_ROOT with a space stays one path.
+  while IFS= read -r c; do
     _ok "$c" && { echo "$c"; return 0; }
-  done
+  done < <(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3 2>/dev/null | sort -V -r
+           ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[3-9]*/bin/python3 2>/dev/null | sort -V)
   return 1
 }
 
 _venv=${VENV:-$_root/.venv}
 if [ ! -x "$_venv/bin/python" ] || ! _ok "$_venv/bin/python"; then
+  # venv writes bin/, lib/ and pyvenv.cfg into the folder: only a new or empty one, or a venv, is ours to write.
+  if [ -e "$_venv" ] || [ -L "$_venv" ]; then
+    if [ ! -d "$_venv" ]; then
+      echo "setup_env: VENV=$_venv is not a folder" >&2
+      echo "  -> set VENV to a new folder (it is made), or unset it for .venv in the checkout" >&2
+      exit 2
+    fi
+    if [ ! -f "$_venv/pyvenv.cfg" ] && [ -n "$(ls -A "$_venv" 2>/dev/null)" ]; then
+      echo "setup_env: VENV=$_venv is a folder that is neither empty nor a virtual environment; making one there" \
+        "would write into it" >&2
+      echo "  -> set VENV to a new or empty folder, or unset it for .venv in the checkout" >&2
+      exit 2
+    fi
+  fi
   _py=$(_find_python) || {
-    echo "setup_env: no Python >= 3.12 found (megatron-core 0.18.2 requires it)." >&2
-    echo "  -> install one (e.g. pyenv install 3.12) or set PYTHON=/path/to/python3.12" >&2
+    if [ -n "${PYTHON:-}" ]; then
+      echo "setup_env: PYTHON=$PYTHON is not a Python >= 3.12 that runs here (megatron-core 0.18.2 requires it)" >&2
+      echo "  -> set PYTHON to one (e.g. /usr/bin/python3.12), or unset it to take the first one found" >&2
+    else
+      echo "setup_env: no Python >= 3.12 found (megatron-core 0.18.2 requires it)." >&2
+      echo "  -> install one (e.g. pyenv install 3.12) or set PYTHON=/path/to/python3.12" >&2
+    fi
     exit 2
   }
   echo "setup_env: creating $_venv with $_py ($("$_py" --version 2>&1))"
@@ -77,7 +112,7 @@ _install_mamba() {
   [ -f "$site/selective_scan_cuda.py" ] || echo "# stand-in: mamba_ssm's CUDA-only selective scan (unused by the Triton path)" > "$site/selective_scan_cuda.py"
 }
 _pip() { "$HFSDP_PY" -m pip install -q --disable-pip-version-check "$@"; }
-case "${HFSDP_WITH_MAMBA:-0}" in
+case "${HFSDP_WITH_MAMBA:-0}" in  # 0 or 1 (checked at the top)
   0) ;;
   1)
     _mamba_problem 2>/dev/null || _install_mamba || echo "setup_env: installing mamba-ssm failed (above)" >&2
@@ -87,10 +122,6 @@ case "${HFSDP_WITH_MAMBA:-0}" in
       echo "     or opt out with HFSDP_WITH_MAMBA=0 (the Mamba tests then skip)" >&2
       exit 2
     fi
-    ;;
-  *)
-    echo "setup_env: HFSDP_WITH_MAMBA must be 0 or 1, got '$HFSDP_WITH_MAMBA'" >&2
-    exit 2
     ;;
 esac
 "$HFSDP_PY" - <<'PY'

@@ -60,12 +60,32 @@ def check_not_a_case(out: Path, max_depth: int | None = None, fix: str = FIX) ->
                         "the driver clears its output folder before a run", fix)
 
 
-def foreign_entries(out: Path) -> list[str]:
-    """Top-level entries of ``out`` that the driver did not make (all of them without the marker)."""
+def foreign_entries(out: Path, marker: str = MARKER, ours: frozenset[str] | None = DRIVER_OUTPUTS) -> list[str]:
+    """Top-level entries of ``out`` that the writer whose ``marker`` it is did not make: all of them without
+    the marker; with it, those not named in ``ours`` (None: every entry is the writer's)."""
     names = sorted(p.name for p in out.iterdir())
-    if MARKER not in names:
-        return names or []
-    return [n for n in names if n not in DRIVER_OUTPUTS]
+    if marker not in names:
+        return names
+    return [n for n in names if ours is not None and n not in ours]
+
+
+def refuse_foreign(what: str, out: Path, fix: str, *, marker: str = MARKER,
+                   ours: frozenset[str] | None = DRIVER_OUTPUTS, maker: str = "the functional driver",
+                   rule: str = "it writes into and clears only folders it made") -> None:
+    """[Note: made by us] Every writer of ours writes into a folder that exists only when the folder is
+    empty or carries its ``marker`` (written when it made the folder, :func:`mark`): a folder the user
+    made, or one of another tool, is refused, naming what it holds (``what``: how the folder is given)."""
+    if out.is_dir() and (foreign := foreign_entries(out, marker, ours)):
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        only = ", driver outputs only" if ours is not None else ""
+        raise UserError(f"{what} {out} exists and holds {shown}, not made by {maker} ({rule}: {marker} marker{only})",
+                        f"{fix}; or, if those are yours to lose, remove {out} yourself")
+
+
+def mark(out: Path, marker: str = MARKER) -> None:
+    """Make ``out`` (if missing) and put ``marker`` in it: from now on it is a folder we made."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / marker).touch()
 
 
 def check(out: Path) -> None:
@@ -75,13 +95,7 @@ def check(out: Path) -> None:
         output_folder("output folder", out)
     except UserError as exc:
         raise UserError(exc.cause, FIX) from None  # the way out is --output-dir, which names its parent
-    if out.exists() and (foreign := foreign_entries(out)):
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise UserError(
-            f"output folder {out} exists and holds {shown}, not made by the functional driver "
-            f"(it writes into and clears only folders it made: {MARKER} marker, driver outputs only)",
-            f"{FIX}; or, if those are yours to lose, remove {out} yourself",
-        )
+    refuse_foreign("output folder", out, FIX)
 
 
 def prepare(out: Path, clear: bool) -> Path:
@@ -90,8 +104,7 @@ def prepare(out: Path, clear: bool) -> Path:
     try:
         if out.exists() and clear:
             shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / MARKER).touch()
+        mark(out)
     except OSError as exc:
         raise UserError(f"output folder {out} cannot be made: {exc.strerror or exc}", FIX) from exc
     return out

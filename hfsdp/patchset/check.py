@@ -24,11 +24,12 @@ import ast
 import dataclasses
 import re
 import tempfile
+import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from . import gitops
-from .errors import PatchDoesNotApply, PatchsetError, SeriesError
+from .errors import HashMismatch, PatchDoesNotApply, PatchsetError, SeriesError, SourceUnavailable
 from .overlay import Overlay, source_name, taken_paths, write_files
 from .pin import BasePin
 from .project import Project
@@ -36,10 +37,12 @@ from .series import Patch
 from .source import (
     _download,
     cache_dir,
+    cached_file,
     check_version,
     index_files,
     is_offline,
     locate_sdist,
+    require_cache_folder,
     sha256_file,
     verify,
     yank_note,
@@ -239,14 +242,32 @@ def _declared_upstream(applied_upstream: str, target_version: str) -> bool:
 def _download_unpinned(other: BasePin) -> Path:
     """Fetch another release's sdist; its sha256 comes from the index (no pin exists for it)."""
     cached = cache_dir() / other.filename
-    if cached.is_file():
+    by_path = f"download {other.filename} elsewhere and pass its path: --against PATH"
+    if cached_file(cached, by_path) is not None:
         return cached
     if is_offline():
-        raise PatchsetError(f"offline and {cached} is missing",
-                            f"download {other.filename} elsewhere and pass its path")
-    entry = next((f for f in index_files(other, 120) if f.get("filename") == other.filename), None)
+        raise PatchsetError(f"offline and {cached} is missing", by_path)
+    require_cache_folder(cached, by_path)
+    where = other.index_url.rstrip("/")
+    try:
+        entry = next((f for f in index_files(other, 120) if f.get("filename") == other.filename), None)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise SourceUnavailable(f"{where} did not answer for {other.filename} ({exc})",
+                                f"check network access to the package index, or {by_path}") from None
     if entry is None:
         raise PatchsetError(f"{other.filename} is not on {other.index_url}", "check the version number")
-    _download(entry["url"], cached, 120)
-    verify(dataclasses.replace(other, sha256=entry["hashes"]["sha256"]), cached)
+    hashes = entry.get("hashes")
+    digest = hashes.get("sha256") if isinstance(hashes, dict) else None
+    if not isinstance(digest, str) or not isinstance(entry.get("url"), str):
+        raise SourceUnavailable(f"{where} lists no sha256 or URL for {other.filename}", by_path)
+    try:
+        _download(entry["url"], cached, 120)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise SourceUnavailable(f"could not download {other.filename}: {exc}",
+                                f"check network access to the package index, or {by_path}") from None
+    try:
+        verify(dataclasses.replace(other, sha256=digest.lower()), cached)
+    except HashMismatch:
+        cached.unlink(missing_ok=True)  # a damaged download is not kept as the release
+        raise
     return cached

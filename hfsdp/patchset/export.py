@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hfsdp.usererror import UserError, env_number, quoted
+from hfsdp.usererror import UserError, env_number, not_a_regular_file, quoted
 
 from . import gitops
 from .errors import PatchsetError, SeriesError
@@ -362,8 +362,16 @@ def _write_overlay(built: Path, members: tuple[str, ...], overlay: Overlay) -> l
 
 def snapshot_patches(project: Project) -> dict:
     """``patches/`` as the guarded swap compares it (guarded_swap.py): take it before anything in it is read, so that a
-    file saved there while the queue is built and checked undoes the swap instead of being overwritten."""
-    return scan(project.patches_dir, prefix="patches")
+    file saved there while the queue is built and checked undoes the swap instead of being overwritten. An entry
+    that is no file, folder or link (a named pipe, a socket) is refused here, before any work: the new patches/
+    starts as a copy of the old one, which cannot hold it."""
+    snapshot = scan(project.patches_dir, prefix="patches")
+    if odd := [path for path, entry in snapshot.items() if entry.kind == "other"]:
+        where = project.root / odd[0]
+        raise PatchsetError(f"{where} {not_a_regular_file(where) or 'is not a regular file'}; refresh and export "
+                            "write patches/ as a new copy of it, which cannot hold that; nothing was written",
+                            f"move {quoted(where)} out of patches/, then run the command again")
+    return snapshot
 
 
 def write_plan(project: Project, plan: ExportPlan, snapshot: dict, rerun: str, log: Callable[[str], None]) -> None:

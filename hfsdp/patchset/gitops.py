@@ -27,6 +27,15 @@ _ENV = {
     "GIT_TERMINAL_PROMPT": "0",
     "LC_ALL": "C",
 }
+# What `git rev-parse --local-env-vars` lists: variables that point git at another repository, object store,
+# index or config. One set in the caller's environment (a git hook's GIT_DIR, a GIT_OBJECT_DIRECTORY) would
+# make the throw-away repositories write elsewhere or read the user's config, so none reaches git.
+_REPOSITORY_LOCAL = frozenset({
+    "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_CONFIG", "GIT_CONFIG_PARAMETERS", "GIT_CONFIG_COUNT",
+    "GIT_OBJECT_DIRECTORY", "GIT_DIR", "GIT_WORK_TREE", "GIT_IMPLICIT_WORK_TREE", "GIT_GRAFT_FILE", "GIT_INDEX_FILE",
+    "GIT_NO_REPLACE_OBJECTS", "GIT_REPLACE_REF_BASE", "GIT_PREFIX", "GIT_INTERNAL_SUPER_PREFIX", "GIT_SHALLOW_FILE",
+    "GIT_COMMON_DIR",
+})
 # Options that keep diffs stable whatever the user's git config says.
 _DIFF_OPTS = [
     "-c", "core.quotepath=off", "-c", "diff.noprefix=false", "-c", "diff.mnemonicprefix=false",
@@ -43,11 +52,8 @@ def _git_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
     """The neutral environment every git call runs in (git must be installed)."""
     if shutil.which("git") is None:
         raise ToolMissing("git is not installed", "install git (apt-get install git); it applies the patch series")
-    env = {**os.environ, **_ENV, **(extra_env or {})}
-    env.pop("GIT_DIR", None)
-    env.pop("GIT_WORK_TREE", None)
-    env.pop("GIT_INDEX_FILE", None)
-    return env
+    env = {key: value for key, value in os.environ.items() if key not in _REPOSITORY_LOCAL}
+    return {**env, **_ENV, **(extra_env or {})}
 
 
 def git(args: list[str], cwd: Path, check: bool = True, input_text: str | None = None,

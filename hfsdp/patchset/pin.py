@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hfsdp.usererror import not_a_regular_file
+
 from .errors import SeriesError
 
 
@@ -89,12 +91,11 @@ def is_digest(value: object) -> bool:
 
 def load_pin(path: Path) -> BasePin:
     """Read and validate ``patches/base.toml``: every field of the type and form this tool relies on."""
+    if (why := not_a_regular_file(path)) is not None:  # a named pipe would block the read, /dev/null read as empty
+        why = "is missing" if why == "does not exist" else why
+        raise SeriesError(f"base pin {path} {why}", "restore patches/base.toml from git")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8-sig"))
-    except FileNotFoundError as exc:
-        raise SeriesError(f"base pin {path} is missing", "restore patches/base.toml from git") from exc
-    except IsADirectoryError as exc:
-        raise SeriesError(f"base pin {path} is a folder, not a file", "restore patches/base.toml from git") from exc
     except UnicodeDecodeError as exc:
         raise SeriesError(f"base pin {path} is not UTF-8 text ({exc.reason} at byte {exc.start})",
                           "restore patches/base.toml from git") from exc

@@ -25,12 +25,11 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from hfsdp.usererror import UserError, output_folder, quoted
+from hfsdp.usererror import UserError, env_flag, not_a_regular_file, output_folder, quoted
 
 from .errors import HashMismatch, SourceUnavailable, WrongBaseVersion
 from .pin import BasePin
 
-_TRUTHY = {"1", "true", "yes", "on"}
 _SDIST_NAME = re.compile(r"^(?P<dist>[A-Za-z0-9_.]+?)-(?P<version>[0-9][^/]*?)\.tar\.gz$")
 
 
@@ -45,11 +44,8 @@ def sha256_file(path: Path) -> str:
 
 def is_offline(env: Mapping[str, str] | None = None) -> bool:
     """True when the user asked for no network access."""
-    environ = os.environ if env is None else env
-    return (
-        environ.get("MEGATRON_PATCHSET_OFFLINE", "").lower() in _TRUTHY
-        or environ.get("PIP_NO_INDEX", "").lower() in _TRUTHY
-    )
+    return any(env_flag(name, environ=env, unset_means="the index may be asked")
+               for name in ("MEGATRON_PATCHSET_OFFLINE", "PIP_NO_INDEX"))
 
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -196,6 +192,27 @@ def yank_note(pin: BasePin, filename: str, env: Mapping[str, str] | None = None,
             "run it; compare against a release that is not yanked")
 
 
+def cached_file(cached: Path, other_way: str) -> Path | None:
+    """``cached`` (a file of the download cache) when a regular file is there (a link to one included), None
+    when nothing is. Anything else is refused (``other_way``: how to do without the cache): a named pipe would
+    block the read, and a download would replace what the user put there."""
+    if os.path.lexists(cached) and (why := not_a_regular_file(cached)):
+        raise SourceUnavailable(f"the cached sdist {cached} {why}, so it can neither be read nor replaced by a "
+                                "download", f"move {quoted(cached)} away (the next run downloads a fresh copy), or "
+                                f"{other_way}")
+    return cached if cached.is_file() else None
+
+
+def require_cache_folder(cached: Path, other_way: str) -> None:
+    """Refuse, before asking the index, a download cache that ``cached`` cannot be downloaded into."""
+    try:
+        output_folder("the download cache", cached.parent)
+    except UserError as exc:
+        raise SourceUnavailable(f"{exc.cause}, so {cached.name} cannot be downloaded into it",
+                                "point MEGATRON_PATCHSET_CACHE (or XDG_CACHE_HOME) at a folder you can write to, or "
+                                f"{other_way}") from None
+
+
 def require_sdist_file(path: Path, given_by: str, filename: str | None = None) -> None:
     """Refuse a path given for the sdist (``given_by``: ``--sdist`` or ``MEGATRON_PATCHSET_SDIST``) that is not a
     file, saying what it is; ``filename``: the pinned sdist's name, if known, to point at it inside a folder."""
@@ -208,7 +225,7 @@ def require_sdist_file(path: Path, given_by: str, filename: str | None = None) -
         held = f"it holds {name}: " if filename and inside.is_file() else ""
         raise SourceUnavailable(f"{given_by} {path} is a folder, not an sdist file",
                                 f"{held}pass the sdist file itself, e.g. {given}{inside}")
-    what = "is not a regular file" if os.path.lexists(path) else "does not exist"
+    what = not_a_regular_file(path) or "is not a regular file"
     raise SourceUnavailable(f"{given_by} {path} {what}", f"pass the path of the {name} sdist file: {given}PATH")
 
 
@@ -235,7 +252,7 @@ def locate_sdist(
             return verify(pin, candidate, env)
     cached = cache_dir(env) / pin.filename
     searched.append(str(cached))
-    if cached.is_file():
+    if cached_file(cached, "pass the sdist with --sdist") is not None:
         return verify(pin, cached, env)
     if is_offline(env):
         raise SourceUnavailable(
@@ -245,12 +262,7 @@ def locate_sdist(
             f"{pin.distribution}=={pin.version} -d wheelhouse/`, copy it over, then set "
             "MEGATRON_PATCHSET_SDIST=wheelhouse/" + pin.filename + " (see README, Offline install)",
         )
-    try:
-        output_folder("the download cache", cache_dir(env))
-    except UserError as exc:
-        raise SourceUnavailable(f"{exc.cause}, so {pin.filename} cannot be downloaded into it",
-                                "point MEGATRON_PATCHSET_CACHE (or XDG_CACHE_HOME) at a folder you can write to, or "
-                                "pass the sdist with --sdist") from None
+    require_cache_folder(cached, "pass the sdist with --sdist")
     errors: list[str] = []
     for resolve in (lambda: pin.url, lambda: _index_url_for(pin, timeout)):
         try:

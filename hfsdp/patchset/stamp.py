@@ -24,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hfsdp.atomic import json_text, loads_strict, write_text_atomic
+from hfsdp.usererror import not_a_regular_file
 
 from .errors import PatchsetError
 from .overlay import Overlay, text_sha256
@@ -156,8 +158,10 @@ def read_stamp(tree_root: Path) -> Stamp | None:
 def read_stamp_file(path: Path, checkout: Path | None = None) -> Stamp | None:
     """A stamp file (also one inside a parked tree), or None if absent; ``checkout``: the checkout whose tree
     it stamps, if known (see :meth:`Stamp.matches`)."""
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
+    if why := not_a_regular_file(path):  # a named pipe would block the read; nothing else is a stamp we wrote
+        raise _corrupt(path, why)
     try:
         data = loads_strict(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:

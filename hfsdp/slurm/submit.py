@@ -33,6 +33,7 @@ from hfsdp.usererror import UserError, not_a_regular_file, output_folder, positi
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = "jobs.json"
+LOG_DIR_MARKER = ".hfsdp-slurm-logs"  # in every --log-dir submit made (check_log_dir)
 # What sbatch says when the partition has no GPUs (generic resources) of the kind asked for.
 _NO_GRES = re.compile(r"\bgres\b|generic resource", re.IGNORECASE)
 _ENTRY_KEYS = {"case": str, "script": str}
@@ -69,10 +70,15 @@ def load_manifest(log_dir: Path, required: bool = False) -> list[dict]:
 def check_log_dir(log_dir: Path) -> None:
     """Refuse a ``--log-dir`` that is, or lies under, something other than a folder, or that we may
     not write to (:func:`hfsdp.usererror.output_folder`), or that is, lies in or holds a test case (the
-    jobs' output folders go under it), before any job script is written."""
-    outdir.check_not_a_case(log_dir, max_depth=outdir.ROOT_SCAN_DEPTH,
-                            fix="give --log-dir a folder outside the test cases, e.g. out/slurm")
+    jobs' output folders go under it), or that holds what submit did not write ([Note: made by us] in
+    hfsdp/functional/outdir.py: a log folder of an earlier submission carries LOG_DIR_MARKER, so
+    submitting into it again is fine), before any job script is written."""
+    fix = "give --log-dir a folder outside the test cases, e.g. out/slurm"
+    outdir.check_not_a_case(log_dir, max_depth=outdir.ROOT_SCAN_DEPTH, fix=fix)
     output_folder("--log-dir", log_dir)
+    outdir.refuse_foreign("--log-dir", log_dir, "give --log-dir a new or empty folder, or one an earlier submission "
+                          "made", marker=LOG_DIR_MARKER, ours=None, maker="python -m hfsdp.slurm.submit",
+                          rule="it writes only into log folders it made")
 
 
 def submit(spec: JobSpec, dry_run: bool = False) -> dict:
@@ -151,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             spec.validate()
             specs.append(spec)
         load_manifest(log_dir)  # a corrupt manifest refuses before any job is submitted
+        try:
+            outdir.mark(log_dir, LOG_DIR_MARKER)
+        except OSError as exc:
+            raise UserError(f"--log-dir {log_dir} cannot be made: {exc.strerror or exc}",
+                            "pass a folder you can write to for --log-dir") from exc
         for spec in specs:
             entry = submit(spec, dry_run=ns.dry_run)
             print(f"{entry['job_id'] or 'dry-run'}\t{entry['case']}\t{entry['script']}")

@@ -198,3 +198,44 @@ def test_a_queue_dir_in_a_folder_that_is_not_writable_is_refused_before_anything
     with pytest.raises(PatchsetError, match=f"--dir {locked / 'empty'}: {locked} is not writable"):
         make_queue(fake.project, locked / "empty")  # replaced from beside it
     assert sorted(p.name for p in locked.iterdir()) == ["empty"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dangling-link"])
+def test_a_cached_sdist_that_is_no_file_is_never_replaced_by_a_download(
+        fake: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        kind: str) -> None:
+    """With the index answering, a download would rename a fresh copy over what the user put in the cache."""
+    import os
+    import stat
+
+    from patchset_fake import package_index, point_at_index
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cached = cache / "megatron_core-0.18.2.tar.gz"
+    os.mkfifo(cached) if kind == "fifo" else os.symlink(tmp_path / "elsewhere.tar.gz", cached)
+    monkeypatch.delenv("MEGATRON_PATCHSET_SDIST")
+    with package_index({"megatron_core-0.18.2.tar.gz": fake.sdist.read_bytes()}) as url:
+        point_at_index(fake, url)
+        assert cli(fake, "materialize") == 2
+    assert f"the cached sdist {cached} is a" in capsys.readouterr().err
+    mode = os.lstat(cached).st_mode
+    assert stat.S_ISFIFO(mode) if kind == "fifo" else stat.S_ISLNK(mode)
+    assert not (tmp_path / "elsewhere.tar.gz").exists() and not fake.project.megatron_dir.exists()
+
+
+def test_a_repository_variable_of_the_caller_does_not_reach_the_queues_git(
+        fake: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GIT_OBJECT_DIRECTORY (or GIT_DIR, ...) from a git hook must not send a queue's objects elsewhere: the
+    queue would be unusable once the variable is gone."""
+    import subprocess
+
+    elsewhere = tmp_path / "objects"
+    monkeypatch.setenv("GIT_OBJECT_DIRECTORY", str(elsewhere))
+    monkeypatch.setenv("GIT_CONFIG_PARAMETERS", "'core.autocrlf'='true'")
+    assert cli(fake, "queue", "--dir", str(tmp_path / "q")) == 0
+    assert not elsewhere.exists()
+    monkeypatch.delenv("GIT_OBJECT_DIRECTORY")
+    monkeypatch.delenv("GIT_CONFIG_PARAMETERS")
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=tmp_path / "q", capture_output=True, text=True)
+    assert log.returncode == 0 and log.stdout.split() == ["train", "alloc", "overlay", "base"], log

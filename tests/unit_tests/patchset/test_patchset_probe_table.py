@@ -7,7 +7,7 @@ stderr together), and never a traceback: no ``Traceback`` in stderr, and no exce
 ``process``, which run ``scripts/patchset`` itself (Ctrl-C, the shell wrapper) through kill_points.py.
 
 In ``argv``, ``{root}``, ``{tmp}``, ``{sdist}`` and ``{store}`` (the folder holding the sdist) are
-filled in; ``root`` replaces the checkout given with ``--root``.
+filled in (``{tmp}`` in ``says`` too); ``root`` replaces the checkout given with ``--root``.
 """
 
 from __future__ import annotations
@@ -125,8 +125,22 @@ def fifo(path: str) -> Setup:
 
 
 def link(path: str, to: str) -> Setup:
+    """A symbolic link at ``path`` (in place of the file there if any) to ``to`` (``{tmp}`` filled in)."""
     def setup(env: Env, tmp: Path) -> None:
-        os.symlink(to, env.project.root / path)
+        (env.project.root / path).unlink(missing_ok=True)
+        os.symlink(to.format(tmp=tmp), env.project.root / path)
+    return setup
+
+
+def odd(path: str, kind: str) -> Setup:
+    """What a user may leave where a file is read: a named pipe, a link to /dev/null or to nothing, a folder
+    (``path`` relative to the checkout, or ``{tmp}/...``)."""
+    def setup(env: Env, tmp: Path) -> None:
+        target = Path(path.format(tmp=tmp)) if path.startswith("{tmp}") else env.project.root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        {"fifo": os.mkfifo, "devnull": lambda t: os.symlink(os.devnull, t),
+         "dangling": lambda t: os.symlink(tmp / "nothing-here", t), "folder": os.mkdir}[kind](target)
     return setup
 
 
@@ -221,7 +235,12 @@ PROBES = [
     ]],
     Probe("pin-no-fork-table", ("status",), 2, "[fork] is missing",
           then(pin_line("name", None), pin_line("release", None), edit("patches/base.toml", "[fork]\n", ""))),
-    Probe("pin-folder", ("status",), 2, "base.toml is a folder, not a file", folder("patches/base.toml")),
+    Probe("pin-folder", ("status",), 2, "base.toml is a folder, not a regular file", folder("patches/base.toml")),
+    # Reading a named pipe would block; /dev/null would read as an empty pin.
+    *[Probe(f"pin-{kind}-{verb}", (verb,), 2, f"base.toml {says}", odd("patches/base.toml", kind))
+      for kind, says in (("fifo", "is a named pipe, not a regular file"), ("devnull", "is a character device"),
+                         ("dangling", "is a symbolic link to nothing"))
+      for verb in ("status", "overlay", "materialize")],
     Probe("pin-not-toml", ("status",), 2, "is not valid TOML", write("patches/base.toml", "[base\n")),
     Probe("pin-not-utf8", ("status",), 2, "is not UTF-8 text", write("patches/base.toml", b"\xff\n")),
     Probe("pin-bom", ("status",), 1, "megatron/ not materialized", edit("patches/base.toml", "[base]", "\ufeff[base]")),
@@ -255,7 +274,9 @@ PROBES = [
     *[Probe(f"source-date-{i}", ("refresh", "--new", "x"), 2, says,
             then(materialized, write("megatron/core/__init__.py", "V = 5\n")), env={"SOURCE_DATE_EPOCH": value})
       for i, (value, says) in enumerate((("soon", "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number"),
-                                         ("99999999999999", "is past the last date a patch header can carry")))],
+                                         ("99999999999999", "is past the last date a patch header can carry"),
+                                         ("-1", "SOURCE_DATE_EPOCH='-1': must be >= 0, got -1"),
+                                         ("1e9", "'1e9' is not a whole number"), ("é", "'é' is not a whole number")))],
     # A series that lost patches patches/ still holds: no tree stamped as the fork without them.
     *[Probe(f"series-lost-{when}", ("materialize",), 2,
             "patches/ holds 2 more it does not list (alloc.patch, train.patch)",
@@ -299,6 +320,44 @@ PROBES = [
     Probe("against-garbage", ("check", "--against", "0.18.2; rm -rf /"), 2, "is neither an sdist file nor a version"),
     Probe("cache-a-file", ("materialize",), 2, "the download cache", write("{tmp}/cache", "x"),
           env={**NO_SDIST, "MEGATRON_PATCHSET_CACHE": "{tmp}/cache"}),
+    # The cached sdist is no regular file: never read (a pipe blocks), never replaced by a download.
+    *[Probe(f"cached-sdist-{kind}-{verb[-1]}", verb, 2, f"the cached sdist {{tmp}}/cache/{name} is {says}",
+            odd(f"{{tmp}}/cache/{name}", kind), env={**NO_SDIST, **OFFLINE, "MEGATRON_PATCHSET_CACHE": "{tmp}/cache"})
+      for kind, says in (("fifo", "a named pipe"), ("dangling", "a symbolic link to nothing"), ("folder", "a folder"))
+      for verb, name in ((("materialize",), "megatron_core-0.18.2.tar.gz"),
+                         (("check", "--against", "0.19.0"), "megatron_core-0.19.0.tar.gz"))],
+    Probe("sdist-variable-devnull", ("materialize",), 2, "MEGATRON_PATCHSET_SDIST /dev/null is a character device",
+          env={"MEGATRON_PATCHSET_SDIST": os.devnull}),
+    # check --against a version: an index that does not answer, or a cache it cannot be downloaded into.
+    Probe("against-index-down", ("check", "--against", "0.19.0"), 2,
+          "http://127.0.0.1:9/simple did not answer for megatron_core-0.19.0.tar.gz",
+          env={"MEGATRON_PATCHSET_CACHE": "{tmp}/cache"}),
+    Probe("against-cache-a-file", ("check", "--against", "0.19.0"), 2, "the download cache {tmp}/cache is a file",
+          write("{tmp}/cache", "x"), env={"MEGATRON_PATCHSET_CACHE": "{tmp}/cache"}),
+    # A stamp that is no regular file is no stamp this tool wrote (a pipe would block the read).
+    *[Probe(f"stamp-{kind}-{verb}", (verb,), 2, "so which files are yours cannot be told",
+            then(materialized, odd("megatron/.patchset-stamp.json", kind)))
+      for kind in ("fifo", "folder") for verb in ("status", "materialize")],
+    # The checkout's lock: never taken through a link (it would be made where the link points), nor on a pipe.
+    *[Probe(f"lock-{kind}-{verb[0]}", verb, 2, f".patchset.lock {says}",
+            then(materialized, odd(".patchset.lock", kind)))
+      for kind, says in (("fifo", "is a named pipe, not a regular file"), ("devnull", "is a symbolic link"),
+                         ("dangling", "is a symbolic link"), ("folder", "is a folder"))
+      for verb in (("materialize", "--backup"), ("refresh",))],
+    # A named pipe in patches/: refresh and export copy patches/ whole; refused before anything is written.
+    Probe("patches-fifo-export", ("export", "--queue", "{tmp}/q"), 2, "extra.patch is a named pipe",
+          then(queue_at("q"), odd("patches/extra.patch", "fifo"))),
+    Probe("patches-fifo-refresh", ("refresh", "--new", "x"), 2, "extra.patch is a named pipe",
+          then(materialized, write("megatron/core/__init__.py", "V = 5\n"), odd("patches/extra.patch", "fifo"))),
+    # Switches: a word that is neither on nor off is refused; pip's y/t for PIP_NO_INDEX mean on, as for pip.
+    *[Probe(f"offline-{i}", ("materialize",), 2, says, env={**NO_SDIST, **variables})
+      for i, (variables, says) in enumerate((
+          ({"MEGATRON_PATCHSET_OFFLINE": "maybe"}, "MEGATRON_PATCHSET_OFFLINE='maybe' is neither on"),
+          ({"MEGATRON_PATCHSET_OFFLINE": "é"}, "MEGATRON_PATCHSET_OFFLINE='é' is neither on"),
+          ({"MEGATRON_PATCHSET_OFFLINE": "2"}, "MEGATRON_PATCHSET_OFFLINE='2' is neither on"),
+          ({"PIP_NO_INDEX": "y"}, "offline (MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX set)"),
+          ({"MEGATRON_PATCHSET_OFFLINE": "Off", "PIP_NO_INDEX": "T"},
+           "offline (MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX")))],
     # 9. Names and options.
     Probe("new-bad-name", ("refresh", "--new", "Bad Name"), 2, "--new 'Bad Name' is not a patch name", materialized),
     Probe("drop-bad-name", ("export", "--queue", "{tmp}", "--drop", "../x"), 2, "--drop '../x' is not a patch name"),
@@ -369,7 +428,7 @@ def test_probe(overlaid: Env, tmp_path: Path, probe: Probe, monkeypatch: pytest.
         assert err == "" and rc == usererror.CLOSED_PIPE_EXIT, (rc, err)  # 141, as coreutils
         return
     assert rc == probe.rc, (rc, out, err)
-    assert probe.says in out + err, (out, err)
+    assert probe.says.replace("{tmp}", str(tmp)) in out + err, (out, err)
     assert ("Traceback" in err) is (probe.env.get("HFSDP_DEBUG") == "1"), err
     if probe.interrupt_at:  # Ctrl-C: nothing half-written is left, in the checkout or beside a queue
         left = [p.name for p in (*overlaid.project.root.iterdir(), *tmp.iterdir()) if ".patchset-" in p.name

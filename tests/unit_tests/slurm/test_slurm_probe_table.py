@@ -2,9 +2,10 @@
 sentence that says why. No row may print a traceback, and a refused submission writes nothing.
 
 ``{file}`` is an existing regular file, ``{dry}`` a log folder written by ``submit --dry-run``,
-``{empty}`` one whose jobs.json lists no jobs, ``{tmp}`` a fresh folder; ``{case}`` is the CPU
-smoke case. Rows marked ``gres`` run with a stand-in ``sbatch`` that answers as a cluster without
-GPUs does.
+``{empty}`` one whose jobs.json lists no jobs, ``{tmp}`` a fresh folder, ``{mine}`` a folder of the
+user's (a file in it), ``{void}`` an empty one; ``{case}`` is the CPU smoke case. The folders that stand
+for a log folder of an earlier submission carry its marker. Rows marked ``gres`` run with a stand-in
+``sbatch`` that answers as a cluster without GPUs does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from hfsdp.slurm.submit import LOG_DIR_MARKER
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CASE = REPO_ROOT / "tests/functional_tests/test_cases/smoke/cpu_gloo_smoke"
@@ -55,6 +58,11 @@ ROWS = [
     (SUMMARY, "--log-dir {nan_id}", 2, "NaN is not a JSON number"),
     # A --log-dir with a space (sbatch splits #SBATCH lines) is refused; non-ASCII alone is fine.
     (SUBMIT, "{case} --dry-run --log-dir {tmp}/lo_gs_ö", 0, ""),
+    # A --log-dir that exists: written into only when empty or made by an earlier submission (its marker).
+    (SUBMIT, "{case} --dry-run --log-dir {mine}", 2, "exists and holds notes.txt, not made by python -m hfsdp.slurm"),
+    (SUBMIT, "{case} --dry-run --log-dir {tmp}", 2, "holds a-file, dry, empty, mine, void, not made by"),
+    (SUBMIT, "{case} --dry-run --log-dir {void}", 0, ""),
+    (SUBMIT, "{case} --dry-run --log-dir {dry}", 0, ""),
 ]
 
 # What sbatch says on a cluster without GPUs when a job asks for some.
@@ -80,7 +88,12 @@ def test_bad_input_is_one_sentence(tmp_path: Path, module: str, args: str, statu
     assert made.returncode == 0, made.stderr
     empty.mkdir()
     (empty / "jobs.json").write_text("[]\n")
-    places = {"case": str(CASE), "file": str(afile), "dry": str(dry), "empty": str(empty), "tmp": str(tmp_path)}
+    mine, void = tmp_path / "mine", tmp_path / "void"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    void.mkdir()
+    places = {"case": str(CASE), "file": str(afile), "dry": str(dry), "empty": str(empty), "tmp": str(tmp_path),
+              "mine": str(mine), "void": str(void)}
     manifest = (dry / "jobs.json").read_text()
     ids = {"negative_id": "-3", "true_id": "true", "key_twice": "7, \"job_id\": 7", "nan_id": "NaN"}
     makers = {name: (lambda p, v=v: p.write_text(manifest.replace('"job_id": null', f'"job_id": {v}')))
@@ -88,6 +101,7 @@ def test_bad_input_is_one_sentence(tmp_path: Path, module: str, args: str, statu
     for name, make in {"pipe": lambda p: os.mkfifo(p), "folder": lambda p: p.mkdir(), **makers}.items():
         if "{" + name + "}" in args:
             (tmp_path / name).mkdir()
+            (tmp_path / name / LOG_DIR_MARKER).touch()  # a log folder submit made, whose jobs.json was replaced
             make(tmp_path / name / "jobs.json")
             places[name] = str(tmp_path / name)
     argv = _argv(args, places)
@@ -114,6 +128,8 @@ def test_bad_input_is_one_sentence(tmp_path: Path, module: str, args: str, statu
         next(ln for ln in proc.stderr.splitlines() if ln.startswith(f"{prog}: error:"))], proc.stderr  # one
     written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     scripts = [p for p in written if p.suffix == ".sbatch" and p not in before]
-    new = [p for p in written if p not in before and p not in scripts and not any(p in s.parents for s in scripts)]
-    assert not new, new  # nothing but the script sbatch refused (named in the message) is written
+    new = [p for p in written if p not in before and p not in scripts and not any(p in s.parents for s in scripts)
+           and not (p.name == LOG_DIR_MARKER and any(p.parent == s.parent for s in scripts))]
+    assert not new, new  # nothing but the script sbatch refused (named in the message), in a marked folder, is written
     assert not scripts or str(tmp_path / scripts[0]) in proc.stderr, proc.stderr
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine\n"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hfsdp.slurm import sbatch
+from hfsdp.slurm.submit import LOG_DIR_MARKER
 from hfsdp.usererror import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -103,6 +104,7 @@ def test_missing_sbatch_is_a_sentence(tmp_path):
 
 @pytest.mark.parametrize("text", ["{not json", '{"a": 1}', '[{"case": 3}]'])
 def test_a_corrupt_manifest_is_named(tmp_path, text):
+    (tmp_path / LOG_DIR_MARKER).touch()  # a log folder submit made, whose jobs.json was damaged since
     (tmp_path / "jobs.json").write_text(text)
     for module, extra in (("hfsdp.slurm.summary", []), ("hfsdp.slurm.submit", [str(CASE), "--dry-run"])):
         proc = cli(module, *extra, "--log-dir", str(tmp_path))
