@@ -3,13 +3,12 @@
 ``python pretrain_gpt.py --help`` lists every Megatron flag, thousands of lines. This lists only
 the flags the fork adds to Megatron's parser.
 
-[Note: the fork's flags] Which flags are the fork's is read off the patches this ``megatron`` tree
-was built from (its stamp records their texts, ``megatron/.patchset-stamp.json``): a flag is the
-fork's when a patch adds its ``add_argument('--flag', ...)``, or adds a field to a config dataclass
-that Megatron's ``ArgumentGroupFactory`` turns into ``--flag``. What each flag does and its default
-come from the argparse actions of Megatron's real parser (the one ``--help`` prints), so the
-listing cannot drift from the flags; a test holds it to the flags the materialized parser has and
-the pristine release's parser lacks. The training entry (hfsdp/training/entry.py) uses
+[Note: the fork's flags] The fork declares its flags in an argument group of its own,
+``hfsdp (fork)`` (``megatron/training/fork_args.py``, added to Megatron's parser by a one-line hook in
+``add_megatron_arguments``): a flag is the fork's when it is in that group of Megatron's real parser
+(the one ``--help`` prints), which also says what each flag does and its default, so the listing
+cannot drift from the flags; a test holds it to the flags the materialized parser has and the
+pristine release's parser lacks. The training entry (hfsdp/training/entry.py) uses
 :func:`fork_flag_names` to point a bad value of one of these flags here.
 """
 
@@ -21,50 +20,39 @@ import io
 import re
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 
 from hfsdp.usererror import UserError, run_cli
 
-_OPTION = re.compile(r"""['"](--[a-z0-9][a-z0-9-]*)['"]""")
-_FIELD = re.compile(r"^\+\s{4}([a-z_][a-z0-9_]*)\s*:\s*[^=()]+=")  # a dataclass field added to a config class
-_FILE = re.compile(r"^diff --git a/(\S+) ")
-FIX = "run `scripts/patchset materialize` (or `pip install -e .`) to build the megatron tree with its stamp"
+GROUP_TITLE = "hfsdp (fork)"  # megatron/training/fork_args.py (a test holds the two equal)
+FIX = "run `scripts/patchset materialize` (or `pip install -e .`) to build the megatron tree with its fork group"
 
 
-def added_flags(patch_texts: Iterable[str]) -> set[str]:
-    """The option strings the patches add (see the note): quoted ``--flag`` literals on added lines,
-    and ``--field-name`` for each field added to a ``*config.py`` dataclass."""
-    found: set[str] = set()
-    for text in patch_texts:
-        path = ""
-        for line in text.splitlines():
-            if m := _FILE.match(line):
-                path = m.group(1)
-            if not line.startswith("+") or line.startswith("+++"):
-                continue
-            found.update(_OPTION.findall(line))
-            if path.endswith("config.py") and (m := _FIELD.match(line)):
-                found.add("--" + m.group(1).replace("_", "-"))
-    return found
+def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron's parser with every flag, as ``--help`` prints it."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
 
 
-def stamp_patch_texts() -> dict[str, str]:
-    """The texts of the patches applied to the imported ``megatron`` tree (its stamp)."""
-    import megatron.core.fork_info as fork_info
-    from hfsdp.patchset.scan import STAMP_NAME
-    from hfsdp.patchset.stamp import read_stamp_file
+def fork_group_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The actions of ``parser``'s fork group (see the note); UserError when it has none."""
+    try:
+        from megatron.training.fork_args import fork_group
+    except ImportError:  # a tree without the fork's overlay (e.g. a pristine release)
+        group = None
+    else:
+        group = fork_group(parser)
+    if group is None:
+        raise UserError(f"Megatron's parser has no argument group {GROUP_TITLE!r}, so the fork's flags cannot be told",
+                        FIX)
+    return list(group._group_actions)
 
-    path = Path(fork_info.__file__).resolve().parents[1] / STAMP_NAME
-    stamp = read_stamp_file(path)
-    if stamp is None or stamp.texts is None:
-        raise UserError(f"{path} is missing or records no patch texts, so the fork's flags cannot be told", FIX)
-    return stamp.texts
 
-
-def fork_flag_names() -> set[str]:
-    """Every option string of the fork's flags (see the note)."""
-    return added_flags(stamp_patch_texts().values())
+def fork_flag_names(parser: argparse.ArgumentParser | None = None) -> set[str]:
+    """Every option string of the fork's flags (see the note), from ``parser`` (default: Megatron's)."""
+    actions = fork_group_actions(megatron_parser() if parser is None else parser)
+    return {s for a in actions for s in a.option_strings}
 
 
 def fork_actions(parser: argparse.ArgumentParser, names: set[str]) -> list[argparse.Action]:
@@ -131,10 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         ensure_fork()
         with quiet():
-            from megatron.training.arguments import add_megatron_arguments
-
-            parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))  # what --help lists
-            names = fork_flag_names()
+            parser = megatron_parser()  # what --help lists
+            names = fork_flag_names(parser)
         lines = listing(parser, names)
         print("The fork's flags (on top of every Megatron flag; `python pretrain_gpt.py --help` lists all):")
         print("\n".join(lines))

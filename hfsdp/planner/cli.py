@@ -68,7 +68,11 @@ def resolve_unit_classes(value: str | None, strategy: str = "optim_grads_params"
         raise UserError(f"{source} {value!r}: {why}", UNITS_FIX) from exc
 
 
-TRAINING_LANES_SETTING = "megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes)"  # as LaneMaxPool says it
+def training_lanes_setting() -> str:
+    """The lane count in every spelling, as LaneMaxPool names it (the double-buffer policy's table)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer_policy import SPELLINGS
+
+    return SPELLINGS["lanes"].everywhere()
 
 
 def lanes_to_plan(args: Any) -> tuple[int, ...] | None:
@@ -126,7 +130,7 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
         raise UserError(f"{source} {value!r} gives the model no FSDP unit ({what}), so there is no double "
                         "buffer to plan", NO_UNITS_FIX)
     lanes = fsdp_units.training_lanes(args)
-    if lanes is not None and (problem := report.lanes_units_problem(lay, lanes, TRAINING_LANES_SETTING)):
+    if lanes is not None and (problem := report.lanes_units_problem(lay, lanes, training_lanes_setting())):
         raise UserError(problem, f"give --megatron-fsdp-max-pool-lanes between 3 and {len(lay.units)}, "
                                  "or leave it at 2 (the shared pool)")
     main_grads, comm = grad_dtypes(args)

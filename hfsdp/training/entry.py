@@ -126,7 +126,7 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
     """
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    from hfsdp.training import fsdp_units, requirements, specs
+    from hfsdp.training import requirements, specs
     from hfsdp.training.assumed_device import validation_device
     from megatron.training.arguments import parse_and_validate_args
 
@@ -145,9 +145,6 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
         raise rejection(exc, "invalid flags", flags_fix()) from exc
     family = specs.resolve_family(args, forced_family)
     requirements.check(args)  # clear errors before any CUDA/NCCL work
-    # More max-pool lanes than a model chunk's units: the flags tell, before any buffer is built.
-    if upstream_base.active() is None and (problem := fsdp_units.lanes_problem(args, os.environ.get(fsdp_units.ENV))):
-        raise UserError(problem, flags_fix())
     specs.use_transformer_engine(args)
     return args, family
 

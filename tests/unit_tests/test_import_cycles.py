@@ -302,7 +302,7 @@ def release_graph(pristine_megatron: Path) -> Graph:
 
 
 DDPC = "megatron.core.distributed.distributed_data_parallel_config"
-RULES = "megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer_rules"
+POLICY = "megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer_policy"
 
 
 def test_the_fork_adds_no_import_time_loop(release_graph: Graph) -> None:
@@ -316,13 +316,13 @@ def test_the_fork_adds_no_import_time_loop(release_graph: Graph) -> None:
                        "the shared piece): " + "; ".join(found))
 
 
-def test_the_check_finds_the_loop_of_a_config_that_imports_the_rules_at_its_top(release_graph: Graph) -> None:
-    """Megatron Core's DDP config importing the double-buffer rules at module level put Megatron-FSDP
+def test_the_check_finds_the_loop_of_a_config_that_imports_the_policy_at_its_top(release_graph: Graph) -> None:
+    """Megatron Core's DDP config importing the double-buffer policy at module level put Megatron-FSDP
     in its standalone mode: the package's ``__init__`` imports ``fully_shard``, which imports the
     half-built config."""
     fork = import_time_graph(REPO_ROOT / "megatron")
-    assert RULES not in fork[DDPC]
-    fork[DDPC] = fork[DDPC] | {RULES, *(RULES.rsplit(".", i)[0] for i in range(1, 3))}
+    assert POLICY not in fork[DDPC]
+    fork[DDPC] = fork[DDPC] | {POLICY, *(POLICY.rsplit(".", i)[0] for i in range(1, 3))}
     found = new_import_time_loops(fork, release_graph)
     assert any(loop.startswith(DDPC + " -> ") and ".megatron_fsdp.fully_shard" in loop for loop in found), found
 

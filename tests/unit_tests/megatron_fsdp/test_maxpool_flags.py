@@ -101,12 +101,13 @@ def test_ddp_configs_check_the_same_rules_as_the_command_line(cfg_cls, fields, m
 def test_fully_shard_builds_megatron_cores_config_and_max_pool_passes_it():
     """With Megatron Core importable, fully_shard builds Megatron Core's config, without
     use_megatron_fsdp: the config must take max-pool from it (only the command line, where that
-    flag picks the wrapper, asks for --use-megatron-fsdp), and name fully_shard's keywords."""
+    flag picks the wrapper, asks for --use-megatron-fsdp). fully_shard_model checks its keywords
+    first, in their names (test_double_buffer_policy.py); the config names its fields."""
     assert fs.DistributedDataParallelConfig is MCoreDDPConfig
     cfg = fs.DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params",
                                            megatron_fsdp_max_pool_double_buffer=True, megatron_fsdp_max_pool_lanes=3)
     assert cfg.fsdp_double_buffer and not cfg.use_megatron_fsdp
-    with pytest.raises(ValueError, match=r"\(fully_shard: maxpool_double_buffer\) requires .*\(fully_shard: zero_dp"):
+    with pytest.raises(ValueError, match=r"^megatron_fsdp_max_pool_double_buffer requires data_parallel_sharding_"):
         fs.DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads",
                                          megatron_fsdp_max_pool_double_buffer=True)
 

@@ -89,12 +89,15 @@ def make_buffer(events, groups=None, manual=False, ubr_groups=("dp", "dp_outer")
     grads = MaxPoolAllocator(
         "fsdp_grads", groups, numel_fn=padded, dtype_fn=lambda g: torch.float32
     )
-    cfg = SimpleNamespace(
+    cfg = SimpleNamespace(  # the fields the double-buffer policy reads (policy_of builds it from them)
         nccl_ub=True,
         megatron_fsdp_max_pool_double_buffer=True,
+        megatron_fsdp_max_pool_lanes=2,
         disable_symmetric_registration=False,
         fsdp_manual_registration=manual,
         fsdp_double_buffer=True,
+        fsdp_db_use_persist_buf_on_alloc_fail=False,
+        data_parallel_sharding_strategy="optim_grads_params",
     )
     return SimpleNamespace(
         ddp_config=cfg,

@@ -127,6 +127,6 @@ def test_too_many_lanes_is_refused_in_the_runtimes_words(cpu_fsdp_buffer):
                                dp_size=DP, expert_dp_size=DP)
     with pytest.raises(MaxPoolLanesError) as raised:
         cpu_fsdp_buffer(_model(), [Unit], megatron_fsdp_max_pool_double_buffer=True, megatron_fsdp_max_pool_lanes=7)
-    mine = R.lanes_units_problem(planned, 7, cli.TRAINING_LANES_SETTING)
+    mine = R.lanes_units_problem(planned, 7, cli.training_lanes_setting())
     assert mine is not None and "7 lanes, more than the 5 FSDP units" in mine
     assert str(raised.value).endswith(f"] {mine}"), (str(raised.value), mine)

@@ -48,8 +48,9 @@ ROWS: dict[str, Row] = {
     "pipeline parallel 2": Row(["--pipeline-model-parallel-size", "2"], 0, "units=6"),
     # Training's lanes flag is applied as training applies it.
     "--megatron-fsdp-max-pool-lanes 1000": Row([*MAX_POOL, "--megatron-fsdp-max-pool-lanes", "1000"], 2,
-                                               "megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes) asks for "
-                                               "1000 lanes, more than the 12 FSDP units of this model chunk"),
+                                               "megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes, "
+                                               "fully_shard: maxpool_lanes) asks for 1000 lanes, more than the 12 "
+                                               "FSDP units of this model chunk"),
     "--megatron-fsdp-max-pool-lanes 4": Row([*MAX_POOL, "--megatron-fsdp-max-pool-lanes", "4"], 0,
                                             "[weight] 4-lane plan"),
     "--megatron-fsdp-max-pool-lanes 4 and --plan-lanes 2": Row(

@@ -87,11 +87,11 @@ def test_too_many_lanes_found_while_building_is_one_sentence():
 import sys
 import hfsdp.training.entry as entry
 import megatron.training.training as training
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer_policy import lanes_units_problem
 from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
 
 def pretrain(*args, **kwargs):  # what LaneMaxPoolAllocator raises while the buffer is built
-    raise MaxPoolLanesError("[weight] megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes) "
-                            "asks for 6 lanes, more than the 5 FSDP units of this model chunk")
+    raise MaxPoolLanesError("[fsdp_params] " + lanes_units_problem(6, 5))
 
 training.pretrain = pretrain
 entry.require_cuda = lambda: None
@@ -104,8 +104,8 @@ entry.main()
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "error: [weight] megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes) asks for 6 lanes" \
-        in proc.stderr, proc.stderr[-3000:]
+    assert ("error: [fsdp_params] megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes, fully_shard: "
+            "maxpool_lanes) asks for 6 lanes, more than the 5 FSDP units") in proc.stderr, proc.stderr[-3000:]
 
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
@@ -151,16 +151,6 @@ def test_checks_after_the_gpu_query_run_without_a_gpu():
     assert len(causes) == len(cases), proc.stdout + proc.stderr[-3000:]
     for (_, expected), cause in zip(cases, causes, strict=True):
         assert expected in cause, cause
-
-
-def test_more_lanes_than_units_is_refused_at_argument_time():
-    """The unit count follows from the flags ([Note: FSDP units from the flags] in fsdp_units.py):
-    the runtime's sentence comes before any GPU or buffer is touched."""
-    proc = pretrain(*FSDP, "--megatron-fsdp-max-pool-double-buffer", "--megatron-fsdp-max-pool-lanes", "1000")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert ("pretrain_gpt.py: error: --megatron-fsdp-max-pool-lanes asks for 1000 lanes, more than the 2 FSDP "
-            "units of this model chunk, so 998 lane(s) would hold no unit; use at most 2 lanes.") in proc.stderr
-    assert "Traceback" not in proc.stderr and "training needs CUDA GPUs" not in proc.stderr
 
 
 def test_a_bad_value_of_a_fork_flag_is_one_sentence():

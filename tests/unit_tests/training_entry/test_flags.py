@@ -1,4 +1,4 @@
-"""``python -m hfsdp.flags``: the fork's flags, read off the patches, described by the real parser."""
+"""``python -m hfsdp.flags``: the fork's flags, read off the parser's fork group, described by the real parser."""
 
 from __future__ import annotations
 
@@ -55,15 +55,30 @@ def test_the_cli_prints_one_line_per_flag_and_no_warnings():
     assert lanes.split()[2:4] == ["2", "Lanes"]  # the default, then what it does
 
 
-def test_added_flags_reads_added_definitions_only():
-    patch = "\n".join([
-        "diff --git a/megatron/training/arguments.py b/megatron/training/arguments.py",
-        "+    group.add_argument('--new-flag', type=int, default=2,",
-        "-    group.add_argument('--old-flag', action='store_true')",
-        "     group.add_argument('--kept-flag')",
-        "diff --git a/megatron/training/config/common_config.py b/megatron/training/config/common_config.py",
-        "+    new_field: bool = False",
-        "diff --git a/megatron/core/some_module.py b/megatron/core/some_module.py",
-        "+    maxpool_lanes: int = 2,",
-    ])
-    assert flags.added_flags([patch]) == {"--new-flag", "--new-field"}
+def test_the_fork_group_holds_the_flags_and_help_shows_it():
+    """--help prints the fork's flags under their own group (fork_args.py), and hfsdp.flags reads that
+    group: what it lists is the group's actions, whatever group upstream code puts flags in."""
+    from megatron.training import fork_args
+
+    parser = flags.megatron_parser()
+    group = fork_args.fork_group(parser)
+    assert group is not None and group.title == flags.GROUP_TITLE == fork_args.GROUP_TITLE
+    names = {s for a in group._group_actions for s in a.option_strings}
+    assert names == flags.fork_flag_names(parser) == {
+        "--megatron-fsdp-max-pool-double-buffer", "--megatron-fsdp-max-pool-lanes",
+        "--fsdp-db-use-persist-buf-on-alloc-fail", "--nccl-comm-warmup"}
+    help_text = parser.format_help()
+    section = help_text[help_text.index(fork_args.GROUP_TITLE + ":"):]
+    section = section[:section.index("\n\n", section.index("--nccl-comm-warmup"))]
+    assert all(name in section for name in names), section
+    # Each flag is declared once: the factory leaves the config field to the fork group.
+    assert sum(a.dest == "nccl_comm_warmup" for a in parser._actions) == 1
+
+
+def test_a_parser_without_the_fork_group_is_one_sentence():
+    import argparse
+
+    from hfsdp.usererror import UserError
+
+    with pytest.raises(UserError, match="has no argument group 'hfsdp \\(fork\\)'"):
+        flags.fork_flag_names(argparse.ArgumentParser())

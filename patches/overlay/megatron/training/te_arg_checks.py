@@ -33,6 +33,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from megatron.training.double_buffer_args import cli_policy
+
 ATTENTION_SYMBOL = "*"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.ATTENTION
 ATTN_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 # The values LanguageModule._set_attention_backend gives ATTN_ENV for each --attention-backend,
@@ -121,7 +123,7 @@ def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None) -> list
             "transformer_engine."
         )
     if (
-        args.megatron_fsdp_max_pool_double_buffer
+        cli_policy(args).max_pool
         and args.fp8_param_gather
         and args.fp8
         and args.fp8_recipe == "blockwise"

@@ -6,9 +6,11 @@ A MaxPool whose buffer groups are lanes of their own size: the plan is
 dtype) arena sized by the largest unit of that lane), and a unit's home is the plan's lane,
 fixed before the first allocation. Everything else (views at planned offsets, arenas created
 once and never grown, the live-unit limit N read by ParamAndGradBuffer.live_unit_limit,
-poisoning, stats) is MaxPool's. ``--megatron-fsdp-max-pool-lanes 2`` never builds this class
-([Note: max-pool lanes] in maxpool_plan). ParamAndGradBuffer's ``LaneMaxPoolAllocator`` is this
-class with its bucket types (maxpool_allocator.py says why).
+poisoning, stats) is MaxPool's. ParamAndGradBuffer builds this class only when the double-buffer
+policy says so (``DoubleBufferPolicy.pick``: max-pool with 3 or more lanes, a range the policy's
+builder checked; 2 lanes is MaxPool, [Note: max-pool lanes] in maxpool_plan), with ``size`` its
+``live_units``. ParamAndGradBuffer's ``LaneMaxPoolAllocator`` is this class with its bucket types
+(maxpool_allocator.py says why).
 """
 
 # [Note: max-pool lane homes]
@@ -26,15 +28,9 @@ from __future__ import annotations
 
 import logging
 
+from .double_buffer_policy import lanes_units_problem
 from .maxpool_allocator import MaxPool
-from .maxpool_plan import (
-    SHARED_LANES,
-    BucketSpec,
-    LanePlan,
-    format_lane_plan,
-    lanes_units_problem,
-    runtime_lane_plan,
-)
+from .maxpool_plan import BucketSpec, LanePlan, format_lane_plan, runtime_lane_plan
 from .utils import log_single_rank
 
 logger = logging.getLogger(__name__)
@@ -48,22 +44,14 @@ class MaxPoolLanesError(ValueError):
 class LaneMaxPool(MaxPool):
     """MaxPool with ``size`` >= 3 round-robin lanes and plan-fixed homes.
 
-    Takes MaxPool's arguments; ``size`` is the lane count N (required, >= 3). A chunk
-    with fewer than N units is refused (``maxpool_plan.lanes_units_problem``).
+    Takes MaxPool's arguments; ``size`` is the lane count N (the policy's ``live_units``).
+    The units are counted here, once, from the groups it serves: a chunk with fewer than N
+    units is refused (``double_buffer_policy.lanes_units_problem``).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.size <= SHARED_LANES:
-            raise ValueError(
-                f"[{self.name}] LaneMaxPool needs more than {SHARED_LANES} lanes, got "
-                f"{self.size}; {SHARED_LANES} lanes is MaxPool (the shared pool)"
-            )
-        problem = lanes_units_problem(
-            self.size,
-            len(self.fsdp_double_buffer_units),
-            setting="megatron_fsdp_max_pool_lanes (--megatron-fsdp-max-pool-lanes)",
-        )
+        problem = lanes_units_problem(self.size, len(self.fsdp_double_buffer_units))
         if problem is not None:
             raise MaxPoolLanesError(f"[{self.name}] {problem}")
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .double_buffer_policy import policy_of
 from .maxpool_allocator import MaxPool, buffer_max_pool_allocators
 from .maxpool_plan import LanePlan, MaxPoolPlan
 from .utils import log_single_rank
@@ -130,20 +131,20 @@ def rendezvous(groups: Sequence[Any], where: str) -> None:
 def stage_symmetric_max_pool(buffer: Any) -> StagingRecord | None:
     """Thin-hook target: stage a ParamAndGradBuffer's max-pool arenas in the NCCL pool.
 
-    No-op (returns None) unless ``nccl_ub`` and ``megatron_fsdp_max_pool_double_buffer`` are
-    on and the buffer has max-pool allocators. Must run after the DP buffers exist (padded
-    sizes) and before the first bucket fetch. The buffer keeps the returned record for
-    :func:`after_manual_registration`.
+    No-op (returns None) unless the buffer's double-buffer policy stages the pool (NCCL user
+    buffers with the max-pool, ``DoubleBufferPolicy.stage_symmetric``) and the buffer has
+    max-pool allocators. Must run after the DP buffers exist (padded sizes) and before the
+    first bucket fetch. The buffer keeps the returned record for :func:`after_manual_registration`.
     """
-    cfg = buffer.ddp_config
-    if not (cfg.nccl_ub and cfg.megatron_fsdp_max_pool_double_buffer):
+    policy = policy_of(buffer.ddp_config)
+    if not policy.stage_symmetric:
         return None
     allocators = buffer_max_pool_allocators(buffer)
     if not allocators:
         return None
     groups = list(buffer.ubr_groups or [])
-    symmetric = not cfg.disable_symmetric_registration
-    manual = cfg.fsdp_manual_registration
+    symmetric = policy.symmetric_registration
+    manual = policy.manual_registration
 
     fingerprint = plan_fingerprint(allocators)
     check_plans_agree(fingerprint, groups)
