@@ -162,6 +162,16 @@ def profiling(opts: argparse.Namespace) -> bool:
     return bool(opts.profile_dir or opts.pyprofile_dir or opts.memory_trace_dir)
 
 
+def log_tail(text: str, size: int = 3000) -> str:
+    """A failed run's log as the summary shows it: its last ``size`` characters, led by the log's last
+    error line when that lies further up (torchrun's report of four failed ranks alone fills them)."""
+    tail = text[-size:]
+    said = bases.last_error_line(text)
+    if said is not None and bases.last_error_line(tail) is None:
+        return f"{said}\n[...]\n{tail}"
+    return tail
+
+
 def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: argparse.Namespace,
            workdir: str, timeout_s: int | None = None) -> tuple[res.RunResult | None, str]:
     if not profiling(opts):
@@ -181,8 +191,8 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
         ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout, env=job_env(os.environ, opts.env), stdout=f)
     rc = "timeout" if ended.timed_out else ended.returncode
     if rc != 0 or not os.path.exists(result):
-        with open(log) as f:
-            tail = f.read()[-3000:]
+        with open(log, errors="replace") as f:
+            tail = log_tail(f.read())
         return None, f"rc={rc}; log tail:\n{tail}"
     with open(result) as f:
         return res.run_from_dict(json.load(f)), log
@@ -212,7 +222,7 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     except pretrain_launch.RunFailed as exc:
         failed = str(exc)
         with open(f"{stem}.log", errors="replace") as f:
-            tail = f.read()[-3000:]
+            tail = log_tail(f.read())
         return None, f"{exc}; log tail:\n{tail}"
     finally:
         if opts.keep_logs:

@@ -289,3 +289,20 @@ def test_the_dataset_helpers_are_built_so_that_upstreams_startup_make_finds_them
             done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
             assert done.stdout == "1\n", done.stderr
             assert "built from the release's helpers.cpp" in meta["upstream-0.19.2"]["dataset_helpers"]
+
+
+def test_a_failure_far_above_torchruns_report_still_names_the_error() -> None:
+    """Four ranks' torchrun report can be longer than the tail the summary keeps."""
+    from hfsdp.bench.run import log_tail
+
+    report = "".join(f"[{r}]:\n  time      : 2026-11-28_06:52:33\n  host      : gpu-host\n  rank      : {r}\n"
+                     f"  exitcode  : 1 (pid: {5986 + r})\n  error_file: <N/A>\n  traceback : To enable traceback "
+                     "see: https://pytorch.org/docs/stable/elastic/errors.html\n" for r in range(4)) * 4
+    log = ("[rank0]: torch.AcceleratorError: CUDA error: operation would make the legacy stream depend on a "
+           "capturing blocking stream\n" + "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+           + report)
+    assert len(report) > 3000 and bases.last_error_line(log[-3000:]) is None
+    assert bases.failure_line("upstream-0.19.2:te_maxpool_ub_graph", "rc=1", log_tail(log)) == (
+        "upstream-0.19.2 te_maxpool_ub_graph: failed: torch.AcceleratorError: CUDA error: operation would make "
+        "the legacy stream depend on a capturing blocking stream")
+    assert log_tail("step 1\nstep 2\n") == "step 1\nstep 2\n"
