@@ -78,6 +78,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="Launch nothing: summarize the runs a --keep-logs folder holds (an "
                         "invocation that stopped early). Give the same preset, configurations, "
                         "repeats, steps and flags as the invocation that wrote it.")
+    p.add_argument("--resume", action="store_true",
+                   help="With --keep-logs DIR: take every run DIR already holds that counts (read as --from-logs "
+                        "reads it) and launch only the others, on the machine that ran those ([Note: resumed "
+                        "invocations] in hfsdp/bench/run_logs.py). Give the same arguments as before.")
     p.add_argument("--no-prime", action="store_true",
                    help="Skip the discarded priming run (it fills the Triton compile/autotune "
                         "caches so the first timed run is not slower than the rest).")
@@ -241,8 +245,9 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
     runs: list[res.RunResult] = []
     failures: dict[str, str] = {}
     primed: dict[str, Any] = {}
+    kept = run_logs.kept_runs(opts.keep_logs, order, flags, opts) if opts.resume else {}
     with tempfile.TemporaryDirectory(prefix="hfsdp-bench-") as workdir:
-        if order and not opts.no_prime:
+        if order and not opts.no_prime and not kept:  # a resumed machine's caches are warm already
             # [Note: priming] The first process on a fresh machine compiles (Triton, inductor) and
             # autotunes, and takes far longer than the processes after it; a user-buffer run also
             # builds Megatron's NCCL allocator once. One discarded run per start-up class
@@ -257,6 +262,10 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
                 print(f"[prime] {name} (discarded) {'ok' if run else 'FAILED'} in {wall:.0f}s"
                       f"{startup_words(run)}", flush=True)
         for k, (repeat, name) in enumerate(order, 1):
+            if (repeat, name) in kept:
+                runs.append(kept[repeat, name])
+                print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} kept in {opts.keep_logs}", flush=True)
+                continue
             t0 = time.time()
             run, info = launch(bases.config(name), repeat, flags, opts, workdir)
             wall = time.time() - t0
@@ -327,6 +336,9 @@ def check_paths(opts: argparse.Namespace, shared: bool) -> None:
     if opts.from_logs and launch_only:
         raise UserError(f"--from-logs launches nothing, so {', '.join(launch_only)} would record nothing",
                         f"drop {', '.join(launch_only)}, or drop --from-logs to launch the runs")
+    if opts.resume and not opts.keep_logs:
+        raise UserError("--resume takes the runs a --keep-logs folder holds, and no --keep-logs is given",
+                        "add --keep-logs DIR (the folder of the invocation to go on with)")
     outputs = [("--out-json", opts.out_json)]
     if not opts.no_chart and not shared:
         outputs.append(("--out-png", opts.out_png))
@@ -467,6 +479,8 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
     if opts.from_logs:
         runs, failures = run_logs.runs_from_logs(opts.from_logs, order, flags, opts)
     else:
+        if opts.keep_logs:
+            run_logs.claim_machine(opts.keep_logs)  # before any run: a folder holds one machine's runs
         runs, failures, primed = run_all(order, flags, opts, start)
     # Without the fork, ratios divide by the first release's row of --baseline.
     baseline = bases.run_name(base_names[0], opts.baseline)
@@ -502,6 +516,7 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
         "repeats": opts.repeats, "warmup_steps": opts.warmup_steps,
         "timed_steps": opts.timed_steps, "order": order, "skipped": skipped,
         "failures": failures, "primed": primed, "env": opts.env, "from_logs": opts.from_logs,
+        "resumed_from": opts.keep_logs if opts.resume else None,
         "configs": {n: cfgs.CONFIGS[n].description for n in wanted},
         # The runs' own machine (their reports); profiling runs report none: this process's torch.
         "torch": _torch_version(), **res.machine(runs),

@@ -230,3 +230,64 @@ def test_a_kept_run_that_failed_stays_failed_for_from_logs(monkeypatch, tmp_path
     runs, failures = run_logs.runs_from_logs(str(tmp_path / "kept"), [(0, "no_db")], MODEL, opts)
     assert [r.config for r in runs] == ["no_db"] and failures == {}
     assert (runs[0].torch, runs[0].device) == ("2.11.0+cu130", "NVIDIA H100 80GB HBM3")
+
+
+HERE = {"host": "gpu-a", "gpus": ["GPU-1", "GPU-2"]}
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """A machine with GPUs and every optional package, as the launch checks see it."""
+    monkeypatch.setattr(B.fit, "gpu_memory", lambda *a, **k: [80 * 2**30] * 8)
+    monkeypatch.setattr(B.requirements, "importable", lambda package: True)
+
+
+def _resume_argv(kept, out) -> list[str]:
+    return ["--nproc", "1", "--configs", "no_db,maxpool_graph", "--repeats", "2", "--warmup-steps", "5",
+            "--timed-steps", "3", "--no-plan", "--no-chart", "--keep-logs", str(kept), "--resume",
+            "--out-json", str(out), "--", *MODEL]
+
+
+def test_resume_launches_only_the_runs_the_folder_lacks(gpus, monkeypatch, tmp_path):
+    """[Note: resumed invocations]: kept runs that count are taken, the rest launched, priming skipped."""
+    monkeypatch.setattr(run_logs, "machine_identity", lambda: dict(HERE))
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    run_logs.claim_machine(str(kept))
+    _keep(kept, "no_db", 0, steps=8, ms=500.0, captured=False)
+    _keep(kept, "maxpool_graph", 0, steps=8, ms=60.0, captured=True)
+    _keep(kept, "no_db", 1, steps=8, ms=510.0, captured=False)
+    (kept / "no_db-1.failed").write_text("rc=1\n")  # did not count when it ran: launched again
+    launched = []
+
+    def launch(config, repeat, flags, opts, workdir, timeout_s=None):
+        launched.append((repeat, config.name))
+        return None, "rc=1; log tail:\nstopped here"
+
+    monkeypatch.setattr(B, "launch", launch)
+    out = tmp_path / "r.json"
+    assert B.main(_resume_argv(kept, out)) == 1  # the relaunched runs failed in this fake
+    assert sorted(launched) == [(1, "maxpool_graph"), (1, "no_db")], "no priming, no kept run again"
+    doc = json.loads(out.read_text())
+    assert {(r["config"], r["repeat"]) for r in doc["runs"]} == {("no_db", 0), ("maxpool_graph", 0)}
+    assert doc["meta"]["resumed_from"] == str(kept)
+
+
+def test_resume_into_another_machines_folder_is_refused_before_any_run(gpus, monkeypatch, tmp_path, capsys):
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    run_logs.claim_machine(str(kept), here={"host": "gpu-b", "gpus": ["GPU-9"]})
+    monkeypatch.setattr(run_logs, "machine_identity", lambda: dict(HERE))
+    monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("nothing may run"))
+    assert B.main(_resume_argv(kept, tmp_path / "r.json")) == 2
+    err = capsys.readouterr().err
+    assert "holds runs of another machine ('gpu-b', 1 GPU(s)), not of this one ('gpu-a')" in err, err
+    run_logs.claim_machine(str(tmp_path / "fresh"), here=dict(HERE))  # a new folder records the machine
+    assert json.loads((tmp_path / "fresh" / run_logs.MACHINE_FILE).read_text()) == HERE
+    run_logs.claim_machine(str(tmp_path / "fresh"), here=dict(HERE))  # the same machine again: fine
+
+
+def test_resume_needs_keep_logs(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("nothing may run"))
+    rc = B.main(["--nproc", "1", "--configs", "no_db", "--no-plan", "--resume", "--out-json", str(tmp_path / "r.json")])
+    assert rc == 2 and "no --keep-logs is given" in capsys.readouterr().err
