@@ -156,6 +156,18 @@ def queue_at(name: str) -> Setup:
     return setup
 
 
+def queue_with_a_changed_patch(name: str) -> Setup:
+    """A queue at ``{tmp}/name`` whose last patch commit changes its diff: export dates that patch anew."""
+    def setup(env: Env, tmp: Path) -> None:
+        queue_at(name)(env, tmp)
+        repo = tmp / name
+        train = repo / "megatron" / "training" / "train.py"
+        train.write_text(train.read_text().replace("'fork'", "'fork, again'"))
+        subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-a",
+                        "--amend", "--no-edit"], check=True)
+    return setup
+
+
 def wrong_pin(env: Env, tmp: Path) -> None:
     set_pin(env, "0" * 64)
 
@@ -277,6 +289,11 @@ PROBES = [
                                          ("99999999999999", "is past the last date a patch header can carry"),
                                          ("-1", "SOURCE_DATE_EPOCH='-1': must be >= 0, got -1"),
                                          ("1e9", "'1e9' is not a whole number"), ("é", "'é' is not a whole number")))],
+    # The same through export, which dates a patch whose diff the queue changed (the shared today()).
+    *[Probe(f"source-date-{i}-export", ("export", "--queue", "{tmp}/q"), 2, says, queue_with_a_changed_patch("q"),
+            env={"SOURCE_DATE_EPOCH": value})
+      for i, (value, says) in enumerate((("soon", "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number"),
+                                         ("99999999999999", "is past the last date a patch header can carry")))],
     # A series that lost patches patches/ still holds: no tree stamped as the fork without them.
     *[Probe(f"series-lost-{when}", ("materialize",), 2,
             "patches/ holds 2 more it does not list (alloc.patch, train.patch)",
@@ -291,11 +308,13 @@ PROBES = [
     Probe("overlay-a-file", ("status",), 2, "patches/overlay is not a folder",
           then(move("patches/overlay", "overlay.away"), write("patches/overlay", "x\n"))),
     Probe("overlay-empty-folder", ("materialize",), 0, "+ 2 overlay files", folder(f"{OVERLAY}/empty")),
-    # A loose .pyc, .so or .lock is refused by every verb, as the docs say; Python's own __pycache__ is skipped.
+    # A loose .pyc, .pyo, .so, .o or .lock is refused by every verb, as the docs say; Python's own __pycache__ is
+    # skipped.
     *[Probe(f"overlay-{name}-{verb}", (verb,), 1 if verb == "lint" else 2,
             f"{name} is a cache, a built object or a lock file, never an overlay file",
             write(f"{OVERLAY}/{name}", b"\0"))
-      for name in ("x.cpython-312.pyc", "ext.so") for verb in ("status", "lint", "materialize")],
+      for name in ("x.cpython-312.pyc", "x.pyo", "ext.so", "ext.o", "build.lock")
+      for verb in ("status", "lint", "materialize")],
     Probe("overlay-pycache", ("materialize",), 0, "+ 2 overlay files",
           write(f"{OVERLAY}/__pycache__/x.cpython-312.pyc", b"\0")),
     Probe("overlay-space-lint", ("lint",), 1, "has a character a shell splits", write(f"{OVERLAY}/a b.py", "x = 1\n")),
