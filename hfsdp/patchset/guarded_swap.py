@@ -30,6 +30,11 @@ class OldFolderKept(PatchsetError):
     """The new folder is in place; the old one could not be deleted and is kept as a backup."""
 
 
+class NotSwapped(PatchsetError):
+    """A rename of the swap failed (a folder in use, a parent that cannot be written): the old folder is in place,
+    as it was, and the new one is discarded with its scratch folder."""
+
+
 class ChangedDuringBuild(PatchsetError):
     """Files changed while the replacement was being built; nothing was replaced."""
 
@@ -62,11 +67,17 @@ def swap_in(target: Path, built: Path, snapshot: dict, rescan: Callable[[Path], 
         os.rename(built, target)  # fails (nothing lost) if a folder appeared there meanwhile
         return None
     parked = parked_name(root, target.name)
-    os.rename(target, parked)
+    try:
+        os.rename(target, parked)
+    except OSError as exc:
+        raise _not_swapped(target, exc, "the old one could not be moved aside", rerun) from None
     try:
         os.rename(built, target)
-    except BaseException:
+    except BaseException as exc:
         os.rename(parked, target)
+        if isinstance(exc, OSError):
+            raise _not_swapped(target, exc, "the new one could not be moved in (the old one was moved back)",
+                               rerun) from None
         raise
     changed = changed_between(snapshot, rescan(parked))
     if changed:
@@ -86,9 +97,20 @@ def swap_in(target: Path, built: Path, snapshot: dict, rescan: Callable[[Path], 
     except OSError as exc:  # the new folder is in place: say so, and keep what is left as a backup
         kept = backup_name(root, target.name)
         os.rename(parked, kept)
+        where = str(exc.filename or "")  # a path in the parked folder, which is now ``kept``: name it there
+        if where == str(parked) or where.startswith(f"{parked}{os.sep}"):
+            where = f"{kept}{where[len(str(parked)):]}"
         raise OldFolderKept(
-            f"{target} is the new one; the old one could not be deleted ({exc.strerror}: {exc.filename}), "
+            f"{target} is the new one; the old one could not be deleted ({exc.strerror}: {where}), "
             f"and what is left of it is kept as {kept}",
             f"look inside {kept}, make what is left deletable, then remove it yourself "
             f"(`rm -rf {quoted(kept)}`); nothing needs to be rebuilt") from None
     return None
+
+
+def _not_swapped(target: Path, exc: OSError, why: str, rerun: str) -> NotSwapped:
+    return NotSwapped(
+        f"the new {target.name}/ could not be put in place: {why} ({exc.strerror or exc}); {target} is the old "
+        "one, as it was, and the new one was discarded: nothing was replaced and nothing was left half-written",
+        f"make {target} movable (nothing mounted on it or in use as a mount point, its folder {target.parent} "
+        f"writable), then run `{rerun}` again")

@@ -569,7 +569,53 @@ def test_an_old_tree_that_cannot_be_deleted_is_named_as_kept_and_the_new_tree_st
     (kept,) = fake.project.root.glob("megatron.bak-*")
     assert "is the new one; the old one could not be deleted (Operation not permitted" in err, err
     assert str(kept) in err and "nothing was left half-written" not in err
+    # The file that could not be deleted is named where it is now (the parked folder is gone).
+    assert f"{kept / 'core' / 'fp8_utils.py'}), and what is left" in err and guarded_swap.OLD_PREFIX not in err, err
     assert "maxpool = 'pulled'" in (fake.project.megatron_dir / "core" / "alloc.py").read_text()
     assert "maxpool = True" in (kept / "core" / "alloc.py").read_text()
     monkeypatch.setattr(guarded_swap.shutil, "rmtree", rmtree)
     assert cli(fake, "status") == 0  # up to date; the backup is the user's, no leftover of a killed run
+
+
+@pytest.mark.parametrize("step", ["park-old", "place-new"])
+@pytest.mark.parametrize("code", ["EBUSY", "EACCES"])
+def test_a_tree_that_cannot_be_renamed_stays_the_old_one_and_the_message_says_so(fake: Env, monkeypatch, capsys,
+                                                                                  step: str, code: str) -> None:
+    """Renaming megatron/ aside (``park-old``: a mount point, a folder that cannot be written) or the new tree
+    into its place (``place-new``) fails: megatron/ is the old tree, as it was, the new one is gone, no
+    leftover of the swap remains, and the message says exactly that (no traceback for EBUSY either)."""
+    import errno
+
+    from hfsdp.patchset import guarded_swap
+
+    assert cli(fake, "materialize") == 0
+    before = tree_digest(fake.project.megatron_dir)
+    fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))
+    tree = str(fake.project.megatron_dir)
+    real = {name: getattr(os, name) for name in ("rename", "replace")}
+
+    def refusing(name: str):
+        def call(src, dst, *args, **kwargs):
+            refused = (str(src) == tree if step == "park-old"  # the new tree comes from the build's scratch folder
+                       else str(dst) == tree and guarded_swap.TMP_PREFIX in str(src))
+            if refused:
+                raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(src))
+            return real[name](src, dst, *args, **kwargs)
+        return call
+
+    for name in real:
+        monkeypatch.setattr(os, name, refusing(name))
+    capsys.readouterr()
+    assert cli(fake, "materialize") == 2
+    err = capsys.readouterr().err
+    why = "the old one could not be moved aside" if step == "park-old" else "the new one could not be moved in"
+    assert f"the new megatron/ could not be put in place: {why}" in err, err
+    assert f"{tree} is the old one, as it was, and the new one was discarded" in err, err
+    assert "Traceback" not in err and "run `scripts/patchset materialize` again" in err, err
+    assert tree_digest(fake.project.megatron_dir) == before
+    assert [p.name for p in fake.project.root.iterdir() if p.name.startswith((".patchset-", "megatron."))] == []
+    for name, function in real.items():
+        monkeypatch.setattr(os, name, function)
+    assert cli(fake, "materialize") == 0
+    assert "maxpool = 'pulled'" in (fake.project.megatron_dir / "core" / "alloc.py").read_text()
+
