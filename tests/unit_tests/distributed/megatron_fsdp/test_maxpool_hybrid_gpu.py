@@ -313,18 +313,9 @@ def test_upstream_attention_mamba_repro_with_maxpool(dist_env) -> None:
 
 
 
-@pytest.mark.gpu
-@needs_gpu_ranks
-@pytest.mark.parametrize("variant", ["fork", "emulate-0.18.2-backup"])
-def test_fixedpool_trains_the_asymmetric_pair_with_mamba_outside_the_pool(dist_env, variant: str) -> None:
-    """FixedPool on the asymmetric attention + Mamba pair trains every step with finite losses and
-    pools only the attention unit (:func:`check_fixedpool_outcome`, as docs/results.md reports).
-
-    ``fork``: this tree's FixedPool (its backup allocator keeps bucket storage, patch P1).
-    ``emulate-0.18.2-backup``: the backup swapped back to 0.18.2's TemporaryBucketAllocator,
-    which drops the bucket on free, to show what unpatched users hit. The outcome is
-    written to JSON too.
-    """
+def run_fixedpool_case(variant: str) -> None:
+    """(g): run FixedPool on the asymmetric pair in a child torchrun, record its outcome (JSON too) as
+    ``g_fixedpool_outcome_<variant>`` and hold it to :func:`check_fixedpool_outcome`."""
     rec = run_repro_child(f"fixedpool_child_{variant}", [] if variant == "fork" else ["--emulate-0182"],
                           FIXEDPOOL_JSON.replace(".json", f"_{variant}.json"))
     record_result(f"g_fixedpool_outcome_{variant}", rec)
@@ -332,6 +323,23 @@ def test_fixedpool_trains_the_asymmetric_pair_with_mamba_outside_the_pool(dist_e
         check_fixedpool_outcome(rec, variant)
 
 
+@pytest.mark.gpu
+@needs_gpu_ranks
+def test_fixedpool_trains_the_asymmetric_pair_with_mamba_outside_the_pool(dist_env) -> None:
+    """This tree's FixedPool (its backup allocator keeps bucket storage, patch P1) on the asymmetric
+    attention + Mamba pair trains every step with finite losses and pools only the attention unit
+    (:func:`check_fixedpool_outcome`, ``fork``, as docs/results.md reports)."""
+    run_fixedpool_case("fork")
+
+
+@pytest.mark.gpu
+@needs_gpu_ranks
+def test_fixedpool_with_the_0182_backup_completes_or_dies_in_a_cuda_fault(dist_env) -> None:
+    """The same pair with the backup swapped back to 0.18.2's TemporaryBucketAllocator, which drops the
+    bucket on free, to show what unpatched users hit: what follows is undefined, so the run either
+    completes with the Mamba unit outside the pool or dies in a CUDA fault on every failing rank; a
+    hang or any other failure fails the test (:func:`check_fixedpool_outcome`, ``emulate-0.18.2-backup``)."""
+    run_fixedpool_case("emulate-0.18.2-backup")
 
 
 # What a use-after-free of a freed bucket looks like when it is caught (a rank's error).
