@@ -138,6 +138,20 @@ _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_I
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
+def kind_of(path: str | Path) -> str:
+    """What stands at ``path``, as a noun: "a file", "a folder", "a named pipe", "a socket", a device, "a
+    symbolic link to nothing" or "nothing" (a link is followed)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a symbolic link to nothing" if os.path.islink(path) else "nothing"
+    except OSError as exc:
+        return f"something that cannot be read ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return "a file"
+    return next((name for test, name in _KINDS if test(mode)), "an entry of an unknown kind")
+
+
 def not_a_regular_file(path: str | Path) -> str | None:
     """Why ``path`` cannot be read as a file, as the end of a sentence about it ("is a named pipe,
     not a regular file", "does not exist"), or None for a regular file (a link to one included).

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
 from pathlib import Path
 
-from hfsdp.usererror import quoted, run_cli
+from hfsdp.usererror import kind_of, quoted, run_cli
 
 from .check import check_against, check_base
 from .diff import local_diff, series_diff
@@ -226,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             require_sdist_file(args.sdist, "--sdist", filename)
         if not (project.patches_dir / "series").is_file() and not (project.patches_dir / "base.toml").is_file():
             parked = [path for path, name in parked_originals(project.root) if name == "patches"]
+            patches = project.patches_dir
+            if not parked and os.path.lexists(patches) and not patches.is_dir():
+                raise PatchsetError(f"{project.root} is not a checkout of this project as it stands: its patches is "
+                                    f"{kind_of(patches)}, not a folder",
+                                    f"move it aside (`mv {quoted(patches)} {quoted(f'{patches}.away')}`) and put the "
+                                    f"folder back (`git -C {quoted(project.root)} checkout -- patches`), or pass the "
+                                    "checkout with --root")
             if not parked:
                 raise PatchsetError(f"{project.root} is not a checkout of this project (no patches/series or "
                                     "patches/base.toml)", "pass the checkout with --root, or run scripts/patchset "

@@ -231,6 +231,19 @@ def test_a_folder_that_is_not_a_checkout(tmp_path, capsys) -> None:
     assert "is not a checkout of this project" in capsys.readouterr().err
 
 
+def test_patches_that_is_no_folder_is_put_back(fake: Env, capsys) -> None:
+    """patches is a named pipe in a git checkout: the fix moves it aside and checks the folder out again."""
+    git_checkout_of(fake)
+    patches = fake.project.patches_dir
+    os.rename(patches, fake.project.root / "elsewhere")
+    os.mkfifo(patches)
+    err = error_of(fake, capsys, "status")
+    assert "its patches is a named pipe, not a folder" in err, err
+    for command in commands(err):
+        assert run_advice(fake, command, capsys) == 0, command
+    assert patches.is_dir() and main(["--root", str(fake.project.root), "status"]) == 1  # not materialized yet
+
+
 def test_symlinked_tree_both_ways_out(fake: Env, capsys) -> None:
     """`mv megatron X; ln -s X megatron`: put the folder back in its place, or set the link aside."""
     root = fake.project.root

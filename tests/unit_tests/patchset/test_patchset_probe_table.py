@@ -327,6 +327,13 @@ PROBES = [
     Probe("root-missing", ("status",), 2, "is not a checkout of this project", root="{tmp}/nowhere"),
     Probe("root-patches-empty", ("status",), 2, "is not a checkout of this project",
           then(move("patches", "patches.away"), folder("patches"))),
+    # patches itself no folder: named as what it is, not as a missing series.
+    *[Probe(f"root-patches-{kind}", ("status",), 2, f"its patches is {says}, not a folder",
+            then(move("patches", "patches.away"), odd("patches", kind)))
+      for kind, says in (("fifo", "a named pipe"), ("devnull", "a character device"),
+                         ("dangling", "a symbolic link to nothing"))],
+    Probe("root-patches-a-file", ("status",), 2, "its patches is a file, not a folder",
+          then(move("patches", "patches.away"), write("patches", "x\n"))),
     Probe("queue-dir-a-file", ("queue", "--dir", "{tmp}/f"), 2, "exists and is a file", write("{tmp}/f", "x")),
     Probe("queue-dir-below-a-file", ("queue", "--dir", "{tmp}/f/q"), 2, "/f, which is a file",
           write("{tmp}/f", "x")),
