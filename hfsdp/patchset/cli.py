@@ -39,6 +39,14 @@ def _cmd_materialize(project: Project, args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_advice(unlisted: list[str]) -> str:
+    """How to get a current tree: materialize, which refuses a series that lost patches patches/ still holds."""
+    if unlisted:
+        return ("restore patches/series first (`git checkout -- patches/series`) or delete the patch files it does "
+                "not list, then run `scripts/patchset materialize`")
+    return "run `scripts/patchset materialize`"
+
+
 def _cmd_status(project: Project, args: argparse.Namespace) -> int:
     st = tree_status(project)
     pin = project.pin()
@@ -50,7 +58,7 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
         print(f"unlisted: patches/{name} is not in patches/series, so it is never applied -> add its name to "
               "patches/series, or move the file out of patches/")
     if not st.exists:
-        print("tree:    megatron/ not materialized -> run `scripts/patchset materialize`")
+        print(f"tree:    megatron/ not materialized -> {_build_advice(st.unlisted)}")
         return 1
     if not st.stamped and not project.megatron_dir.is_dir():
         print("tree:    megatron is a file, not a folder -> `scripts/patchset materialize --backup` keeps it as "
@@ -75,7 +83,7 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
         print(f"base:    STALE: {st.base_mismatch}")
     if st.fork_mismatch:
         print(f"fork:    STALE: {st.fork_mismatch}")
-    print("stamp:   " + ("up to date" if st.up_to_date else "STALE -> run `scripts/patchset materialize`"))
+    print("stamp:   " + ("up to date" if st.up_to_date else f"STALE -> {_build_advice(st.unlisted)}"))
     if st.edits:
         how = ("`scripts/patchset diff` / `refresh`" if st.up_to_date
                else "`scripts/patchset diff`, then see materialize's advice")

@@ -199,7 +199,7 @@ def refuse_unlisted(project: Project) -> None:
             f"patches/series lists {len(names)} patch(es) and patches/ holds {len(unlisted)} more it does not list "
             f"({shown}); a tree built without them would be stamped as the fork without their changes. "
             "Nothing was built",
-            "restore patches/series (`git checkout patches/series`), add the names back, or, to leave a patch out "
+            "restore patches/series (`git checkout -- patches/series`), add the names back, or, to leave a patch out "
             "for good, delete its file",
         )
 

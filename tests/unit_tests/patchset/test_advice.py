@@ -13,6 +13,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
 from patchset_fake import (
     ALLOC_PATCH,
     TRAIN_PATCH,
@@ -242,6 +243,25 @@ def test_patches_that_is_no_folder_is_put_back(fake: Env, capsys) -> None:
     for command in commands(err):
         assert run_advice(fake, command, capsys) == 0, command
     assert patches.is_dir() and main(["--root", str(fake.project.root), "status"]) == 1  # not materialized yet
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_status_on_a_series_that_lost_patches_gives_advice_materialize_takes(fake: Env, capsys, built: bool) -> None:
+    """patches/series lost patches patches/ still holds: status's way to a current tree restores the series
+    before materialize (which refuses such a series), instead of sending the user to materialize alone."""
+    git_checkout_of(fake)
+    if built:
+        assert main(["--root", str(fake.project.root), "materialize"]) == 0
+    (fake.project.patches_dir / "series").write_text("")
+    capsys.readouterr()
+    assert main(["--root", str(fake.project.root), "status"]) == 1
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("stamp:", "tree:"))
+               and "->" in line]
+    assert commands(line) == ["git checkout -- patches/series", "scripts/patchset materialize"], line
+    for command in commands(line):
+        assert run_advice(fake, command, capsys) == 0, command
+    capsys.readouterr()
+    assert main(["--root", str(fake.project.root), "status"]) == 0, capsys.readouterr().out
 
 
 def test_symlinked_tree_both_ways_out(fake: Env, capsys) -> None:
