@@ -1,4 +1,4 @@
-"""The optional install extras (``pip install -e .[te]``, ``.[te-cu12]``, ``.[ssm]``): one source
+"""The optional install extras (``pip install -e '.[te]'``, ``.[te-cu12]``, ``.[ssm]``): one source
 for setup.py, the run-time "install ..." errors and their tests.
 
 [Note: optional extras] Transformer Engine (TE), mamba-ssm and causal-conv1d are optional: the
@@ -55,4 +55,4 @@ def te_extra(torch_cuda: str | None) -> str:
 def install_hint(extra: str) -> str:
     """The command that installs ``extra`` into the environment of this checkout."""
     assert extra in EXTRAS, f"unknown extra {extra!r}; known: {sorted(EXTRAS)}"
-    return f"`pip install --no-build-isolation -e .[{extra}]` ({', '.join(EXTRAS[extra])}; {DOC})"
+    return f"`pip install --no-build-isolation -e '.[{extra}]'` ({', '.join(EXTRAS[extra])}; {DOC})"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment and install the fork into it:
-#   Python >= 3.12, torch, then `pip install -e .[test]` (which materializes megatron/).
+#   Python >= 3.12, torch, then `pip install -e '.[test]'` (which materializes megatron/).
 # Source it (`. scripts/setup_env.sh`) or run it; afterwards "$HFSDP_PY" is the interpreter.
 #   PYTHON=/path/to/python3.12   pick the interpreter (default: first Python >= 3.12 found)
 #   VENV=/path/to/venv           where the venv lives (default: ./.venv)
@@ -82,7 +82,7 @@ if ! "$HFSDP_PY" -c 'import torch' >/dev/null 2>&1; then
   echo "setup_env: installing ${HFSDP_TORCH_SPEC:=torch==2.13.0} (a CUDA build; it runs on CPU too)"
   "$HFSDP_PY" -m pip install -q --disable-pip-version-check "$HFSDP_TORCH_SPEC"
 fi
-echo "setup_env: pip install -e .[test]"
+echo "setup_env: pip install -e '.[test]'"
 "$HFSDP_PY" -m pip install -q --disable-pip-version-check -e "$_root[test]"
 # Exit status 0 when mamba_ssm imports the way Megatron's Mamba mixer imports it; else 1, and why
 # on stderr (hfsdp/training/requirements.py).

@@ -167,7 +167,7 @@ def mamba_needed(item: pytest.Item) -> None:
     if os.environ.get(MAMBA_OPT_OUT) == "0":
         pytest.skip(f"mamba_ssm does not import ({problem}); {MAMBA_OPT_OUT}=0 opts out of the Mamba tests")
     pytest.fail(f"mamba_ssm does not import the way Megatron imports it ({problem}): install it "
-                f"({MAMBA_OPT_OUT}=1 . scripts/setup_env.sh, or pip install --no-build-isolation -e .[ssm]), "
+                f"({MAMBA_OPT_OUT}=1 . scripts/setup_env.sh, or pip install --no-build-isolation -e '.[ssm]'), "
                 f"or opt out of the Mamba tests with {MAMBA_OPT_OUT}=0", pytrace=False)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from hfsdp import extras
 from hfsdp.functional import golden
 from hfsdp.slurm import sbatch
 from hfsdp.training import entry
@@ -102,3 +103,17 @@ def test_an_sbatch_script_runs_from_a_checkout_with_a_space(checkout, tmp_path):
     shown = subprocess.run(["bash", "-c", f"{cd} && pwd"], capture_output=True, text=True)
     assert shown.returncode == 0 and shown.stdout.strip() == str(checkout), shown.stderr
     assert shlex.quote(str(case)) in text
+
+
+@pytest.mark.parametrize("extra", sorted(extras.EXTRAS))
+def test_the_install_command_of_an_extra_is_no_glob(checkout, extra):
+    """``pip install ... -e '.[te]'``, as printed, run by a shell that refuses a pattern matching nothing
+    (zsh's default; bash's failglob) in the checkout, with ``pip`` a function printing its arguments: the
+    brackets reach pip as they are, and ``.`` is the checkout (its setup.py)."""
+    [command] = re.findall(r"`([^`]+)`", extras.install_hint(extra))
+    script = f"pip() {{ printf '%s\\n' \"$@\"; }}; {command}"
+    done = subprocess.run(["bash", "-O", "failglob", "-c", script], cwd=checkout, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["install", "--no-build-isolation", "-e", f".[{extra}]"], done.stdout
+    assert (checkout / "setup.py").is_file()
+

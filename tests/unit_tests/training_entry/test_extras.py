@@ -65,7 +65,7 @@ def test_the_extra_named_for_a_package_installs_it(package: str) -> None:
 @pytest.mark.parametrize("extra", sorted(extras.EXTRAS))
 def test_install_hint_names_the_extra_and_no_build_isolation(extra: str) -> None:
     hint = extras.install_hint(extra)
-    assert f"-e .[{extra}]" in hint and "--no-build-isolation" in hint, hint
+    assert f"-e '.[{extra}]'" in hint and "--no-build-isolation" in hint, hint
     assert all(req in hint for req in extras.EXTRAS[extra]), hint
     assert (REPO_ROOT / extras.DOC).is_file(), f"the hint points at {extras.DOC}, which does not exist"
 

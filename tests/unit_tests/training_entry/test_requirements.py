@@ -217,7 +217,7 @@ def test_entry_point_without_transformer_engine() -> None:
     proc = run_entry("pretrain_gpt.py", TINY, ["transformer_engine", "transformer_engine_torch"])
     cause, fix = assert_one_error(proc, "pretrain_gpt.py")
     assert "--transformer-impl transformer_engine needs Transformer Engine" in cause, cause
-    assert "`pip install --no-build-isolation -e .[te" in fix, fix
+    assert "`pip install --no-build-isolation -e '.[te" in fix, fix
     assert "or pass --transformer-impl local" in fix, fix
 
 
@@ -227,7 +227,7 @@ def test_entry_point_without_the_mamba_kernels() -> None:
     cause, fix = assert_one_error(proc, "pretrain_hybrid.py")
     assert "Mamba layers ('M' in --hybrid-layer-pattern) needs mamba-ssm (mamba_ssm)" in cause, cause
     assert "Mamba's fused path" in cause and "causal-conv1d (causal_conv1d)" in cause, cause
-    assert fix.count("-e .[ssm]") == 2 and "pass --disable-mamba-mem-eff-path" in fix, fix
+    assert fix.count("-e '.[ssm]'") == 2 and "pass --disable-mamba-mem-eff-path" in fix, fix
 
 
 def test_installed_versions_names_every_recorded_dist(monkeypatch):
