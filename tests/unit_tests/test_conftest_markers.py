@@ -62,3 +62,19 @@ def test_the_tests_of_a_read_only_folder_are_marked_for_the_capability_free_pass
     locked, plain = Item(("tmp_path", "lock_folder")), Item(("tmp_path",))
     root_conftest.pytest_collection_modifyitems([locked, plain])
     assert [m.name for m in locked.markers] == ["unprivileged"] and plain.markers == []
+
+
+def test_the_unprivileged_marker_says_how_run_tests_runs_those_tests() -> None:
+    """pyproject.toml's description of ``unprivileged`` matches scripts/run_tests.sh: as root, a second pass
+    runs them as root without its capabilities (setpriv), not as another user."""
+    import re
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[2]
+    markers = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    (described,) = [m for m in markers if m.startswith("unprivileged:")]
+    script = (repo / "scripts" / "run_tests.sh").read_text()
+    assert re.search(r"setpriv [^\n]*--bounding-set -all[^\n]*\\\n[^\n]*-m unprivileged", script), script
+    assert "without root's capabilities (setpriv)" in described and "nobody" not in described, described
+    assert not re.search(r"\b(nobody|runuser|su -|sudo -u)\b", script), "run_tests.sh now switches users"
+
