@@ -132,6 +132,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if os.environ.get("HFSDP_CI") != "1" or not report.skipped or getattr(report, "wasxfail", None):
         return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")  # pytest's prefix of a skip's reason
     if not allowed_ci_skip(reason, item.get_closest_marker("gpu") is not None):
         report.outcome = "failed"
         report.longrepr = (f"skipped in CI ({reason}); CI allows only the skips ALLOWED_CI_SKIPS lists "
