@@ -26,7 +26,7 @@ from typing import Any
 # Rules in priority order (the first whose file appears anywhere in the stack wins), so a pooled
 # bucket reads "max-pool" even though param_and_grad_buffer.py called the allocator.
 CATEGORY_RULES: Sequence[tuple[str, str]] = (
-    ("maxpool_allocator.py", "max-pool arena"),
+    ("double_buffer/allocator.py", "max-pool arena"),
     ("param_and_grad_buffer.py", "FSDP bucket (non-pooled)"),
     ("/optimizer/", "optimizer"),
     ("nccl", "NCCL"),

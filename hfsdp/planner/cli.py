@@ -70,7 +70,7 @@ def resolve_unit_classes(value: str | None, strategy: str = "optim_grads_params"
 
 def training_lanes_setting() -> str:
     """The lane count in every spelling, as LaneMaxPool names it (the double-buffer policy's table)."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer_policy import SPELLINGS
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import SPELLINGS
 
     return SPELLINGS["lanes"].everywhere()
 

@@ -136,13 +136,13 @@ def bucket_specs(layout: Layout, allocator: str, *, main_grads_dtype: torch.dtyp
                  grad_comm_dtype: torch.dtype | None = None) -> list:
     """BucketSpecs for the ``"weight"`` or ``"grad"`` allocator (all buckets, units and not).
 
-    Dtypes follow the runtime's own rules (``maxpool_plan.planned_dtype_name``,
+    Dtypes follow the runtime's own rules (``double_buffer.plan.planned_dtype_name``,
     ``grad_dtype_name``, ``grad_alloc_dtype_name``), item sizes its ``planned_itemsize``.
     """
     import importlib
 
-    plan_mod = importlib.import_module(f"{MFSDP}.maxpool_plan")
-    dtypes_mod = importlib.import_module(f"{MFSDP}.buffer_dtypes")
+    plan_mod = importlib.import_module(f"{MFSDP}.double_buffer.plan")
+    dtypes_mod = importlib.import_module(f"{MFSDP}.double_buffer.dtypes")
     if allocator not in ("weight", "grad"):
         raise ValueError(f"allocator must be 'weight' or 'grad', got {allocator!r}")
     specs = []

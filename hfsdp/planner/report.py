@@ -1,6 +1,6 @@
 """Turn a bucket layout into the planner report: unit table, per-allocator plans, FixedPool view.
 
-Pure functions over :class:`~hfsdp.planner.layout.Layout` and the fork's ``maxpool_plan``
+Pure functions over :class:`~hfsdp.planner.layout.Layout` and the fork's ``double_buffer.plan``
 module; the CLI prints :func:`format_report` and can dump :func:`report_dict` as JSON.
 """
 
@@ -20,7 +20,7 @@ MIB = 2**20
 
 
 def _plan_mod():
-    return importlib.import_module(f"{MFSDP}.maxpool_plan")
+    return importlib.import_module(f"{MFSDP}.double_buffer.plan")
 
 
 def _rounded_unit_sizes(plan: Any, dtype: str) -> list[int]:
@@ -58,7 +58,7 @@ def lanes_units_problem(layout: Layout, lanes: int, setting: str) -> str | None:
 def lane_plans(specs: list[Any], lanes: Sequence[int] | None, align_bytes: int) -> dict[int, Any]:
     """The plan the max-pool allocators hold with ``--megatron-fsdp-max-pool-lanes N``, per N.
 
-    ``maxpool_plan.runtime_lane_plan`` is what the allocators call, so these are the runtime's
+    ``double_buffer.plan.runtime_lane_plan`` is what the allocators call, so these are the runtime's
     plans (tested against a real buffer). A count the runtime refuses is refused here too;
     ``lanes`` None plans DEFAULT_LANES when the model has at least that many units, else none.
     """
@@ -79,7 +79,7 @@ def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int | None = 
                    lanes: Sequence[int] | None = None) -> dict[str, Any]:
     """Max-pool, lane, rank-matched, analytic-minimum and FixedPool results for one allocator.
 
-    ``align_bytes`` defaults to the runtime's ``maxpool_plan.DEFAULT_ALIGN_BYTES``; ``lanes``
+    ``align_bytes`` defaults to the runtime's ``double_buffer.plan.DEFAULT_ALIGN_BYTES``; ``lanes``
     are the lane counts to plan (:func:`lane_plans`).
     """
     pm = _plan_mod()

@@ -186,7 +186,7 @@ def lanes_errors(base: Path | None) -> tuple[type[Exception], ...]:
     """The fork's max-pool lanes error, which the entry turns into one sentence; none on an upstream tree."""
     if base is not None:
         return ()
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.lanes import MaxPoolLanesError
 
     return (MaxPoolLanesError,)
 

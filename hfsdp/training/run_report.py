@@ -57,7 +57,7 @@ def pool_bytes_held() -> int:
 
 def maxpool_stats(model: Any) -> dict[str, int] | None:
     """Summed ``MaxPoolAllocator.stats()`` (home misses, pool bytes), None without max-pool."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator import (
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.allocator import (
         model_max_pool_allocators,
     )
 

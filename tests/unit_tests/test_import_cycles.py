@@ -180,7 +180,7 @@ def test_the_overlay_makes_no_import_cycle() -> None:
     graph = import_graph(megatron, overlay_rule(overlay))
     # The builder sees a hook: ParamAndGradBuffer imports the max-pool allocators.
     pgb = "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"
-    assert "megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator" in graph[pgb], (
+    assert "megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.allocator" in graph[pgb], (
         "the import graph lost the max-pool hook's edge")
     found = [c for c in strongly_connected(graph) if overlay & set(c)]
     assert not found, ("import cycles through the overlay (the hook imports the overlay, never the "
@@ -302,7 +302,7 @@ def release_graph(pristine_megatron: Path) -> Graph:
 
 
 DDPC = "megatron.core.distributed.distributed_data_parallel_config"
-POLICY = "megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer_policy"
+POLICY = "megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy"
 
 
 def test_the_fork_adds_no_import_time_loop(release_graph: Graph) -> None:

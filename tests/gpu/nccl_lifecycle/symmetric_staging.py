@@ -12,7 +12,7 @@ ParamAndGradBuffer exists (nccl_allocator.init() must keep the explicit 0), runs
 steps, profiles PROFILED_STEPS steps with torch.profiler and counts CUDA kernels whose names
 start with ncclSymk vs other nccl kernels, split into all-gather / reduce-scatter, then times
 TIMED_STEPS steps (median). The nccl_ub job also records the staging record (plan hash,
-arena bytes) of maxpool_symmetric.py. An nccl_ub init failure is recorded with its error text.
+arena bytes) of double_buffer/symmetric.py. An nccl_ub init failure is recorded with its error text.
 Expected with the patches: ub.symk.all_gather > 0 and ub.symk.reduce_scatter > 0, plain.symk
 all zero, NVLS 0 throughout.
 """

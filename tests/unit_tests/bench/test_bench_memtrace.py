@@ -2,7 +2,7 @@
 
 from hfsdp.bench.memtrace import MIB, categorize, format_summary, peak_live_set
 
-POOL = [{"filename": "/x/megatron_fsdp/maxpool_allocator.py", "name": "_arena"},
+POOL = [{"filename": "/x/megatron_fsdp/double_buffer/allocator.py", "name": "_arena"},
         {"filename": "/x/megatron_fsdp/param_and_grad_buffer.py", "name": "fetch_bucket"}]
 TEMP = [{"filename": "/x/megatron_fsdp/param_and_grad_buffer.py", "name": "allocate"}]
 ACT = [{"filename": "/usr/lib/torch/nn/functional.py", "name": "linear"},
@@ -65,7 +65,7 @@ def test_snapshot_pickle_opens_in_torchs_memory_viz(tmp_path):
     from hfsdp.bench.memtrace import write_snapshot
 
     entry = {"action": "alloc", "addr": 4096, "size": 2 * MIB, "stream": 0,
-             "frames": [{"filename": "/x/megatron_fsdp/maxpool_allocator.py", "name": "_arena",
+             "frames": [{"filename": "/x/megatron_fsdp/double_buffer/allocator.py", "name": "_arena",
                          "line": 1}]}
     snap = {"segments": [], "device_traces": [[entry, {**entry, "action": "free_requested"}]]}
     path = tmp_path / "maxpool-r0-rank0.snapshot.pickle"

@@ -1,4 +1,4 @@
-"""The buffer rules maxpool_plan exposes, and that ParamAndGradBuffer obeys them. CPU only.
+"""The buffer rules double_buffer.plan exposes, and that ParamAndGradBuffer obeys them. CPU only.
 
 The offline planner calls the same functions (hfsdp/planner/layout.py), so these rules are
 the single source for what each allocator is asked for.
@@ -7,8 +7,8 @@ the single source for what each allocator is asked for.
 import pytest
 import torch
 
-import megatron.core.distributed.fsdp.src.megatron_fsdp.buffer_dtypes as bd
-import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan as mp
+import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.dtypes as bd
+import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.plan as mp
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
 from megatron.training.ddp_bucket_size import default_bucket_size
 

@@ -1,4 +1,4 @@
-"""The double-buffer policy ([Note: double-buffer policy] in megatron_fsdp/double_buffer_policy.py):
+"""The double-buffer policy ([Note: double-buffer policy] in megatron_fsdp/double_buffer/policy.py):
 frozen, built once by one builder, the same from every route, errors in the route's spelling (CPU)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import re
 import pytest
 from test_maxpool_flags import BASE, FSDP, FsdpDDPConfig, MCoreDDPConfig, fs
 
-import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer_policy as dbp
-from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer_policy import (
+import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy as dbp
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import (
     Allocator,
     DoubleBufferPolicy,
     Route,

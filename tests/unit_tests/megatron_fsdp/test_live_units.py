@@ -1,4 +1,4 @@
-"""[Note: live units]: one constant, maxpool_plan.NUM_BUFFER_GROUPS, sets every live-unit limit.
+"""[Note: live units]: one constant, double_buffer.plan.NUM_BUFFER_GROUPS, sets every live-unit limit.
 
 The test changes only that constant (to 3) and then checks every place that bounds how many
 FSDP units may hold double-buffer memory: the plans' byte counts, MaxPoolAllocator's and
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import megatron.core.distributed.fsdp.src.megatron_fsdp.buffer_dtypes as bd
-import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan as mp
+import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.dtypes as bd
+import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.plan as mp
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
 from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import MaxPoolAllocator
 

@@ -6,7 +6,7 @@ import operator
 import pytest
 import torch
 
-import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
+import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.allocator as mpa
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
 from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
     FixedPoolAllocator,
@@ -273,7 +273,7 @@ def test_fixed_pool_homes_and_storage_resize_backup(gmb):
 
 def test_each_pool_plans_the_padded_size_of_its_buffer(gmb):
     """ParamAndGradBuffer builds its pools by name alone (as FixedPoolAllocator); each max-pool
-    plans the padded size of the DP buffer it serves (maxpool_allocator.PADDED_NUMEL)."""
+    plans the padded size of the DP buffer it serves (double_buffer.allocator.PADDED_NUMEL)."""
     from types import SimpleNamespace as NS
 
     groups = hybrid_groups()

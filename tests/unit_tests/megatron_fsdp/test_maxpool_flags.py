@@ -154,11 +154,11 @@ def test_nccl_ub_with_ep_overlap_names_both_flags(validated):
 def test_max_pool_allocator_lives_where_0_19_has_it():
     """ParamAndGradBuffer's MaxPoolAllocator is the overlay's MaxPool with its bucket types, and
     takes 0.19's keyword arguments, the same as FixedPoolAllocator's (one call site for both)."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp import maxpool_allocator, maxpool_lanes
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer import allocator, lanes
 
-    assert issubclass(pgb.MaxPoolAllocator, maxpool_allocator.MaxPool)
-    assert issubclass(pgb.LaneMaxPoolAllocator, maxpool_lanes.LaneMaxPool)
+    assert issubclass(pgb.MaxPoolAllocator, allocator.MaxPool)
+    assert issubclass(pgb.LaneMaxPoolAllocator, lanes.LaneMaxPool)
     for cls in (pgb.MaxPoolAllocator, pgb.LaneMaxPoolAllocator):
         assert issubclass(cls, pgb.TemporaryBucketAllocator)
         assert (cls.bucket_type, cls.backup_type) == (pgb.Bucket, pgb.StorageResizeBasedBucketAllocator)
@@ -166,4 +166,4 @@ def test_max_pool_allocator_lives_where_0_19_has_it():
     assert {"name", "fsdp_param_groups", "size", "dtype_fn", "fallback_to_persistent_buffer"} <= fixed
     assert fixed <= set(inspect.signature(pgb.MaxPoolAllocator).parameters)
     with pytest.raises(TypeError, match="has no bucket types"):
-        maxpool_allocator.MaxPool("fsdp_params", [])
+        allocator.MaxPool("fsdp_params", [])

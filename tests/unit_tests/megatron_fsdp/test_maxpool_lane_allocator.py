@@ -1,7 +1,7 @@
 """LaneMaxPoolAllocator on CPU: plan-fixed homes, N live units, prefetch gate and grad drain at
 N, fatal home misses after capture, and 2 lanes left exactly as the shared pool.
 
-[Note: max-pool lane homes] in megatron_fsdp/maxpool_lanes.py. The fake global memory buffer
+[Note: max-pool lane homes] in megatron_fsdp/double_buffer/lanes.py. The fake global memory buffer
 comes from test_maxpool_allocator, the CPU ParamAndGradBuffer from tests/unit_tests/conftest.py.
 """
 
@@ -27,9 +27,9 @@ from test_maxpool_allocator import (
     units_of,
 )
 
-import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
-import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan as mp
-from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
+import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.allocator as mpa
+import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.plan as mp
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.lanes import MaxPoolLanesError
 from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
     LaneMaxPoolAllocator,
     MaxPoolAllocator,
@@ -160,7 +160,7 @@ def test_init_fetch_falls_back_without_counting_and_too_small_lanes_are_named(gm
 
 def test_more_lanes_than_units_are_refused_in_every_spelling():
     """The allocator counts the units it serves (the one count); it cannot tell how the lane count
-    was given, so the message names every spelling of it (double_buffer_policy.SPELLINGS)."""
+    was given, so the message names every spelling of it (double_buffer.policy.SPELLINGS)."""
     with pytest.raises(MaxPoolLanesError, match=r"megatron_fsdp_max_pool_lanes \(--megatron-fsdp-max-pool-lanes, "
                                          r"fully_shard: maxpool_lanes\) asks for 4 lanes, more than the 3 FSDP "
                                          r"units of this model chunk, so 1 lane\(s\) would hold no unit; use at "
@@ -184,7 +184,7 @@ def test_presize_creates_every_lane_arena_once_at_planned_size(gmb):
 def test_symmetric_registration_fingerprint_covers_the_lanes(gmb):
     """NCCL symmetric staging hashes every allocator's plan and arena order: ranks with
     different lane counts (or a shared pool) must not agree."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_symmetric import plan_fingerprint
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.symmetric import plan_fingerprint
 
     groups = hybrid_groups()
     prints = {plan_fingerprint([make(groups, lanes=n)]) for n in (3, 4, 6)}

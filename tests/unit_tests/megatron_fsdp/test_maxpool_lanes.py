@@ -1,4 +1,4 @@
-"""Property tests for the N-lane pool plan ([Note: max-pool lanes] in maxpool_plan.py). CPU only."""
+"""Property tests for the N-lane pool plan ([Note: max-pool lanes] in double_buffer/plan.py.py). CPU only."""
 
 import random
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_maxpool_plan import bucket_sets, spec  # sibling module: the same bucket generator
 
-from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan import (
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.plan import (
     format_lane_plan,
     lane_assignment,
     lanes_units_problem,

@@ -1,4 +1,4 @@
-"""Property tests for the pure max-pool planner (megatron_fsdp/maxpool_plan.py). CPU only."""
+"""Property tests for the pure max-pool planner (megatron_fsdp/double_buffer/plan.py). CPU only."""
 
 import itertools
 import random
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_plan import (
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.plan import (
     BucketSpec,
     analytic_minimum_bytes,
     fixed_pool_outliers,

@@ -1,4 +1,4 @@
-"""CPU tests of max-pool symmetric-memory staging (maxpool_symmetric.py) and strict homes.
+"""CPU tests of max-pool symmetric-memory staging (double_buffer/symmetric.py) and strict homes.
 
 The 2-rank gloo job runs this file as its own worker (``python test_symmetric_pool.py
 <scenario> <rank> <world> <out_dir> <port>``); everything else is single-process with a CPU
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from nccl_harness import run_ranks
 
-import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator as mpa
-import megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_symmetric as sym
+import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.allocator as mpa
+import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.symmetric as sym
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
 from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import MaxPoolAllocator, ParameterGroup
 

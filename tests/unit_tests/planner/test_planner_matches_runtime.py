@@ -121,7 +121,7 @@ def test_too_many_lanes_is_refused_in_the_runtimes_words(cpu_fsdp_buffer):
     """--megatron-fsdp-max-pool-lanes above the unit count: the planner refuses it with the sentence
     the allocators raise when training builds the buffer."""
     from hfsdp.planner import cli
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.lanes import MaxPoolLanesError
 
     planned = L.compute_layout(_model(), unit_classes=[Unit], strategy="optim_grads_params",
                                dp_size=DP, expert_dp_size=DP)

@@ -87,8 +87,8 @@ def test_too_many_lanes_found_while_building_is_one_sentence():
 import sys
 import hfsdp.training.entry as entry
 import megatron.training.training as training
-from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer_policy import lanes_units_problem
-from megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_lanes import MaxPoolLanesError
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import lanes_units_problem
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.lanes import MaxPoolLanesError
 
 def pretrain(*args, **kwargs):  # what LaneMaxPoolAllocator raises while the buffer is built
     raise MaxPoolLanesError("[fsdp_params] " + lanes_units_problem(6, 5))

@@ -2,7 +2,7 @@
 """After a full-iteration capture: Megatron-FSDP max-pool home misses become fatal.
 
 A home miss after capture means the graph replays against a buffer group that now holds another
-unit (a stale pointer; [Note: max-pool failure modes] in megatron_fsdp/maxpool_allocator.py).
+unit (a stale pointer; [Note: max-pool failure modes] in megatron_fsdp/double_buffer/allocator.py).
 """
 
 import logging
@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 # The module whose allocators this acts on. It is looked up, never imported: no max-pool
 # allocator can exist unless Megatron-FSDP imported it, and a graph without Megatron-FSDP
 # should not load it.
-MAX_POOL_MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.maxpool_allocator"
+MAX_POOL_MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.allocator"
 
 _logged_strict_max_pool_homes = False
 

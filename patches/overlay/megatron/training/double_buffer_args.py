@@ -2,7 +2,7 @@
 """Megatron's command line and the double-buffer policy (``validate_args`` calls these).
 
 The rules and their messages are megatron_fsdp's ([Note: double-buffer policy] in
-double_buffer_policy.py): the command line is one route into the one builder, which names the
+double_buffer/policy.py): the command line is one route into the one builder, which names the
 settings as flags. What stays here is what the command line does with the policy: the
 implications 0.18.2 code reads off ``args`` (``fsdp_double_buffer``). The flags themselves are
 declared in fork_args.py (the fork's argument group).
@@ -10,7 +10,7 @@ declared in fork_args.py (the fork's argument group).
 
 from typing import Any
 
-from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer_policy import (
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import (
     SPELLINGS,
     DoubleBufferPolicy,
     Route,

@@ -387,7 +387,7 @@ def format_plan(plan: MaxPoolPlan, name: str = "maxpool") -> list[str]:
 # smaller pool is a choice of assignment, not a second layout.
 # At run time (--megatron-fsdp-max-pool-lanes N, runtime_lane_plan): N = 2, the default, is
 # today's shared pool, built by plan_max_pool and MaxPoolAllocator exactly as before; N >= 3 is
-# round robin, served by LaneMaxPoolAllocator (maxpool_lanes.py). The offline planner calls
+# round robin, served by LaneMaxPoolAllocator (lanes.py). The offline planner calls
 # runtime_lane_plan too, so it prints the plan the allocator will hold.
 
 

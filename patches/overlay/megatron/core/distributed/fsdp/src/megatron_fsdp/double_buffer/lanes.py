@@ -2,15 +2,15 @@
 """LaneMaxPool: the max-pool double buffer with 3 or more round-robin lanes.
 
 A MaxPool whose buffer groups are lanes of their own size: the plan is
-``maxpool_plan.runtime_lane_plan`` (unit at position i lives in lane i % N, each (lane,
+``plan.runtime_lane_plan`` (unit at position i lives in lane i % N, each (lane,
 dtype) arena sized by the largest unit of that lane), and a unit's home is the plan's lane,
 fixed before the first allocation. Everything else (views at planned offsets, arenas created
 once and never grown, the live-unit limit N read by ParamAndGradBuffer.live_unit_limit,
 poisoning, stats) is MaxPool's. ParamAndGradBuffer builds this class only when the double-buffer
 policy says so (``DoubleBufferPolicy.pick``: max-pool with 3 or more lanes, a range the policy's
-builder checked; 2 lanes is MaxPool, [Note: max-pool lanes] in maxpool_plan), with ``size`` its
+builder checked; 2 lanes is MaxPool, [Note: max-pool lanes] in plan.py), with ``size`` its
 ``live_units``. ParamAndGradBuffer's ``LaneMaxPoolAllocator`` is this class with its bucket types
-(maxpool_allocator.py says why).
+(allocator.py says why).
 """
 
 # [Note: max-pool lane homes]
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import logging
 
-from .double_buffer_policy import lanes_units_problem
-from .maxpool_allocator import MaxPool
-from .maxpool_plan import BucketSpec, LanePlan, format_lane_plan, runtime_lane_plan
-from .utils import log_single_rank
+from ..utils import log_single_rank
+from .allocator import MaxPool
+from .plan import BucketSpec, LanePlan, format_lane_plan, runtime_lane_plan
+from .policy import lanes_units_problem
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class LaneMaxPool(MaxPool):
 
     Takes MaxPool's arguments; ``size`` is the lane count N (the policy's ``live_units``).
     The units are counted here, once, from the groups it serves: a chunk with fewer than N
-    units is refused (``double_buffer_policy.lanes_units_problem``).
+    units is refused (``policy.lanes_units_problem``).
     """
 
     def __init__(self, *args, **kwargs):

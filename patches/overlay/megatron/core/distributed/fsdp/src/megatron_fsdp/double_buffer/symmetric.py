@@ -19,7 +19,7 @@ makes this one deterministic step at ``ParamAndGradBuffer`` init:
 4. rendezvous again before anything can issue a collective on the registered pool (for
    manual registration, right after ``manual_buffer_registration``).
 
-After staging no arena grows ([Note: max-pool failure modes] in maxpool_allocator.py, size
+After staging no arena grows ([Note: max-pool failure modes] in allocator.py, size
 drift). This module never touches ``NCCL_NVLS_ENABLE``.
 """
 
@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .double_buffer_policy import policy_of
-from .maxpool_allocator import MaxPool, buffer_max_pool_allocators
-from .maxpool_plan import LanePlan, MaxPoolPlan
-from .utils import log_single_rank
+from ..utils import log_single_rank
+from .allocator import MaxPool, buffer_max_pool_allocators
+from .plan import LanePlan, MaxPoolPlan
+from .policy import policy_of
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ keywords. Each is read by :func:`build_double_buffer_policy`, the one builder, i
 once); everything downstream reads that object, never the settings:
 - the allocator: ParamAndGradBuffer picks FixedPool, MaxPool or LaneMaxPool with
   :meth:`DoubleBufferPolicy.pick` and builds it with ``live_units`` groups and the persistent
-  fallback; maxpool_symmetric.py stages the pool from ``stage_symmetric`` and the registration
+  fallback; symmetric.py stages the pool from ``stage_symmetric`` and the registration
   fields; the training checks (te_arg_checks.py, hfsdp's fsdp_units.training_lanes) read
   ``max_pool`` and ``lanes``.
 Invariants:
@@ -36,8 +36,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .maxpool_plan import SHARED_LANES, buffer_groups
-from .maxpool_plan import lanes_units_problem as _plan_lanes_units_problem
+from .plan import SHARED_LANES, buffer_groups
+from .plan import lanes_units_problem as _plan_lanes_units_problem
 
 UNIT_STRATEGY = "optim_grads_params"  # the only sharding strategy with FSDP units
 POLICY_ATTR = "double_buffer_policy"  # where both configs keep their policy
@@ -147,17 +147,17 @@ class DoubleBufferPolicy:
 
     @property
     def round_robin(self) -> bool:
-        """Three or more lanes: LaneMaxPool ([Note: max-pool lanes] in maxpool_plan)."""
+        """Three or more lanes: LaneMaxPool ([Note: max-pool lanes] in plan.py)."""
         return self.max_pool and self.lanes > SHARED_LANES
 
     @property
     def live_units(self) -> int:
         """FSDP units that may hold double-buffer memory at once ([Note: live units])."""
-        return self.lanes if self.round_robin else buffer_groups()  # maxpool_plan.NUM_BUFFER_GROUPS
+        return self.lanes if self.round_robin else buffer_groups()  # plan.NUM_BUFFER_GROUPS
 
     @property
     def stage_symmetric(self) -> bool:
-        """The max-pool arenas are staged in the NCCL pool at init (maxpool_symmetric.py)."""
+        """The max-pool arenas are staged in the NCCL pool at init (symmetric.py)."""
         return self.nccl_ub and self.max_pool
 
     def pick(self, fixed: T, max_pool: T, lanes: T) -> T:

@@ -7,7 +7,7 @@ its full planned size from the global memory buffer, so it never grows after fir
 (safe for NCCL user-buffer registration and CUDA-graph capture). A live unit owns one
 group; its buckets are views at fixed planned offsets. Each unit has a home group
 (recorded at its first strict allocation) so addresses are stable across iterations.
-Non-unit buckets are never pooled. The pure layout math lives in ``maxpool_plan``.
+Non-unit buckets are never pooled. The pure layout math lives in ``plan``.
 
 ParamAndGradBuffer's ``MaxPoolAllocator`` is this class with its own bucket types
 (``bucket_type``, ``backup_type``): this module never imports param_and_grad_buffer, which
@@ -29,7 +29,7 @@ imports it and chooses between it and FixedPoolAllocator where it builds its all
 #   mem_alloc_context, so NCCL user-buffer registrations and CUDA graphs hold live pointers.
 # - too many live units: at most one unit per group is live. Non-unit gathers do not prefetch,
 #   every live-unit check reads ParamAndGradBuffer.live_unit_limit ([Note: live units] in
-#   maxpool_plan), and one unit too many in _acquire_group raises, naming the owners.
+#   plan.py), and one unit too many in _acquire_group raises, naming the owners.
 #   Blockwise-FP8 batching in copy_main_weights_to_model_weights is outside this bound.
 # - wgrad race: the grad limit runs in the main_grad getter, which TE's fused wgrad accumulation
 #   calls directly, and the compute stream waits on every drained reduce-scatter, so a unit's
@@ -42,7 +42,7 @@ imports it and chooses between it and FixedPoolAllocator where it builds its all
 #   full size, and _arena raises if it ever changes.
 # - grad dtype: grad pools are planned in the dtype grads are requested in (grad_comm_dtype or the
 #   main-grad dtype): ParameterGroup.grad_dtype and a dtype_fn per allocator, from the rules in
-#   maxpool_plan.
+#   plan.py.
 
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ from typing import Any
 
 import torch
 
-from .buffer_dtypes import dtype_from_name, planned_itemsize, planned_param_dtype
-from .maxpool_plan import (
+from ..utils import get_global_memory_buffer, log_single_rank
+from .dtypes import dtype_from_name, planned_itemsize, planned_param_dtype
+from .plan import (
     DEFAULT_ALIGN_BYTES,
     BucketSpec,
     LanePlan,
@@ -65,7 +66,6 @@ from .maxpool_plan import (
     plan_max_pool,
     planned_dtype_name,
 )
-from .utils import get_global_memory_buffer, log_single_rank
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class MaxPool:
         name: prefix of the global-memory-buffer keys.
         fsdp_param_groups: all parameter groups; index == bucket id.
         size: number of buffer groups = units that may be live at once; default
-            maxpool_plan.NUM_BUFFER_GROUPS ([Note: live units]).
+            plan.NUM_BUFFER_GROUPS ([Note: live units]).
         fallback_to_persistent_buffer: non-unit buckets get a persistent buffer
             instead of the StorageResize backup.
         dtype_fn: dtype this allocator is asked for per group (default: param dtype).
