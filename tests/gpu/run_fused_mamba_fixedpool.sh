@@ -9,7 +9,7 @@
 # (MEGATRON_PATCHSET_FIND_LINKS defaults to .gpu-wheels here; nothing is downloaded).
 # Writes $OUT/fused_mamba_fixedpool.log (pytest output), $OUT/fused_mamba_<spec>_<variant>.json (one outcome per variant)
 # and $OUT/fused_mamba_fixedpool.json (all of them). See the docstring of
-# tests/unit_tests/distributed/megatron_fsdp/test_fused_mamba_fixedpool_gpu.py for what is asserted.
+# tests/unit_tests/double_buffer/test_fused_mamba_fixedpool_gpu.py for what is asserted.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
@@ -23,7 +23,7 @@ rm -f "$MAXPOOL_GPU_RESULTS" "$OUT"/fused_mamba_*.json
 start=$(date +%s)
 # 2 ranks (data-parallel size 2: with 1 Megatron-FSDP never gathers): on 2 GPUs, or sharing 1.
 python -m hfsdp.launch --nproc 2 --ranks-per-gpu "${RANKS_PER_GPU:-auto}" -- -m pytest -q -s -rA \
-  tests/unit_tests/distributed/megatron_fsdp/test_fused_mamba_fixedpool_gpu.py "$@" 2>&1 | tee "$OUT/fused_mamba_fixedpool.log"
+  tests/unit_tests/double_buffer/test_fused_mamba_fixedpool_gpu.py "$@" 2>&1 | tee "$OUT/fused_mamba_fixedpool.log"
 rc=${PIPESTATUS[0]}
 python - "$OUT" "$rc" "$(( $(date +%s) - start ))" <<'PY'
 import glob, json, os, sys

@@ -21,7 +21,7 @@ rm -f "$MAXPOOL_GPU_RESULTS" "$OUT/maxpool_fixedpool_outcome.json"
 python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off; the product's launchers pass env through
 
 NPROC=${NPROC:-2}
-TEST=tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py
+TEST=tests/unit_tests/double_buffer/test_maxpool_hybrid_gpu.py
 start=$(date +%s)
 # NPROC ranks on this machine's GPUs: one each, or sharing them (RANKS_PER_GPU, default auto).
 python -m hfsdp.launch --nproc "$NPROC" --ranks-per-gpu "${RANKS_PER_GPU:-auto}" -- \

@@ -4,7 +4,7 @@ They construct HybridModel from ``hybrid_local_stack_spec`` on a 1-rank gloo gro
 the layer classes Megatron-FSDP keys its units on (isinstance-based), that no TE module is
 built anywhere, and the construction-time guards. Forward passes need CUDA (Mamba's scan is
 Triton, attention asks for CUDA buffers) and are covered by the GPU test
-tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py.
+tests/unit_tests/double_buffer/test_maxpool_hybrid_gpu.py.
 
 Mamba cases need mamba_ssm importable (the mixer refuses to build without it); they are marked
 ``mamba`` (tests/unit_tests/conftest.py: without mamba_ssm they fail, or skip under

@@ -3,7 +3,7 @@
 Run (2 or 4 ranks: one GPU each, or sharing one; repo root, patched tree materialized):
     . tests/gpu/setup_gpu_env.sh && MAMBA_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 \
     python -m hfsdp.launch --nproc 2 --ranks-per-gpu auto -- -m pytest -q -s -x \
-        tests/unit_tests/distributed/megatron_fsdp/test_maxpool_hybrid_gpu.py
+        tests/unit_tests/double_buffer/test_maxpool_hybrid_gpu.py
 or tests/gpu/run_maxpool_gpu.sh (same, plus log + JSON summary under $OUT).
 
 Model: HybridModel built from the TE-free ``hybrid_local_stack_spec`` (overlay module
