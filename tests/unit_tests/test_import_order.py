@@ -40,6 +40,7 @@ FORK_ENTRIES = {
     "pretrain_hybrid.py": "import runpy; runpy.run_path('pretrain_hybrid.py', run_name='probe')",
     "hfsdp.training.entry": "import hfsdp.training.entry",
     "memory planner": "import runpy; runpy.run_path('scripts/fsdp_memory_planner.py', run_name='probe')",
+    "double_buffer package": f"import {FSDP}.double_buffer",
 }
 
 # Run after the entry: what the three modules bound, as one JSON line.
