@@ -92,6 +92,9 @@ def claim_machine(folder: str, here: dict[str, Any] | None = None) -> None:
                             "step times of two machines do not compare",
                             "give a new --keep-logs folder, or summarize that one with --from-logs")
         return
+    if glob.glob(os.path.join(glob.escape(folder), "*.log")):
+        raise UserError(f"--keep-logs {folder} holds runs whose machine is not recorded ({MACHINE_FILE} is missing)",
+                        "give a new --keep-logs folder, or summarize that one with --from-logs")
     os.makedirs(folder, exist_ok=True)
     write_json_atomic(path, here)
 

@@ -285,6 +285,11 @@ def test_resume_into_another_machines_folder_is_refused_before_any_run(gpus, mon
     run_logs.claim_machine(str(tmp_path / "fresh"), here=dict(HERE))  # a new folder records the machine
     assert json.loads((tmp_path / "fresh" / run_logs.MACHINE_FILE).read_text()) == HERE
     run_logs.claim_machine(str(tmp_path / "fresh"), here=dict(HERE))  # the same machine again: fine
+    unrecorded = tmp_path / "unrecorded"
+    unrecorded.mkdir()
+    _keep(unrecorded, "no_db", 0, steps=8, ms=500.0, captured=False)
+    with pytest.raises(UserError, match="holds runs whose machine is not recorded"):
+        run_logs.claim_machine(str(unrecorded), here=dict(HERE))
 
 
 def test_resume_needs_keep_logs(monkeypatch, tmp_path, capsys):
