@@ -90,7 +90,14 @@ def swap_in(target: Path, built: Path, snapshot: dict, rescan: Callable[[Path], 
             "to save them first)",
         )
     if keep_old_as is not None:
-        os.rename(parked, keep_old_as)
+        try:
+            os.rename(parked, keep_old_as)
+        except OSError as exc:  # the new folder is in place; the old one, whole, stays where it was parked
+            raise OldFolderKept(
+                f"{target} is the new one; the old one, whole, could not be renamed to {keep_old_as} "
+                f"({exc.strerror or exc}) and is kept as {parked}",
+                f"rename it yourself (`mv {quoted(parked)} {quoted(keep_old_as)}`); nothing needs to be "
+                "rebuilt") from None
         return keep_old_as
     try:
         shutil.rmtree(parked)

@@ -619,3 +619,36 @@ def test_a_tree_that_cannot_be_renamed_stays_the_old_one_and_the_message_says_so
     assert cli(fake, "materialize") == 0
     assert "maxpool = 'pulled'" in (fake.project.megatron_dir / "core" / "alloc.py").read_text()
 
+
+
+def test_a_backup_that_cannot_be_named_leaves_the_old_tree_whole_and_says_where(fake: Env, monkeypatch, capsys) -> None:
+    """``materialize --backup`` whose last rename (the parked old tree to megatron.bak-*) fails: the new tree is
+    in place, the old one is whole under its parked name, and the message names both and the command that
+    finishes the job, which works."""
+    import errno
+    import shlex
+    import subprocess
+
+    assert cli(fake, "materialize") == 0
+    before = tree_digest(fake.project.megatron_dir)
+    fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))
+    real = os.rename
+
+    def refusing(src, dst, *args, **kwargs):
+        if os.path.basename(str(dst)).startswith("megatron.bak-"):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(src))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", refusing)
+    capsys.readouterr()
+    assert cli(fake, "materialize", "--backup") == 2
+    monkeypatch.setattr(os, "rename", real)
+    err = capsys.readouterr().err
+    assert "is the new one; the old one, whole, could not be renamed to" in err and "Traceback" not in err, err
+    assert "maxpool = 'pulled'" in (fake.project.megatron_dir / "core" / "alloc.py").read_text()
+    (parked,) = [p for p in fake.project.root.iterdir() if p.name.startswith(".patchset-old-")]
+    assert tree_digest(parked) == before and f"is kept as {parked}" in err
+    command = err.split("rename it yourself (`", 1)[1].split("`", 1)[0]
+    subprocess.run(shlex.split(command), check=True)
+    (kept,) = list(fake.project.root.glob("megatron.bak-*"))
+    assert tree_digest(kept) == before and not parked.exists()
