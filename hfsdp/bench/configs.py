@@ -50,6 +50,7 @@ TE_FLAGS = ("--transformer-impl", "transformer_engine")
 # Each spec's eager no-double-buffer configuration: its runs' lm loss is what the spec's other
 # configurations must match bit for bit (TE and local kernels differ, so they never match each other).
 BASELINES = {"local": "no_db", "te": "te_no_db"}
+BF16_RS_FLAG = "--grad-reduce-in-bf16"
 
 
 CONFIGS = {
@@ -93,6 +94,18 @@ CONFIGS = {
     "te_maxpool_ub_graph": BenchConfig(
         "te_maxpool_ub_graph", (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph", "maxpool", "te"),
+    # Gradients reduce-scattered in bf16 (Megatron's --grad-reduce-in-bf16; main grads and their
+    # accumulation stay fp32): half the bytes, and with registered buffers NCCL's symmetric
+    # reduce-scatter kernels, which reduce in fp32. Not bit-identical to te_no_db (fp32 reduction).
+    "te_maxpool_graph_bf16rs": BenchConfig(
+        "te_maxpool_graph_bf16rs", (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, *GRAPH_FLAGS, BF16_RS_FLAG),
+        "Transformer Engine specs, max-pool, full-iteration CUDA graph, bf16 gradient reduce-scatter",
+        "maxpool", "te"),
+    "te_maxpool_ub_graph_bf16rs": BenchConfig(
+        "te_maxpool_ub_graph_bf16rs",
+        (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS, BF16_RS_FLAG),
+        "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 "
+        "gradient reduce-scatter", "maxpool", "te"),
     # Diagnostic: Megatron's default --rerun-mode, kept explicitly, under the graph. Graphed runs
     # otherwise run it disabled (megatron/training/cuda_graph_rerun.py); this times the per-step
     # all-reduce and host sync that the change removes.

@@ -261,10 +261,16 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
                                 "startup_s": run.startup_s if run is not None else None}
                 print(f"[prime] {name} (discarded) {'ok' if run else 'FAILED'} in {wall:.0f}s"
                       f"{startup_words(run)}", flush=True)
+        refused = run_logs.kept_upstream_failures(opts.keep_logs, order) if opts.resume else {}
         for k, (repeat, name) in enumerate(order, 1):
             if (repeat, name) in kept:
                 runs.append(kept[repeat, name])
                 print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} kept in {opts.keep_logs}", flush=True)
+                continue
+            if name in refused:  # a release that cannot run a configuration fails the same way again
+                failures[f"{name}#{repeat}"] = f"not repeated: {refused[name]}"
+                print(f"[{k}/{len(order)}] repeat {repeat} {name} not repeated (an earlier repeat failed)",
+                      flush=True)
                 continue
             t0 = time.time()
             run, info = launch(bases.config(name), repeat, flags, opts, workdir)
@@ -276,7 +282,7 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
                           flush=True)
                 else:  # an upstream release that cannot run a configuration: the reason in one line
                     why, _, tail = info.partition("; log tail:\n")
-                    failures[f"{name}#{repeat}"] = bases.failure_line(name, why, tail)
+                    failures[f"{name}#{repeat}"] = refused[name] = bases.failure_line(name, why, tail)
                     print(f"[{k}/{len(order)}] repeat {repeat} {failures[f'{name}#{repeat}']} ({wall:.0f}s)",
                           flush=True)
                 continue

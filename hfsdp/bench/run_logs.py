@@ -128,6 +128,20 @@ def _read_kept(folder: str, order: Sequence[tuple[int, str]], flags: Sequence[st
     return found, failures
 
 
+def kept_upstream_failures(folder: str | None, order: Sequence[tuple[int, str]]) -> dict[str, str]:
+    """An upstream release's rows that ``folder`` holds a failed repeat of, with the reason: a
+    resumed invocation does not launch them again (a release fails a configuration it lacks the
+    same way every time; the fork's failed runs are always retried)."""
+    out: dict[str, str] = {}
+    if folder is None or not os.path.isdir(folder):
+        return out
+    for repeat, name in order:
+        marker = os.path.join(folder, f"{name}-{repeat}.failed")
+        if bases.split(name)[0] != bases.FORK and name not in out and os.path.exists(marker):
+            out[name] = failed_reason(marker)
+    return out
+
+
 def runs_from_logs(folder: str, order: Sequence[tuple[int, str]], flags: Sequence[str],
                    opts: argparse.Namespace) -> tuple[list[res.RunResult], dict[str, str]]:
     """The runs of ``order`` that ``folder`` (a ``--keep-logs`` folder) holds, each read by

@@ -177,6 +177,32 @@ def test_one_invocation_runs_every_base_and_picks_each_ones_best(prepared: Path,
     assert "upstream-0.19.2  te_maxpool" in text and "10.29 x the fork's best" in text
 
 
+def test_a_release_row_that_failed_is_not_repeated_nor_relaunched_on_resume(prepared: Path, faked, tmp_path: Path,
+                                                                           monkeypatch) -> None:
+    """A release fails a configuration it lacks the same way each time: launched once, its other
+    repeats recorded as not repeated; a resumed invocation does not launch it again. The fork's
+    rows keep every repeat."""
+    monkeypatch.setattr(B.run_logs, "machine_identity", lambda: {"host": "h", "gpus": ["GPU-1"]})
+    kept = tmp_path / "kept"
+    argv = ["--configs", "te_no_db,te_no_db_graph", "--repeats", "3", "--base", "fork,upstream-0.19.2",
+            "--bases-dir", str(prepared), "--no-plan", "--no-chart", "--no-prime", "--keep-logs", str(kept),
+            "--out-json", str(tmp_path / "r.json")]
+    assert B.main(argv) == 1
+    launched = [(n, r) for n, r, _ in faked]
+    assert launched.count(("upstream-0.19.2:te_no_db_graph", 0)) == 1
+    assert not [r for n, r in launched if n == "upstream-0.19.2:te_no_db_graph" and r > 0]
+    assert sorted(r for n, r in launched if n == "te_no_db_graph") == [0, 1, 2]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    said = "upstream-0.19.2 te_no_db_graph: failed: RuntimeError: stale capture stream"
+    assert doc["meta"]["failures"]["upstream-0.19.2:te_no_db_graph#2"] == f"not repeated: {said}"
+    # The fake launch keeps no logs, so mark the failed repeat as a real launch would have.
+    (kept / "upstream-0.19.2:te_no_db_graph-0.log").write_text("")
+    (kept / "upstream-0.19.2:te_no_db_graph-0.failed").write_text(said + "\n")
+    faked.clear()
+    assert B.main([*argv, "--resume"]) == 1
+    assert not [n for n, _, _ in faked if n == "upstream-0.19.2:te_no_db_graph"]
+
+
 def test_local_specs_refused_only_for_hybrid_models_on_releases_without_them() -> None:
     bare = bases.Capabilities(frozenset({"--hybrid-layer-pattern", "--transformer-impl", "--spec"}), False)
     hybrid = ["--hybrid-layer-pattern", "M*", "--transformer-impl", "local"]

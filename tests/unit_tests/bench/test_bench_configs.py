@@ -132,6 +132,8 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "maxpool_graph", "maxpool_lanes3_graph",
                                                               "te_no_db_graph", "te_maxpool_graph",
                                                               "te_maxpool_ub_graph",
+                                                              "te_maxpool_graph_bf16rs",
+                                                              "te_maxpool_ub_graph_bf16rs",
                                                               "no_db_graph_validate",
                                                               "te_no_db_graph_validate"]
     assert C.CONFIGS["maxpool_graph"].flags[:2] == C.CONFIGS["maxpool"].flags
@@ -187,3 +189,10 @@ def test_no_db_d1_prefetches_exactly_the_next_unit(preset, tmp_path):
             assert sum(forward[:-1]) < budget <= sum(forward), (preset, dp, unit_id, forward)
             backward = forward[::-1]
             assert backward[0] >= budget, (preset, dp, unit_id, backward)  # stops after one group
+
+
+def test_the_bf16_reduce_scatter_rows_are_their_fp32_twins_plus_megatrons_flag():
+    for name in ("te_maxpool_graph", "te_maxpool_ub_graph"):
+        twin, bf16 = C.CONFIGS[name], C.CONFIGS[f"{name}_bf16rs"]
+        assert bf16.flags == (*twin.flags, "--grad-reduce-in-bf16")
+        assert (bf16.plan, bf16.spec, bf16.user_buffers) == (twin.plan, twin.spec, twin.user_buffers)
