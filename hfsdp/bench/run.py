@@ -96,6 +96,9 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help=f"Megatron trees to run each configuration on, comma-separated or repeated: "
                         f"{', '.join(bases.CHOICES)} (default fork). A release runs pristine, from "
                         f"--bases-dir (hfsdp/bench/bases.py); its rows are named <base>:<config>.")
+    p.add_argument("--release-configs", default=None, metavar="CONFIGS",
+                   help="Comma-separated subset of --configs that the releases of --base run (default: all "
+                        "of them); the fork runs every one.")
     p.add_argument("--bases-dir", default=bases.DEFAULT_DIR,
                    help="Where `python -m hfsdp.bench.bases prepare` put the releases (default out/bases).")
     add_env_option(p)
@@ -467,10 +470,17 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
             print(f"skip {name}: {reason}")
     rows = [n for n in runnable if bases.FORK in base_names]
     opts.trees, base_meta = bases.resolve(base_names, Path(opts.bases_dir), stack, build=not opts.from_logs)
+    release_configs = runnable
+    if opts.release_configs is not None:
+        release_configs = [n.strip() for n in opts.release_configs.split(",") if n.strip()]
+        if stray := [n for n in release_configs if n not in wanted]:
+            raise UserError(f"--release-configs names {', '.join(stray)}, not among --configs ({', '.join(wanted)})",
+                            "name a subset of --configs")
+        release_configs = [n for n in runnable if n in release_configs]
     if upstream := [b for b in base_names if b != bases.FORK]:
         for base in upstream:
             offers = bases.capabilities(base, opts.trees, job_env(os.environ, opts.env))
-            for name in runnable:
+            for name in release_configs:
                 row = bases.run_name(base, name)
                 if (reason := bases.refusal(row, flags, offers)) is None:
                     rows.append(row)
