@@ -227,10 +227,11 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
         run = run_logs.read_run(config, repeat, stem, flags, opts)
         failed = None
     except pretrain_launch.RunFailed as exc:
-        failed = str(exc)
         with open(f"{stem}.log", errors="replace") as f:
-            tail = log_tail(f.read())
-        return None, f"{exc}; log tail:\n{tail}"
+            text = f.read()
+        said = bases.last_error_line(text)
+        failed = f"{exc}: {said}" if said else str(exc)  # the marker names the error, not only the exit code
+        return None, f"{exc}; log tail:\n{log_tail(text)}"
     finally:
         if opts.keep_logs:
             run_logs.keep_run(stem, opts.keep_logs, failed)

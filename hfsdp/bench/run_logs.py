@@ -113,8 +113,12 @@ def _read_kept(folder: str, order: Sequence[tuple[int, str]], flags: Sequence[st
                opts: argparse.Namespace) -> tuple[dict[tuple[int, str], res.RunResult], dict[str, str]]:
     found: dict[tuple[int, str], res.RunResult] = {}
     failures: dict[str, str] = {}
+    refused = kept_upstream_failures(folder, order)
     for repeat, name in order:
         stem = os.path.join(folder, f"{name}-{repeat}")
+        if name in refused and not os.path.exists(f"{stem}.log"):
+            failures[f"{name}#{repeat}"] = f"not repeated: {refused[name]}"
+            continue
         if not os.path.exists(f"{stem}.log"):
             failures[f"{name}#{repeat}"] = f"not in {folder}"
             continue

@@ -102,14 +102,14 @@ def test_startup_is_launch_to_the_line_of_step_2(tmp_path):
     assert P.startup_seconds(str(log)) is None
 
 
-def _fake_pretrain(monkeypatch, tmp_path, captured: bool, returncode: int = 0):
+def _fake_pretrain(monkeypatch, tmp_path, captured: bool, returncode: int = 0, said: str = ""):
     seen = []
 
     def fake_run(cmd, *, timeout_s, env, stdout):
         seen.append((cmd, env))
         steps = int(P.flag_value(cmd, "--train-iters"))
         src_log, src_report = _write_run(tmp_path, steps=steps, captured=captured)
-        stdout.write(open(src_log).read())
+        stdout.write(open(src_log).read() + said)
         with open(env[run_report.ENV], "w") as f:
             f.write(open(src_report).read())
         return GroupResult(returncode=returncode, timed_out=False, seconds=0.1)
@@ -224,6 +224,11 @@ def test_a_kept_run_that_failed_stays_failed_for_from_logs(monkeypatch, tmp_path
     assert marker.read_text() == "rc=-11\n"
     with pytest.raises(UserError, match="no_db#0: failed when it ran: rc=-11"):
         run_logs.runs_from_logs(str(tmp_path / "kept"), [(0, "no_db")], MODEL, opts)
+    # A log that names its error: the marker keeps the error, so --from-logs can say it in one line.
+    _fake_pretrain(monkeypatch, tmp_path, captured=False, returncode=1,
+                   said="[rank0]: RuntimeError: operation not permitted when stream is capturing\n")
+    B.launch(B.cfgs.CONFIGS["no_db"], 0, MODEL, opts, str(work))
+    assert marker.read_text() == "rc=1: RuntimeError: operation not permitted when stream is capturing\n"
     _fake_pretrain(monkeypatch, tmp_path, captured=False, returncode=0)
     run, _ = B.launch(B.cfgs.CONFIGS["no_db"], 0, MODEL, opts, str(work))
     assert run is not None and not marker.exists()
