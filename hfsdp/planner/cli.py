@@ -106,9 +106,10 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
         unit_classes = resolve_unit_classes(value, args.data_parallel_sharding_strategy, source)
         try:
             model = model_mod.build_meta_model(args)
-        except AssertionError as exc:
-            # Megatron's layer constructors check shapes with asserts (e.g. Mamba heads vs groups):
-            # bad flags, said in one sentence. An assert of ours is a bug and keeps its traceback.
+        except (AssertionError, ValueError) as exc:
+            # Megatron's layer constructors check shapes with asserts (e.g. Mamba heads vs groups) and
+            # refuse what this machine lacks with a ValueError (the fused Mamba path without
+            # causal-conv1d): bad flags, said in one sentence. One of ours is a bug and keeps its traceback.
             if "/megatron/" not in traceback.extract_tb(exc.__traceback__)[-1].filename:
                 raise
             raise rejection(exc, "Megatron cannot build this model", setup.FIX) from exc

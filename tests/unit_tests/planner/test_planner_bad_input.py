@@ -52,3 +52,18 @@ def test_a_model_of_your_own_gets_no_defaults_and_names_what_it_lacks(capsys):
     rc, _, err = run(capsys, "--num-layers", "4", "--hidden-size", "2048")
     assert rc == 2 and "Traceback" not in err, err[-2000:]
     assert "lacks --num-attention-heads, --seq-length, --micro-batch-size" in err
+
+
+def test_a_layer_that_refuses_this_machine_is_one_sentence(capsys, monkeypatch):
+    """The fused Mamba path without causal-conv1d: the local hybrid stack raises a ValueError while
+    the model is built, which the planner says in one sentence, naming the flag that avoids it."""
+    import megatron.core.ssm.mamba_mixer as mamba_mixer
+    from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
+
+    monkeypatch.setattr(mamba_mixer, "causal_conv1d_fn", None)
+    argv = [f for f in DEFAULT_MODEL_FLAGS if f != "--disable-mamba-mem-eff-path"]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2, (rc, out[-500:], err[-2000:])
+    assert "Megatron cannot build this model: Mamba layers with use_mamba_mem_eff_path=True need the causal_conv1d" \
+        in err and "--disable-mamba-mem-eff-path" in err, err
+    assert "Traceback" not in err, err
