@@ -115,7 +115,7 @@ def _cmd_check(project: Project, args: argparse.Namespace) -> int:
     for note in report.notes:
         print(f"note:    {note}")
     for r in report.patches:
-        extra = f" ({', '.join(r.files)})" if r.files else (f" [{r.note}]" if r.note else "")
+        extra = (f" ({', '.join(r.files)})" if r.files else "") + (f" [{r.note}]" if r.note else "")
         print(f"  {r.state:9} {r.patch}{extra}")
     for c in report.overlay:
         print(f"  {'conflicts':9} overlay {c.path}: {c.reason}")
