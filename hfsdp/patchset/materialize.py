@@ -223,12 +223,13 @@ def refuse_unlisted(project: Project) -> None:
     names = [p.name for p in project.series()]
     if unlisted := project.unlisted(names):
         shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
+        where = project.base_label
         raise SeriesError(
-            f"patches/series lists {len(names)} patch(es) and patches/ holds {len(unlisted)} more it does not list "
+            f"{where}series lists {len(names)} patch(es) and {where} holds {len(unlisted)} more it does not list "
             f"({shown}); a tree built without them would be stamped as the fork without their changes. "
             "Nothing was built",
-            "restore patches/series (`git checkout -- patches/series`), add the names back, or, to leave a patch out "
-            "for good, delete its file",
+            f"restore {where}series (`git checkout -- {where}series`), add the names back, or, to leave a patch "
+            "out for good, delete its file",
         )
 
 
