@@ -37,7 +37,7 @@ part() { echo "run_base_tests: $1 took $(( $(date +%s) - part_start ))s"; part_s
 restore() {
   rc=$?
   echo "run_base_tests: putting the default base back (pip install -e . without HFSDP_BASE)"
-  if [ -n "${HFSDP_PY:-}" ] && ! env -u HFSDP_BASE "$HFSDP_PY" -m pip install -q --disable-pip-version-check \
+  if [ "$switching" = 1 ] && [ -n "${HFSDP_PY:-}" ] && ! env -u HFSDP_BASE "$HFSDP_PY" -m pip install -q --disable-pip-version-check \
       --no-deps -e .; then
     echo "run_base_tests: the default base was not put back (above)" >&2
     [ "$rc" -eq 0 ] && rc=1
@@ -45,8 +45,10 @@ restore() {
   part "putting the default base back"
   exit "$rc"
 }
+switching=0
 trap restore EXIT
 export HFSDP_BASE=$base
+switching=1  # from here on the install may be on $base: put the default back on the way out
 . scripts/setup_env.sh
 part "install on base $base"
 echo "run_base_tests: patch series of base $base"
