@@ -51,7 +51,6 @@ def two(fake: Env, monkeypatch: pytest.MonkeyPatch) -> Env:
     (folder / "series").write_text("# the later base\nalloc.patch\ntrain.patch\n")
     monkeypatch.delenv("MEGATRON_PATCHSET_SDIST")
     monkeypatch.setenv("MEGATRON_PATCHSET_FIND_LINKS", str(store))
-    monkeypatch.delenv("HFSDP_BASE", raising=False)
     return fake
 
 
