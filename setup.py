@@ -4,7 +4,8 @@ Before setuptools runs, ``megatron/`` is materialized from the pinned sdist, the
 (``patches/overlay/``) and ``patches/series`` (a no-op when its stamp is current; an error, with
 the way out, when it has local edits). The sdist of this project carries ``patches/`` (MANIFEST.in),
 so an unpacked sdist materializes the same way. The distribution is ``megatron-core`` with a PEP 440 local version
-(``0.18.2+hfsdp.N``), so pip replaces an upstream wheel instead of installing a second copy.
+(``0.18.2+hfsdp.N``; ``HFSDP_BASE=0.19.2`` chooses that base: ``0.19.2+hfsdp.N``), so pip replaces an upstream
+wheel instead of installing a second copy.
 """
 
 import os
@@ -21,7 +22,7 @@ from hfsdp.patchset.materialize import materialize  # noqa: E402
 from hfsdp.patchset.project import Project  # noqa: E402
 from hfsdp.usererror import UserError  # noqa: E402
 
-PROJECT = Project(ROOT)
+PROJECT = Project(ROOT)  # the base is chosen in the try below: HFSDP_BASE ([Note: bases] in hfsdp/patchset/project.py)
 
 
 def overlay_package_data() -> dict[str, list[str]]:
@@ -36,6 +37,7 @@ def overlay_package_data() -> dict[str, list[str]]:
 
 
 try:
+    PROJECT = PROJECT.with_base(None)
     PIN = PROJECT.pin()
     if os.environ.get("HFSDP_SKIP_MATERIALIZE") != "1":
         materialize(PROJECT, log=lambda line: print(line, file=sys.stderr))
@@ -47,7 +49,8 @@ PACKAGE_DATA.setdefault("megatron.core.datasets", []).append("helpers.cpp")
 setup(
     name=PIN.distribution,
     version=PIN.fork_version,
-    description="megatron-core 0.18.2 + hfsdp patches: hybrid (Mamba/attention/MoE) Megatron-FSDP double buffering",
+    description=f"megatron-core {PIN.version} + hfsdp patches: hybrid (Mamba/attention/MoE) Megatron-FSDP "
+                "double buffering",
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.12",

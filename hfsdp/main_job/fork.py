@@ -22,7 +22,7 @@ def fork_report(root: Path = REPO_ROOT) -> tuple[int, list[str]]:
         rc = patchset_cli.main(["--root", str(root), "status"])
     if rc != 0:
         return rc, text.getvalue().splitlines()
-    project = Project(root)
+    project = Project(root).with_base(None)  # the base status reported on (HFSDP_BASE, else the default)
     pin, st = project.pin(), tree_status(project)
     state = "up to date" if st.up_to_date else "STALE (`scripts/patchset materialize` rebuilds it)"
     edits = f"{len(st.edits)} local edit(s)" if st.edits else "no local edits"

@@ -2,6 +2,17 @@
 release, report which patches are already upstream (they reverse-apply) and which conflict, and which
 overlay files the release would clash with.
 
+[Note: what each verdict promises] Against another release, each patch of the series gets one verdict,
+in series order, on a queue of that release plus the overlay plus the patches that applied before it:
+
+* ``upstream``: the patch reverse-applies (``git apply --reverse``, exact context): the release has it;
+* ``declared``: it neither reverse-applies nor applies, and its ``Applied-Upstream`` names a release at or
+  before this one *and* an upstream commit (``commit:<id>`` or a URL of a commit): a rewrite of that commit
+  whose text differs, to verify and drop. A header naming only a release is not evidence: ``conflicts``,
+  with a note saying so;
+* ``applies``: ``git apply`` with exact context (no fuzz) succeeded, and the patch is committed for the next;
+* ``conflicts``: none of the above.
+
 [Note: the overlay against another release] An overlay file conflicts with a release when
 
 * the release has a file at its path (the overlay only adds files), or
@@ -159,10 +170,15 @@ def _check_patch(repo: Path, patch: Patch, version: str) -> CheckResult:
     except PatchDoesNotApply as exc:
         if exc.line_endings:
             raise  # not a conflict with the release: the patch file itself is broken
-        if declared:
+        if declared and upstream_commits(expected):
             # A clean-room backport is a rewrite of the upstream change, so it rarely
-            # reverse-applies; its header says the release has it. Verify, then drop.
+            # reverse-applies; its header names the release and the commit that has it. Verify, then drop.
             return CheckResult(patch.name, "declared", tuple(exc.files), note=f"Applied-Upstream: {expected}")
+        if declared:
+            return CheckResult(patch.name, "conflicts", tuple(exc.files),
+                               note=f"Applied-Upstream: {expected} names no upstream commit, and the patch does "
+                                    "not reverse-apply: name the commit (a URL .../commit/<id> or commit:<id>) or "
+                                    "rebase it")
         return CheckResult(patch.name, "conflicts", tuple(exc.files))
 
 
@@ -237,6 +253,14 @@ def _declared_upstream(applied_upstream: str, target_version: str) -> bool:
     first = applied_upstream.split(",", 1)[0]
     have, target = _version_tuple(first), _version_tuple(target_version)
     return have is not None and target is not None and have <= target
+
+
+_COMMIT = re.compile(r"^(commit:\S+|https?://\S+/commits?/[0-9a-fA-F]{7,40}/?)$")
+
+
+def upstream_commits(applied_upstream: str) -> list[str]:
+    """The upstream commits an ``Applied-Upstream`` value names (``commit:<id>``, or a URL of a commit)."""
+    return [part.strip() for part in applied_upstream.split(",") if _COMMIT.match(part.strip())]
 
 
 def _download_unpinned(other: BasePin) -> Path:

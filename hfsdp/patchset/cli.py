@@ -27,7 +27,7 @@ from .leftovers import parked_originals
 from .lint import lint
 from .lock import writing
 from .materialize import kept_summary, materialize, tree_status
-from .project import Project
+from .project import BASE_ENV, Project
 from .queue import continue_queue, make_queue
 from .refresh import refresh
 from .series import patch_name
@@ -39,12 +39,14 @@ def _cmd_materialize(project: Project, args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_advice(unlisted: list[str]) -> str:
+def _build_advice(unlisted: list[str], project: Project) -> str:
     """How to get a current tree: materialize, which refuses a series that lost patches patches/ still holds."""
+    verb = "materialize" if project.base is None else f"--base {project.base} materialize"
     if unlisted:
-        return ("restore patches/series first (`git checkout -- patches/series`) or delete the patch files it does "
-                "not list, then run `scripts/patchset materialize`")
-    return "run `scripts/patchset materialize`"
+        series = f"{project.base_label}series"
+        return (f"restore {series} first (`git checkout -- {series}`) or delete the patch files it does "
+                f"not list, then run `scripts/patchset {verb}`")
+    return f"run `scripts/patchset {verb}`"
 
 
 def _cmd_status(project: Project, args: argparse.Namespace) -> int:
@@ -55,10 +57,11 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
     for item in st.leftovers:
         print(f"leftover: {item.path.name}: left by a killed run; the next writing command will {item.action}")
     for name in st.unlisted:
-        print(f"unlisted: patches/{name} is not in patches/series, so it is never applied -> add its name to "
-              "patches/series, or move the file out of patches/")
+        where = project.base_label
+        print(f"unlisted: {where}{name} is not in {where}series, so it is never applied -> add its name to "
+              f"{where}series, or move the file out of {where}")
     if not st.exists:
-        print(f"tree:    megatron/ not materialized -> {_build_advice(st.unlisted)}")
+        print(f"tree:    megatron/ not materialized -> {_build_advice(st.unlisted, project)}")
         return 1
     if not st.stamped and not project.megatron_dir.is_dir():
         print("tree:    megatron is a file, not a folder -> `scripts/patchset materialize --backup` keeps it as "
@@ -83,7 +86,7 @@ def _cmd_status(project: Project, args: argparse.Namespace) -> int:
         print(f"base:    STALE: {st.base_mismatch}")
     if st.fork_mismatch:
         print(f"fork:    STALE: {st.fork_mismatch}")
-    print("stamp:   " + ("up to date" if st.up_to_date else f"STALE -> {_build_advice(st.unlisted)}"))
+    print("stamp:   " + ("up to date" if st.up_to_date else f"STALE -> {_build_advice(st.unlisted, project)}"))
     if st.edits:
         how = ("`scripts/patchset diff` / `refresh`" if st.up_to_date
                else "`scripts/patchset diff`, then see materialize's advice")
@@ -112,7 +115,7 @@ def _cmd_check(project: Project, args: argparse.Namespace) -> int:
     for note in report.notes:
         print(f"note:    {note}")
     for r in report.patches:
-        extra = f" ({', '.join(r.files)})" if r.files else (f" [{r.note}]" if r.note else "")
+        extra = (f" ({', '.join(r.files)})" if r.files else "") + (f" [{r.note}]" if r.note else "")
         print(f"  {r.state:9} {r.patch}{extra}")
     for c in report.overlay:
         print(f"  {'conflicts':9} overlay {c.path}: {c.reason}")
@@ -160,6 +163,7 @@ def _cmd_overlay(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_export(project: Project, args: argparse.Namespace) -> int:
+    project.require_default_base("export")
     drop = tuple(patch_name(name, "--drop") for name in args.drop)  # refused before the lock, too
     with writing(project, f"export --queue {args.queue}", print):
         export_queue(project, args.queue, args.sdist, drop=drop)
@@ -172,14 +176,17 @@ WRITERS = ("materialize", "refresh", "export")  # the verbs that take the lock a
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patchset", description=__doc__)
     root_help, sdist_help = "project checkout (default: this one)", "use this local sdist (offline installs)"
+    base_help = f"the base (upstream release) to work on (default: ${BASE_ENV}, else patches/base.toml's)"
     parser.add_argument("--root", type=Path, default=None, help=root_help)
     parser.add_argument("--sdist", type=Path, default=None, help=sdist_help)
+    parser.add_argument("--base", default=None, metavar="VERSION", help=base_help)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def verb(name: str, help: str, uses_sdist: bool = True) -> argparse.ArgumentParser:
         """A verb's parser; --root (and --sdist where the verb reads the sdist) are accepted after it too."""
         p = sub.add_parser(name, help=help)
         p.add_argument("--root", type=Path, default=argparse.SUPPRESS, help=root_help)
+        p.add_argument("--base", default=argparse.SUPPRESS, metavar="VERSION", help=base_help)
         if uses_sdist:
             p.add_argument("--sdist", type=Path, default=argparse.SUPPRESS, help=sdist_help)
         return p
@@ -227,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     def checked() -> int:
         args = build_parser().parse_args(argv)  # inside run_cli: --help into a closed pipe ends quietly
         project = Project(args.root.resolve()) if args.root else Project.default()
+        if (project.patches_dir / "base.toml").is_file():  # else refused below, with the way out
+            project = project.with_base(args.base)
         if args.sdist is not None:  # refused even where the verb turns out not to need it
             try:
                 filename: str | None = project.pin().filename

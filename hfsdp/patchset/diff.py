@@ -37,7 +37,7 @@ def as_built(project: Project) -> tuple[list[Patch], Overlay]:
                             "run `scripts/patchset materialize`")
     if stamp.texts is not None:
         texts = stamp.texts
-        return ([parse_patch(name, texts[name], project.patches_dir / name) for name, _ in stamp.patches],
+        return ([parse_patch(name, texts[name], project.base_dir / name) for name, _ in stamp.patches],
                 stamp.built_overlay())
     patches = project.series()
     if not stamp.matches(pin, patches, project.overlay()):
@@ -54,10 +54,14 @@ def local_diff(project: Project, sdist: Path | None = None) -> str:
     """The edits of megatron/ against its as-built tree, as a git diff (empty if none). A tree read through a
     symbolic link is refused ([Note: a tree behind a symbolic link] in materialize.py)."""
     require_real_tree(project)
+    stamp = read_stamp(project.root)
+    if stamp is not None:  # the tree as built is of the base it was built from ([Note: bases] in project.py)
+        project = project.for_stamp(stamp.base_version, stamp.sdist_sha256) or project
     pin = project.pin()
     patches, overlay = as_built(project)
-    stamp = read_stamp(project.root)
-    assert stamp is not None, "as_built returned without a stamp"
+    if stamp is None:
+        raise PatchsetError("megatron/ is not materialized, so it has no local edits",
+                            "run `scripts/patchset materialize`")
     edits = live_census(project, stamp).edits
     with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:
         queue = build_queue(pin, locate_sdist(pin, sdist), patches, Path(tmp) / "q", overlay)

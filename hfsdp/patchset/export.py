@@ -402,6 +402,7 @@ def write_plan(project: Project, plan: ExportPlan, snapshot: dict, rerun: str, l
 def export_queue(project: Project, repo: Path, sdist: Path | None = None, drop: tuple[str, ...] = (),
                  log: Callable[[str], None] = print) -> list[str]:
     """gbp-pq export (see the note); the caller holds the checkout lock."""
+    project.require_default_base("export")
     snapshot = snapshot_patches(project)
     plan = plan_export(project, repo, drop, sdist)
     if plan.already_there:

@@ -37,6 +37,8 @@ def ensure_fork(project: Project | None = None) -> Path:
             f"remove the other copy (`pip uninstall -y megatron-core`), then `pip install -e {quoted(project.root)}`",
         )
     stamp = read_stamp(project.root)
+    if stamp is not None:  # the tree is checked against the base it was built from ([Note: bases] in project.py)
+        project = project.for_stamp(stamp.base_version, stamp.sdist_sha256) or project
     if stamp is None or not stamp.matches(project.pin(), project.series(), project.overlay()):
         raise StaleTree(
             f"{project.megatron_dir} is {'not stamped' if stamp is None else 'stale'}: it does not match "

@@ -17,7 +17,7 @@ from .errors import PatchsetError
 from .overlay import Overlay, scan_overlay, source_name
 from .pin import BasePin
 from .project import Project
-from .series import Patch, crlf_line, read_patch, read_series_names, unlisted_patches
+from .series import Patch, crlf_line, patch_path, read_patch, read_series_names
 from .source import locate_sdist
 
 REQUIRED = ("Description", "Origin", "Bug", "Forwarded", "Applied-Upstream", "Last-Update")
@@ -147,14 +147,16 @@ def lint_line_endings(patch: Patch) -> list[LintProblem]:
 def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:
     """All problems in the series and the overlay; an empty list means clean."""
     pin = project.pin()
-    names = read_series_names(project.patches_dir / "series")
+    where = project.base_label
+    names = read_series_names(project.base_dir / "series")
     problems: list[LintProblem] = []
-    for name in unlisted_patches(project.patches_dir, names):
-        problems.append(LintProblem(name, "is in patches/ but not listed in patches/series"))
+    for name in project.unlisted(names):
+        problems.append(LintProblem(name, f"is in {where} but not listed in {where}series"))
+    shared = None if project.base is None else project.patches_dir
     patches: list[Patch] = []
     for name in names:
         try:
-            patches.append(read_patch(project.patches_dir / name, name))
+            patches.append(read_patch(patch_path(project.base_dir, name, shared), name))
         except PatchsetError as exc:
             problems.append(LintProblem(name, exc.cause))
     for patch in patches:

@@ -35,7 +35,6 @@ from .leftovers import Leftover, any_leftovers, find_leftovers
 from .lock import is_free, writing
 from .project import Project
 from .scan import STAMP_NAME, Census, Entry, carry, census, conflicts, describe, hash_files, linked_folders, scan
-from .series import unlisted_patches
 from .source import locate_sdist
 from .stamp import CorruptStamp, Stamp, make_stamp, read_stamp, with_inputs, write_stamp_file
 from .tree import build_queue
@@ -98,6 +97,20 @@ def live_census(project: Project, stamp: Stamp, entries: dict[str, Entry] | None
     return census(entries, stamp.files, project.pin().members)
 
 
+def guard_current(project: Project, stamp: Stamp) -> bool:
+    """Whether the import guard of the tree would pass: the digest it recomputes from ``patches/`` is the one
+    its stamp records (always, for a stamp without one). A base other than the default is built with the
+    shared guard, whose digest covers ``patches/`` but not ``patches/bases/`` ([Note: bases] in
+    project.py): a change there is seen by the stamp alone, a change of the default base's files by the
+    guard alone, and a tree either calls stale is rebuilt (refused over its edits)."""
+    if stamp.inputs_sha256 is None:
+        return True
+    try:
+        return with_inputs(stamp, project.megatron_dir, project.root).inputs_sha256 == stamp.inputs_sha256
+    except PatchsetError:
+        return False  # the tree's guard module fails to load: its import fails too
+
+
 def overlay_edits(edits: dict[str, str], stamp: Stamp) -> list[str]:
     """The edits that belong to the overlay: of files the tree got from the overlay, and new files (which
     ``refresh`` adds to the overlay)."""
@@ -113,7 +126,7 @@ def tree_status(project: Project) -> TreeStatus:
     overlay = project.overlay()
     names = [p.name for p in patches]
     leftovers = find_leftovers(project)
-    unlisted = unlisted_patches(project.patches_dir, names)
+    unlisted = project.unlisted(names)
     if not project.megatron_dir.exists():
         return TreeStatus(False, False, False, series=names, overlay_files=len(overlay.files), leftovers=leftovers,
                           unlisted=unlisted)
@@ -127,7 +140,7 @@ def tree_status(project: Project) -> TreeStatus:
     status = TreeStatus(
         exists=True,
         stamped=True,
-        up_to_date=stamp.matches(pin, patches, overlay),
+        up_to_date=stamp.matches(pin, patches, overlay) and guard_current(project, stamp),
         applied=[n for n, _ in stamp.patches],
         series=names,
         changed_patches=[n for n in names if n in applied and applied[n] != current[n]],
@@ -142,7 +155,11 @@ def tree_status(project: Project) -> TreeStatus:
     if stamp.base_version != pin.version or stamp.sdist_sha256 != pin.sha256:
         status.base_mismatch = (f"tree built from {stamp.base_version} ({stamp.sdist_sha256[:12]}), "
                                 f"pin is {pin.version} ({pin.sha256[:12]})")
-    if stamp.fork_version != pin.fork_version:
+        if (other := project.for_stamp(stamp.base_version, stamp.sdist_sha256)) is not None:
+            status.base_mismatch = (f"tree built from base {stamp.base_version} ({other.base_label}), this command "
+                                    f"works on base {pin.version} -> `--base {stamp.base_version}` works on the "
+                                    f"tree as it is; `materialize` switches it to {pin.version}")
+    if stamp.fork_version != pin.fork_version and status.base_mismatch is None:
         status.fork_mismatch = (f"tree stamped {stamp.fork_version}, patches/base.toml says "
                                 f"{pin.fork_version} ([fork] release changed)")
     return status
@@ -165,7 +182,18 @@ def _refuse_if_unsafe(project: Project, stamp: Stamp | None, found: Census | Non
                 "run `scripts/patchset materialize --backup` (moves it to megatron.bak-* and rebuilds)",
             )
         return
-    assert found is not None
+    if found is None:
+        raise PatchsetError("a stamped megatron/ was not read before deciding to replace it; nothing was changed",
+                            "run `scripts/patchset materialize` again")
+    pin = project.pin()
+    if found.edits and (stamp.base_version, stamp.sdist_sha256) != (pin.version, pin.sha256):
+        raise DirtyTree(
+            f"{target} was built from base {stamp.base_version} and has {len(found.edits)} local edit(s) that "
+            f"switching it to base {pin.version} would overwrite; nothing was changed",
+            f"fold them into base {stamp.base_version} first (`scripts/patchset --base {stamp.base_version} "
+            f"refresh`), or keep the edited tree as megatron.bak-* (`scripts/patchset --base {pin.version} "
+            "materialize --backup`)",
+        )
     if found.edits:
         listing = describe([f"{kind:8} {path}" for path, kind in found.edits.items()])
         raise DirtyTree(
@@ -193,14 +221,15 @@ def refuse_unlisted(project: Project) -> None:
     the fork's version and stamp without those changes (an emptied series would build the release
     itself). Leaving a patch out is said by deleting its file, or moving it out of ``patches/``."""
     names = [p.name for p in project.series()]
-    if unlisted := unlisted_patches(project.patches_dir, names):
+    if unlisted := project.unlisted(names):
         shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
+        where = project.base_label
         raise SeriesError(
-            f"patches/series lists {len(names)} patch(es) and patches/ holds {len(unlisted)} more it does not list "
+            f"{where}series lists {len(names)} patch(es) and {where} holds {len(unlisted)} more it does not list "
             f"({shown}); a tree built without them would be stamped as the fork without their changes. "
             "Nothing was built",
-            "restore patches/series (`git checkout -- patches/series`), add the names back, or, to leave a patch out "
-            "for good, delete its file",
+            f"restore {where}series (`git checkout -- {where}series`), add the names back, or, to leave a patch "
+            "out for good, delete its file",
         )
 
 
@@ -208,7 +237,7 @@ def _report_up_to_date(project: Project, log: Callable[[str], None]) -> bool:
     refuse_unlisted(project)  # a tree built from the shorter series would look up to date
     pin, patches, overlay = project.pin(), project.series(), project.overlay()
     stamp = read_stamp(project.root) if project.megatron_dir.exists() else None
-    if stamp is None or not stamp.matches(pin, patches, overlay):
+    if stamp is None or not stamp.matches(pin, patches, overlay) or not guard_current(project, stamp):
         return False
     edits = live_census(project, stamp).edits
     note = f"; {len(edits)} local edit(s) left as they are" if edits else ""

@@ -61,6 +61,7 @@ def refresh(
 
     ``patch``/``new`` are ``NAME`` or ``NAME.patch``; a name that breaks the rule ([Note: patch names]
     in series.py) or a tree read through a symbolic link is refused before anything is touched."""
+    project.require_default_base("refresh")
     patch = None if patch is None else patch_name(patch, "--patch")
     new = None if new is None else patch_name(new, "--new")
     require_real_tree(project)

@@ -200,9 +200,17 @@ def unlisted_patches(patches_dir: Path, names: list[str]) -> list[str]:
     return sorted(p.name for p in patches_dir.glob("*.patch") if p.name not in names)
 
 
-def read_series(patches_dir: Path) -> list[Patch]:
-    """Load every patch of the series, in order."""
-    return [read_patch(patches_dir / name, name) for name in read_series_names(patches_dir / "series")]
+def patch_path(base_dir: Path, name: str, shared: Path | None = None) -> Path:
+    """Where the patch ``name`` of the series in ``base_dir`` is: that folder's own file, else (a base other
+    than the default, [Note: bases] in project.py) the shared one in ``shared``."""
+    own = base_dir / name
+    return own if shared is None or own.exists() or not (shared / name).exists() else shared / name
+
+
+def read_series(patches_dir: Path, shared: Path | None = None) -> list[Patch]:
+    """Load every patch of the series in ``patches_dir``, in order (``shared``: see :func:`patch_path`)."""
+    return [read_patch(patch_path(patches_dir, name, shared), name)
+            for name in read_series_names(patches_dir / "series")]
 
 
 def render_patch(header_text: str, diff: str) -> str:

@@ -1,7 +1,7 @@
 """Probe table of the set-up scripts' environment (``scripts/run_main.sh``, ``scripts/run_tests.sh``,
-``scripts/setup_env.sh``): each junk value a user may give a variable they read, the exit status and the
-one sentence. None may print bash's own error line or a traceback, install anything or touch a folder of
-the user's.
+``scripts/setup_env.sh``, ``scripts/run_base_tests.sh``): each junk value a user may give a variable they read,
+the exit status and the one sentence. None may print bash's own error line or a traceback, install anything
+or touch a folder of the user's.
 
 Every row runs on the stand-in interpreter of test_mamba_required.py (``VENV`` whose ``python -m pip``
 only records its calls), so no row can reach the network even if a refusal regressed; rows that give
@@ -44,6 +44,7 @@ ROWS = [
     ("setup_env.sh", {"VENV": "{mine}"}, "VENV={mine} is a folder that is neither empty nor a virtual environment"),
     ("setup_env.sh", {"VENV": "{file}"}, "VENV={file} is not a folder"),
     ("run_tests.sh", {"VENV": "{mine}"}, "is a folder that is neither empty nor a virtual environment"),
+    ("run_base_tests.sh", {}, "run_base_tests: no test subset is listed for base ''"),  # no base given
 ]
 
 

@@ -182,7 +182,8 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Env:
     env = Env(Project(root), sdist, {})
     env.write_series({"alloc.patch": patch_text("Add maxpool flag", ALLOC_PATCH),
                       "train.patch": patch_text("Fork training", TRAIN_PATCH)})
-    for var in ("MEGATRON_PATCHSET_FIND_LINKS", "PIP_FIND_LINKS", "PIP_NO_INDEX", "MEGATRON_PATCHSET_OFFLINE"):
+    for var in ("MEGATRON_PATCHSET_FIND_LINKS", "PIP_FIND_LINKS", "PIP_NO_INDEX", "MEGATRON_PATCHSET_OFFLINE",
+                "HFSDP_BASE"):  # the fake has the default base only (test_bases.py adds another)
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MEGATRON_PATCHSET_SDIST", str(sdist))
     monkeypatch.setenv("MEGATRON_PATCHSET_CACHE", str(tmp_path / "cache"))

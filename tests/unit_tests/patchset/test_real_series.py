@@ -19,7 +19,7 @@ from hfsdp.patchset.lint import lint
 from hfsdp.patchset.materialize import tree_status
 from hfsdp.patchset.project import Project
 
-PROJECT = Project.default()
+PROJECT = Project.default().with_base(None)  # HFSDP_BASE chooses the base, as at install ([Note: bases] in project.py)
 
 
 def test_series_lints_clean_and_applies_without_fuzz() -> None:

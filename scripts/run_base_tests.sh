@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The test command for a base other than the default ([Note: bases] in hfsdp/patchset/project.py);
+# .ci/run calls it after scripts/run_tests.sh. Usage: scripts/run_base_tests.sh VERSION [pytest args]
+#   1. install the fork on that base, as a user chooses it: HFSDP_BASE=VERSION pip install -e '.[test]'
+#      (scripts/setup_env.sh; it materializes megatron/ from patches/bases/VERSION/);
+#   2. lint and check its series, check the installed version, import megatron.core and megatron.training;
+#   3. run the unit tests that cover that base's series (the subset below, per base);
+#   4. put the default base back (pip install -e . without HFSDP_BASE), whatever happened before.
+# Switching refuses, with the way out, when megatron/ holds edits: nothing of yours is overwritten.
+set -eo pipefail
+cd "$(dirname "$0")/.."
+base=${1:-}
+[ $# -gt 0 ] && shift
+# The subset per base: the tests of the patches its series carries (patches/bases/VERSION/series).
+case "$base" in
+  0.19.2)
+    tests=(
+      tests/unit_tests/patchset/test_real_series.py         # fork-identity; the series lints, applies, imports
+      tests/unit_tests/datasets/test_helpers_fallback.py    # datasets-helpers-lazy-build
+      tests/unit_tests/nccl_lifecycle/test_nccl_allocator_nvls.py  # nccl-allocator-respect-nvls-env
+      tests/unit_tests/nccl_lifecycle/test_nccl_warmup.py   # initialize-eager-expert-dp-group
+      tests/unit_tests/optimizer                            # optimizer-torch-adam-bounded-temporaries,
+                                                            # utils-multi-tensor-fallback-host-copies
+      tests/unit_tests/megatron_fsdp/test_fsdp_dtensor_state.py  # optimizer-fsdp-dtensor-empty-shard-state
+      tests/unit_tests/test_megatron_help.py                # arguments-help-percent
+      tests/unit_tests/test_megatron_args.py                # Megatron's own parse, as the tests use it
+    ) ;;
+    # Not covered yet: mfsdp-reset-mixed-precision-policy, training-log-first-interval-reset (no CPU test on
+    # either base).
+  *)
+    echo "run_base_tests: no test subset is listed for base '$base'" >&2
+    echo "  -> pass a base that patches/bases/ has and this script lists (0.19.2), or add its subset here" >&2
+    exit 2 ;;
+esac
+part_start=$(date +%s)
+part() { echo "run_base_tests: $1 took $(( $(date +%s) - part_start ))s"; part_start=$(date +%s); }
+restore() {
+  rc=$?
+  echo "run_base_tests: putting the default base back (pip install -e . without HFSDP_BASE)"
+  if [ "$switching" = 1 ] && [ -n "${HFSDP_PY:-}" ] && ! env -u HFSDP_BASE "$HFSDP_PY" -m pip install -q --disable-pip-version-check \
+      --no-deps -e .; then
+    echo "run_base_tests: the default base was not put back (above)" >&2
+    [ "$rc" -eq 0 ] && rc=1
+  fi
+  part "putting the default base back"
+  exit "$rc"
+}
+switching=0
+trap restore EXIT
+export HFSDP_BASE=$base
+switching=1  # from here on the install may be on $base: put the default back on the way out
+. scripts/setup_env.sh
+part "install on base $base"
+echo "run_base_tests: patch series of base $base"
+scripts/patchset lint
+scripts/patchset check
+scripts/patchset status
+want=$("$HFSDP_PY" -c 'import sys; from pathlib import Path; from hfsdp.patchset.project import Project
+print(Project(Path(sys.argv[1])).with_base(sys.argv[2]).pin().fork_version)' "$PWD" "$base")
+"$HFSDP_PY" - "$want" <<'PY'
+import importlib.metadata
+import sys
+
+import megatron.core
+import megatron.training  # noqa: F401
+
+installed = importlib.metadata.version("megatron-core")
+if not installed == megatron.core.__version__ == sys.argv[1]:
+    sys.exit(f"run_base_tests: installed {installed}, megatron.core says {megatron.core.__version__}, "
+             f"the base's pin says {sys.argv[1]}")
+print(f"run_base_tests: megatron-core {installed}: megatron.core and megatron.training import")
+PY
+part "series checks and imports"
+echo "run_base_tests: pytest, the subset for base $base"
+set +e
+"$HFSDP_PY" -m pytest "${tests[@]}" -p no:cacheprovider "$@"
+rc=$?
+set -e
+part "pytest subset"
+exit "$rc"

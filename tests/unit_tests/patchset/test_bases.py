@@ -1,0 +1,314 @@
+"""Several bases in one checkout ([Note: bases] in hfsdp/patchset/project.py), and what each verdict of
+``check --against`` promises ([Note: what each verdict promises] in check.py).
+
+The fake checkout has its default base (0.18.2: ``patches/base.toml``, ``patches/series``) and a second
+one, 0.19.2, in ``patches/bases/0.19.2/``: the shared ``alloc.patch`` and its own variant of ``train.patch``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from patchset_fake import ALLOC_PATCH, BASE_FILES, TRAIN_PATCH, Env, make_sdist, patch_text, sha256, tree_digest
+
+from hfsdp.patchset.check import check_against, upstream_commits
+from hfsdp.patchset.cli import main
+from hfsdp.patchset.project import Project
+from hfsdp.patchset.stamp import read_stamp
+
+OTHER = "0.19.2"
+TRAIN_OTHER = TRAIN_PATCH.replace("-    return 'upstream'", "-    return 'upstream, later'")
+CHECKOUT = Path(__file__).resolve().parents[3]
+
+
+def cli(env: Env, *args: str) -> int:
+    return main(["--root", str(env.project.root), *args])
+
+
+def patches_digest(env: Env) -> dict[str, str]:
+    return tree_digest(env.project.patches_dir)
+
+
+@pytest.fixture
+def two(fake: Env, monkeypatch: pytest.MonkeyPatch) -> Env:
+    """``fake`` with a second base, 0.19.2 (its own train.patch variant), both sdists in a wheelhouse folder."""
+    store = fake.sdist.parent
+    files = dict(BASE_FILES)
+    files["megatron/training/train.py"] = "def train():\n    return 'upstream, later'\n"
+    sdist = make_sdist(store, version=OTHER, files=files)
+    folder = fake.project.patches_dir / "bases" / OTHER
+    folder.mkdir(parents=True)
+    pin = (fake.project.patches_dir / "base.toml").read_text()
+    pin = pin.replace("0.18.2", OTHER).replace(sha256(fake.sdist), sha256(sdist)).replace("release = 7", "release = 1")
+    (folder / "base.toml").write_text(pin)
+    (folder / "train.patch").write_text(patch_text("Fork training, on the later release", TRAIN_OTHER))
+    (folder / "series").write_text("# the later base\nalloc.patch\ntrain.patch\n")
+    monkeypatch.delenv("MEGATRON_PATCHSET_SDIST")
+    monkeypatch.setenv("MEGATRON_PATCHSET_FIND_LINKS", str(store))
+    return fake
+
+
+def tree_file(env: Env, path: str) -> str:
+    return (env.project.root / path).read_text()
+
+
+def test_each_base_builds_from_its_own_pin_and_series(two: Env, monkeypatch, capsys) -> None:
+    assert cli(two, "materialize") == 0
+    stamp = read_stamp(two.project.root)
+    assert stamp is not None and stamp.fork_version == "0.18.2+hfsdp.7"
+    assert cli(two, "--base", OTHER, "materialize") == 0  # a pristine tree of the other base: rebuilt
+    stamp = read_stamp(two.project.root)
+    assert stamp is not None and (stamp.base_version, stamp.fork_version) == (OTHER, "0.19.2+hfsdp.1")
+    assert tree_file(two, "megatron/training/train.py") == "def train():\n    return 'fork'\n"  # the variant
+    assert "maxpool = True" in tree_file(two, "megatron/core/alloc.py")  # the shared patch
+    assert [n for n, _ in stamp.patches] == ["alloc.patch", "train.patch"]
+    capsys.readouterr()
+    assert cli(two, "status") == 1  # the default base: the tree is of the other one, and status says so
+    out = capsys.readouterr().out
+    assert f"tree built from base {OTHER} (patches/bases/{OTHER}/), this command works on base 0.18.2" in out
+    monkeypatch.setenv("HFSDP_BASE", OTHER)  # the install-time switch chooses the base of every verb too
+    assert cli(two, "status") == 0
+    assert "stamp:   up to date" in capsys.readouterr().out
+    assert cli(two, "materialize") == 0
+    assert "is up to date (0.19.2+hfsdp.1" in capsys.readouterr().out
+    assert cli(two, "--base", "0.18.2", "materialize") == 0  # --base wins over HFSDP_BASE; back to the default
+    assert tree_file(two, "megatron/training/train.py") == "def train():\n    return 'fork'\n"
+    stamp = read_stamp(two.project.root)
+    assert stamp is not None and stamp.base_version == "0.18.2"
+
+
+def test_switching_bases_never_loses_an_edit(two: Env, capsys) -> None:
+    assert cli(two, "materialize") == 0
+    (two.project.root / "megatron/core/alloc.py").write_text("mine = 1\n")
+    (two.project.root / "megatron/core/helpers.so").write_bytes(b"\x7fELF built here")
+    before = tree_digest(two.project.megatron_dir)
+    capsys.readouterr()
+    assert cli(two, "--base", OTHER, "materialize") == 2
+    err = capsys.readouterr().err
+    assert (f"was built from base 0.18.2 and has 1 local edit(s) that switching it to base {OTHER} would "
+            "overwrite; nothing was changed") in err
+    assert "`scripts/patchset --base 0.18.2 refresh`" in err and f"--base {OTHER} materialize --backup" in err
+    assert tree_digest(two.project.megatron_dir) == before
+    # The way out it names: the edited tree is kept whole, the new one carries what the tool did not make.
+    assert cli(two, "--base", OTHER, "materialize", "--backup") == 0
+    backups = sorted(two.project.root.glob("megatron.bak-*"))
+    assert len(backups) == 1 and (backups[0] / "core/alloc.py").read_text() == "mine = 1\n"
+    assert (two.project.megatron_dir / "core/helpers.so").read_bytes() == b"\x7fELF built here"
+    # Back again from a pristine tree: rebuilt, the kept file carried over.
+    assert cli(two, "materialize") == 0
+    assert (two.project.megatron_dir / "core/helpers.so").read_bytes() == b"\x7fELF built here"
+    stamp = read_stamp(two.project.root)
+    assert stamp is not None and stamp.base_version == "0.18.2"
+
+
+def test_refresh_and_export_write_the_default_base_only(two: Env, tmp_path: Path, capsys) -> None:
+    assert cli(two, "--base", OTHER, "materialize") == 0
+    (two.project.root / "megatron/training/train.py").write_text("def train():\n    return 'mine'\n")
+    before = patches_digest(two)
+    capsys.readouterr()
+    assert cli(two, "--base", OTHER, "refresh") == 2
+    err = capsys.readouterr().err
+    assert f"`refresh` writes the default base's patches/ only, not patches/bases/{OTHER}/" in err
+    assert cli(two, "--base", OTHER, "export", "--queue", str(tmp_path / "q")) == 2
+    assert "`export` writes the default base's patches/ only" in capsys.readouterr().err
+    assert cli(two, "refresh") == 2  # the default base's refresh never folds a tree of the other base
+    assert "built from other patches or overlay files" in capsys.readouterr().err
+    assert patches_digest(two) == before
+    # diff shows the edit against the tree as built, from its own base, whichever base is chosen.
+    for args in ((), ("--base", OTHER)):
+        assert cli(two, *args, "diff") == 0
+        out = capsys.readouterr().out
+        assert "-    return 'fork'\n+    return 'mine'\n" in out and "alloc.py" not in out
+
+
+def test_queue_of_another_base(two: Env, tmp_path: Path, capsys) -> None:
+    assert cli(two, "--base", OTHER, "queue", "--dir", str(tmp_path / "q")) == 0
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=tmp_path / "q", capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert log == ["train", "alloc", "overlay", "base"]
+    assert (tmp_path / "q/megatron/training/train.py").read_text() == "def train():\n    return 'fork'\n"
+
+
+def test_a_base_folder_holding_a_patch_its_series_does_not_list_is_refused(two: Env, capsys) -> None:
+    folder = two.project.patches_dir / "bases" / OTHER
+    (folder / "extra.patch").write_text(patch_text("Extra", ALLOC_PATCH))
+    capsys.readouterr()
+    assert cli(two, "--base", OTHER, "materialize") == 2
+    assert (f"patches/bases/{OTHER}/series lists 2 patch(es) and patches/bases/{OTHER}/ holds 1 more it does "
+            "not list (extra.patch)") in capsys.readouterr().err
+    assert not two.project.megatron_dir.exists()
+    assert cli(two, "--base", OTHER, "lint") == 1
+    assert f"extra.patch: is in patches/bases/{OTHER}/ but not listed in patches/bases/{OTHER}/series" in \
+        capsys.readouterr().out
+    assert cli(two, "materialize") == 0  # the default base does not read the other's folder
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+@pytest.mark.parametrize("name", ["0.20.0", "../0.19.2", ""])
+def test_a_base_the_checkout_does_not_have_is_a_sentence(two: Env, monkeypatch, capsys, how: str,
+                                                          name: str) -> None:
+    if how == "env":
+        monkeypatch.setenv("HFSDP_BASE", name)
+    args = ("--base", name) if how == "flag" else ()
+    before = tree_digest(two.project.root)
+    rc = cli(two, *args, "materialize")
+    err = capsys.readouterr().err
+    if how == "env" and name == "":
+        assert rc == 0  # an empty HFSDP_BASE is unset: the default base
+        return
+    where = "--base" if how == "flag" else "HFSDP_BASE"
+    assert rc == 2 and f"{where} {name!r} is not a base of this checkout (its bases: 0.18.2, {OTHER})" in err
+    assert "Traceback" not in err and tree_digest(two.project.root) == before
+
+
+def test_one_writer_at_a_time_whatever_the_base(two: Env, capsys) -> None:
+    import fcntl
+
+    with open(two.project.root / ".patchset.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("`scripts/patchset materialize` (pid 4242)")
+        held.flush()
+        capsys.readouterr()
+        assert cli(two, "--base", OTHER, "materialize") == 2
+        assert "pid 4242" in capsys.readouterr().err
+    assert not two.project.megatron_dir.exists()
+
+
+def test_install_version_follows_the_switch() -> None:
+    """setup.py names the distribution's version from the chosen base (no build: HFSDP_SKIP_MATERIALIZE)."""
+    versions = {}
+    for base in ("", OTHER):
+        env = {"PATH": "/usr/bin:/bin", "HFSDP_SKIP_MATERIALIZE": "1", "HFSDP_BASE": base}
+        proc = subprocess.run([sys.executable, "setup.py", "--version"], cwd=CHECKOUT, env=env,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        versions[base] = proc.stdout.strip().splitlines()[-1]
+    default, other = Project(CHECKOUT).pin(), Project(CHECKOUT).with_base(OTHER).pin()
+    assert versions == {"": default.fork_version, OTHER: other.fork_version}
+    assert versions[OTHER].startswith(f"{OTHER}+hfsdp.")
+
+
+# --- check --against: what each verdict promises
+
+
+LATER_ALLOC = "".join(f"line_{i} = {i}\n" for i in range(21)) + "maxpool = True\n" + "".join(
+    f"line_{i} = {i}\n" for i in range(21, 40))
+
+
+def applies_cleanly(tree: Path, diff: str, reverse: bool = False) -> bool:
+    """``git apply --check`` with git's default, exact context (no fuzz) on a plain folder."""
+    args = ["git", "apply", "--check", *(["--reverse"] if reverse else []), "-"]
+    return subprocess.run(args, cwd=tree, input=diff, text=True, capture_output=True).returncode == 0
+
+
+def header(applied_upstream: str) -> str:
+    return textwrap.dedent(f"""\
+        Description: A change the later release may have
+        Origin: vendor, hfsdp
+        Bug: none
+        Forwarded: no
+        Applied-Upstream: {applied_upstream}
+        Last-Update: 2026-11-21
+        ---
+        """)
+
+
+def test_each_verdict_of_check_against_is_true(fake: Env, tmp_path: Path, capsys) -> None:
+    # The later release has alloc.patch's change (upstream), changes train.py (the train patches conflict),
+    # and changes a line two lines from the fuzzy patch's hunk (it would apply with fuzz 1: it conflicts).
+    files = dict(BASE_FILES)
+    files["megatron/core/alloc.py"] = LATER_ALLOC
+    files["megatron/training/train.py"] = "def train():\n    return 'later'\n"
+    files["megatron/core/__init__.py"] = "VALUE = 1\nOTHER = 2\nTHIRD = 3\nFOURTH = 4\n"
+    store = tmp_path / "later"
+    store.mkdir()
+    sdist = make_sdist(store, version=OTHER, files=files)
+    init_patch = textwrap.dedent("""\
+        diff --git a/megatron/core/__init__.py b/megatron/core/__init__.py
+        --- a/megatron/core/__init__.py
+        +++ b/megatron/core/__init__.py
+        @@ -1,2 +1,3 @@
+         VALUE = 1
+        +FORK = True
+         OTHER = 2
+        """)
+    fuzzy_patch = textwrap.dedent("""\
+        diff --git a/megatron/core/alloc.py b/megatron/core/alloc.py
+        --- a/megatron/core/alloc.py
+        +++ b/megatron/core/alloc.py
+        @@ -30,4 +30,5 @@ line_29 = 29
+         line_30 = 30
+         line_31 = 31
+        +fuzzy = True
+         line_32 = 32
+         line_33 = 33
+        """)
+    commit = "https://github.com/NVIDIA/Megatron-LM/commit/0123abcd"
+    fake.write_series({
+        "alloc.patch": patch_text("Add maxpool flag", ALLOC_PATCH),
+        "train-declared.patch": header(f"0.19.0, {commit}") + TRAIN_PATCH,
+        "init.patch": patch_text("Fork marker", init_patch),
+    })
+    files["megatron/core/alloc.py"] = LATER_ALLOC.replace("line_33 = 33", "line_33 = 'later'")
+    fuzzy_sdist = make_sdist(tmp_path, version=OTHER, files=files)
+    report = check_against(fake.project, str(sdist))
+    assert {r.patch: r.state for r in report.patches} == {
+        "alloc.patch": "upstream", "train-declared.patch": "declared", "init.patch": "applies"}
+    release = tmp_path / "release"
+    release.mkdir()
+    for path, text in {**BASE_FILES, **files, "megatron/core/alloc.py": LATER_ALLOC}.items():
+        (release / path).parent.mkdir(parents=True, exist_ok=True)
+        (release / path).write_text(text)
+    series = {p.name: p for p in fake.project.series()}
+    for result in report.patches:  # each verdict, checked on the release by hand
+        patch = series[result.patch]
+        if result.state == "upstream":
+            assert applies_cleanly(release, patch.diff, reverse=True)
+        elif result.state == "declared":
+            assert upstream_commits(patch.fields["Applied-Upstream"]) == [commit]
+            assert not applies_cleanly(release, patch.diff, reverse=True)
+        else:
+            assert applies_cleanly(release, patch.diff)
+    # A header naming only a release is no evidence: the patch conflicts, and the note says why.
+    fake.write_series({"train-version-only.patch": header("0.19.0") + TRAIN_PATCH,
+                       "fuzzy.patch": patch_text("Fuzzy", fuzzy_patch)})
+    report = check_against(fake.project, str(fuzzy_sdist))
+    states = {r.patch: (r.state, r.note) for r in report.patches}
+    assert states["train-version-only.patch"][0] == "conflicts"
+    assert "names no upstream commit, and the patch does not reverse-apply" in states["train-version-only.patch"][1]
+    assert states["fuzzy.patch"] == ("conflicts", "")  # context differs two lines off: never applied with fuzz
+    capsys.readouterr()
+    assert cli(fake, "check", "--against", str(fuzzy_sdist)) == 1
+    out = capsys.readouterr().out
+    assert "  conflicts train-version-only.patch (megatron/training/train.py) [Applied-Upstream: 0.19.0 names" in out
+    assert "0 declared upstream" in out and "2 conflict" in out
+
+
+def test_upstream_commits() -> None:
+    assert upstream_commits("0.19.0, https://github.com/NVIDIA/Megatron-LM/commit/adfe9e11d9") == [
+        "https://github.com/NVIDIA/Megatron-LM/commit/adfe9e11d9"]
+    assert upstream_commits("0.19.0, commit:adfe9e1") == ["commit:adfe9e1"]
+    assert upstream_commits("0.19.0") == upstream_commits("no") == []
+    assert upstream_commits("0.19.0, https://github.com/NVIDIA/Megatron-LM/pull/5462") == []  # a PR is no commit
+
+
+def test_switching_with_edits_the_first_way_out_folds_them_into_their_base(two: Env, capsys) -> None:
+    """The refusal's first command saves the edit in the base the tree was built from; the switch then runs."""
+    assert cli(two, "materialize") == 0
+    alloc = two.project.megatron_dir / "core" / "alloc.py"
+    alloc.write_text(alloc.read_text().replace("maxpool = True", "maxpool = 'mine'"))
+    capsys.readouterr()
+    assert cli(two, "--base", OTHER, "materialize") == 2
+    fix = capsys.readouterr().err.split("-> ", 1)[1]
+    steps = re.findall(r"`([^`]+)`", fix)
+    assert steps == ["scripts/patchset --base 0.18.2 refresh", f"scripts/patchset --base {OTHER} materialize --backup"]
+    assert main(["--root", str(two.project.root), *shlex.split(steps[0])[1:]]) == 0
+    assert "+maxpool = 'mine'" in (two.project.patches_dir / "alloc.patch").read_text()  # shared by both bases
+    assert cli(two, "--base", OTHER, "materialize") == 0
+    assert "maxpool = 'mine'" in alloc.read_text() and not list(two.project.root.glob("megatron.bak-*"))
