@@ -384,16 +384,29 @@ def run_env(name: str, trees: Mapping[str, Path], caller: Mapping[str, str]) -> 
             "PYTHONSAFEPATH": "1", upstream_base.ENV: str(tree)}
 
 
+def fork_version(root: Path | None = None) -> str:
+    """The fork's version as its tree says (the stamp of the checkout's ``megatron/``, whichever base it was
+    built from); without a readable stamp, the version of the base ``HFSDP_BASE`` chooses (else the default)."""
+    from hfsdp.patchset.errors import PatchsetError
+    from hfsdp.patchset.project import Project
+    from hfsdp.patchset.stamp import read_stamp
+
+    project = Project.default() if root is None else Project(root)
+    try:
+        stamp = read_stamp(project.root)
+    except PatchsetError:
+        stamp = None
+    return stamp.fork_version if stamp is not None else project.with_base(None).pin().fork_version
+
+
 def resolve(bases: Sequence[str], folder: Path, stack: contextlib.ExitStack,
             build: bool = True) -> tuple[dict[str, Path], dict[str, dict[str, str]]]:
     """Trees of the releases among ``bases``, extracted into a folder ``stack`` removes (keyed by base, plus
     FORK_ONLY), with their dataset helpers built unless ``build`` is false (build_dataset_helpers), and each
     base's meta: the fork's version, or a release's sdist (file name, sha256, where it came from). A release
     that is not prepared is one sentence, before anything is extracted."""
-    from hfsdp.patchset.project import Project
-
     found = {base: find(base, folder) for base in bases if base != FORK}
-    fork = {"version": Project.default().pin().fork_version, "tree": "this checkout's megatron/"}
+    fork = {"version": fork_version(), "tree": "this checkout's megatron/"}
     meta: dict[str, dict[str, Any]] = {base: dict(fork) if base == FORK else found[base].meta() for base in bases}
     trees: dict[str, Path] = {}
     if found:

@@ -312,3 +312,12 @@ def test_switching_with_edits_the_first_way_out_folds_them_into_their_base(two: 
     assert "+maxpool = 'mine'" in (two.project.patches_dir / "alloc.patch").read_text()  # shared by both bases
     assert cli(two, "--base", OTHER, "materialize") == 0
     assert "maxpool = 'mine'" in alloc.read_text() and not list(two.project.root.glob("megatron.bak-*"))
+
+
+def test_the_benchmark_names_the_fork_by_the_base_its_tree_was_built_from(two: Env, monkeypatch) -> None:
+    from hfsdp.bench.bases import fork_version
+
+    monkeypatch.delenv("HFSDP_BASE", raising=False)
+    assert fork_version(two.project.root) == "0.18.2+hfsdp.7"  # no tree yet: the default base's pin
+    assert cli(two, "--base", OTHER, "materialize") == 0
+    assert fork_version(two.project.root) == "0.19.2+hfsdp.1"  # the tree's base, though HFSDP_BASE is unset
