@@ -291,8 +291,18 @@ def megatron_paths(importable_module: Callable[[str], bool] | None = None) -> di
         multi_tensor = "Megatron's torch fallbacks (local_multi_tensor_applier)"
     fusion = ("Apex's fused_weight_gradient_mlp_cuda" if importable_module("fused_weight_gradient_mlp_cuda")
               else "none, so they refuse --gradient-accumulation-fusion (pass --no-gradient-accumulation-fusion)")
+    # models/backends.py takes Megatron's FusedLayerNorm for local LayerNorm layers once `import apex` works.
+    if not importable_module("apex"):
+        norm = "torch's"
+    elif not importable_module("apex.normalization.fused_layer_norm"):
+        norm = "Megatron's FusedLayerNorm, which refuses to build (this apex has no apex.normalization)"
+    elif not importable_module("fused_layer_norm_cuda"):
+        norm = "Apex's FusedLayerNorm, whose kernel (fused_layer_norm_cuda) is not importable: the first forward fails"
+    else:
+        norm = "Apex's FusedLayerNorm"
     return {"optimizer": optimizer, "multi_tensor": multi_tensor,
-            "gradient_accumulation_fusion": f"local layers: {fusion}; Transformer Engine layers: their own"}
+            "gradient_accumulation_fusion": f"local layers: {fusion}; Transformer Engine layers: their own",
+            "layer_norm": f"local LayerNorm layers: {norm}; RMSNorm and Transformer Engine layers: not Apex's"}
 
 
 def installed_versions() -> dict[str, str | None]:

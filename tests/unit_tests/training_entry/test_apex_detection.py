@@ -41,6 +41,16 @@ def test_megatron_paths_follow_the_import_order(importable: set[str], expected: 
     assert paths["gradient_accumulation_fusion"].endswith("Transformer Engine layers: their own"), paths
 
 
+@pytest.mark.parametrize(("importable", "norm"), [
+    (set(), "torch's"),
+    ({"apex"}, "Megatron's FusedLayerNorm, which refuses to build"),  # PyPI's apex
+    ({"apex", "apex.normalization.fused_layer_norm"}, "Apex's FusedLayerNorm, whose kernel"),  # our wheel
+    ({"apex", "apex.normalization.fused_layer_norm", "fused_layer_norm_cuda"}, "Apex's FusedLayerNorm;"),
+])
+def test_local_layer_norm_follows_import_apex(importable: set[str], norm: str) -> None:
+    assert R.megatron_paths(only(importable))["layer_norm"].startswith(f"local LayerNorm layers: {norm}")
+
+
 def test_apex_report_names_version_and_modules() -> None:
     line = R.apex_report(only(APEX_ALL), {"apex": "0.1"}.get)
     assert line == ("NVIDIA Apex 0.1: amp_C, apex.multi_tensor_apply, apex.optimizers, "
@@ -124,4 +134,6 @@ def test_nvidia_apex_stand_in_on_sys_path(site: Path) -> None:
         "multi_tensor": "Apex's amp_C with apex.multi_tensor_apply",
         "gradient_accumulation_fusion": "local layers: Apex's fused_weight_gradient_mlp_cuda; "
                                         "Transformer Engine layers: their own",
+        "layer_norm": "local LayerNorm layers: Megatron's FusedLayerNorm, which refuses to build (this apex has no "
+                      "apex.normalization); RMSNorm and Transformer Engine layers: not Apex's",
     }
