@@ -8,7 +8,7 @@
 # extensions (APEX_CUDA_EXT=1, its compile flags unchanged) and parallel build (APEX_PARALLEL_BUILD,
 # NVCC_APPEND_FLAGS), for TORCH_CUDA_ARCH_LIST=9.0; its other CUDA extensions are left out of the build.
 #
-#   bash tests/gpu/build_apex_wheel.sh [--src TARBALL|DIR] [--out DIR] [--jobs N] [--dry-run]
+#   bash tests/gpu/build_apex_wheel.sh [--src TARBALL|DIR] [--out DIR] [--jobs N] [--layer-norm] [--dry-run]
 #
 #   --src DIR|TARBALL  Apex at the pinned commit: a git checkout, or GitHub's archive of the commit (or
 #                      `git archive` output: its header names the commit). Without --src, GitHub's archive is
@@ -18,6 +18,8 @@
 #                      like the Transformer Engine and causal-conv1d wheels)
 #   --jobs N           extensions compiled at once (APEX_PARALLEL_BUILD, default 2); MAX_JOBS (ninja, default
 #                      half the cores) and NVCC_APPEND_FLAGS (default --threads 2) are kept when set
+#   --layer-norm       also fused_layer_norm_cuda: once `import apex` works, Megatron's local specs build Apex's
+#                      FusedLayerNorm for LayerNorm (not RMSNorm) layers, whose first forward needs it
 #   --dry-run          check the arguments and the source's commit, print the build's settings, build nothing
 # Environment: APEX_COMMIT (40 hex digits, default the pin below); PYTHON (default python3): a Python with
 # the CUDA build of torch the wheel is for, setuptools and packaging; nvcc of torch's CUDA version
@@ -30,7 +32,7 @@ APEX_PIN=6424da3b4faa6c8f062da4a48c424fff3f02d42d
 APEX_COMMIT=${APEX_COMMIT:-$APEX_PIN}
 EXTENSIONS="amp_C fused_weight_gradient_mlp_cuda"
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-_usage="bash tests/gpu/build_apex_wheel.sh [--src TARBALL|DIR] [--out DIR] [--jobs N] [--dry-run]"
+_usage="bash tests/gpu/build_apex_wheel.sh [--src TARBALL|DIR] [--out DIR] [--jobs N] [--layer-norm] [--dry-run]"
 _fail() {  # one sentence and the way out, exit 2
   echo "build_apex_wheel: $1" >&2
   echo "  -> $2" >&2
@@ -45,7 +47,8 @@ while [ $# -gt 0 ]; do
       case "$1" in --src) src=$2 ;; --out) out=$2 ;; --jobs) jobs=$2 ;; esac
       shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --layer-norm) EXTENSIONS="$EXTENSIONS fused_layer_norm_cuda"; shift ;;
+    -h|--help) sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) _fail "unknown argument '$1'" "$_usage" ;;
   esac
 done

@@ -87,6 +87,8 @@ def test_dry_run_prints_the_pin_and_the_build_settings(tmp_path: Path) -> None:
                     "APEX_CUDA_EXT=1", "APEX_PARALLEL_BUILD=2", "MAX_JOBS=3", "NVCC_APPEND_FLAGS='--threads 2'"):
         assert setting in proc.stdout, proc.stdout
     assert "dry run, nothing built" in proc.stdout and not (tmp_path / "w").exists()
+    with_norm = run("--dry-run", "--layer-norm")
+    assert "extensions amp_C fused_weight_gradient_mlp_cuda fused_layer_norm_cuda;" in with_norm.stdout
 
 
 def tarball(path: Path, commit: str | None) -> Path:
