@@ -6,6 +6,8 @@ imports: Transformer Engine first, then Apex, then torch (hfsdp/training/require
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,3 +139,22 @@ def test_nvidia_apex_stand_in_on_sys_path(site: Path) -> None:
         "layer_norm": "local LayerNorm layers: Megatron's FusedLayerNorm, which refuses to build (this apex has no "
                       "apex.normalization); RMSNorm and Transformer Engine layers: not Apex's",
     }
+
+
+@pytest.mark.no_cuda  # the run stops at "training needs CUDA GPUs", after the warning
+def test_entry_point_warns_once_about_pypi_apex(tmp_path: Path) -> None:
+    """pretrain_gpt.py with PyPI's apex first on the path: one warning line with the way out, then
+    the run goes on (here: to the CPU machine's one error)."""
+    from test_entry import TINY  # the tiny dense GPT every entry test uses
+
+    write(tmp_path, {"apex/__init__.py": "TOOLKIT = True\n"})
+    dist_info(tmp_path, "apex", "0.9.10")
+    root = Path(__file__).resolve().parents[3]
+    env = {k: v for k, v in os.environ.items() if k not in ("HFSDP_DEBUG", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(root)])
+    proc = subprocess.run([sys.executable, str(root / "pretrain_gpt.py"), *TINY], env=env, cwd="/",
+                          capture_output=True, text=True, timeout=300)
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("hfsdp: warning: ")]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert "a distribution named apex (0.9.10) is installed but amp_C is not importable" in warnings[0]
+    assert proc.returncode == 2 and "pretrain_gpt.py: error: training needs CUDA GPUs" in proc.stderr, proc.stderr
