@@ -145,6 +145,8 @@ def parse_args(argv: Sequence[str] | None = None, forced_family: str | None = No
         raise rejection(exc, "invalid flags", flags_fix()) from exc
     family = specs.resolve_family(args, forced_family)
     requirements.check(args)  # clear errors before any CUDA/NCCL work
+    if (apex := requirements.apex_problem()) is not None and os.environ.get("RANK", "0") == "0":
+        print(f"hfsdp: warning: {apex}", file=sys.stderr)  # said once, before Megatron imports Apex
     specs.use_transformer_engine(args)
     return args, family
 

@@ -216,10 +216,101 @@ def _dist_version(dist: str) -> str | None:
 # TE (or Apex) importable Megatron's optimizer and multi-tensor kernels are theirs, not torch's.
 RECORDED_DISTS = ("transformer-engine", "apex", "mamba-ssm", "causal-conv1d")
 
+# [Note: NVIDIA Apex] Apex is not on PyPI: the ``apex`` distribution there is an unrelated web
+# toolkit, and NVIDIA Apex's wheel is named ``apex`` too. So Apex is recognised by the modules
+# Megatron 0.18.2 imports from it, never by the distribution's name: ``amp_C`` and
+# ``apex.multi_tensor_apply`` (multi-tensor kernels), ``apex.optimizers`` (FusedAdam, FusedSGD) and
+# ``fused_weight_gradient_mlp_cuda`` (gradient-accumulation fusion of the local linear layers).
+# Megatron takes each from Transformer Engine first, then Apex, then torch (:func:`megatron_paths`).
+APEX_MODULES = ("amp_C", "apex.multi_tensor_apply", "apex.optimizers", "fused_weight_gradient_mlp_cuda")
+TE_OPTIMIZERS = "transformer_engine.pytorch.optimizers"  # TE's FusedAdam and multi-tensor kernels
+APEX_WHEEL_SCRIPT = "tests/gpu/build_apex_wheel.sh"
+
+
+def module_importable(module: str) -> bool:
+    """Whether ``import module`` succeeds here (an extension built for another torch fails in many ways)."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
+def apex_problem(importable_module: Callable[[str], bool] | None = None,
+                 installed: Callable[[str], str | None] | None = None) -> str | None:
+    """One sentence with the way out when a distribution named apex is installed but Megatron cannot
+    use it as NVIDIA Apex (``amp_C`` not importable); None otherwise ([Note: NVIDIA Apex])."""
+    importable_module = importable_module or module_importable
+    version = (installed or _dist_version)("apex")
+    if importable_module("amp_C"):
+        return None
+    if importable_module("apex.optimizers"):  # NVIDIA Apex's Python-only build
+        name = f"NVIDIA Apex {version}" if version else "NVIDIA Apex"
+        return (f"{name} is installed without its CUDA extensions (amp_C is not importable), yet Megatron "
+                "takes its FusedAdam, which needs them -> install Apex's wheel built with them "
+                f"({APEX_WHEEL_SCRIPT} builds one), or `pip uninstall apex`")
+    if version is None:
+        return None
+    return (f"a distribution named apex ({version}) is installed but amp_C is not importable, so it is not "
+            "NVIDIA Apex (PyPI's apex is an unrelated web toolkit) and Megatron does not use it -> "
+            f"`pip uninstall apex`, then install NVIDIA Apex's wheel ({APEX_WHEEL_SCRIPT} builds one), "
+            "or leave Apex out: Megatron then takes Transformer Engine's or torch's kernels")
+
+
+def apex_report(importable_module: Callable[[str], bool] | None = None,
+                installed: Callable[[str], str | None] | None = None) -> str | None:
+    """NVIDIA Apex in one line: its version and the modules Megatron can import from it; else
+    :func:`apex_problem`'s sentence; None with neither Apex nor a distribution named apex."""
+    importable_module = importable_module or module_importable
+    installed = installed or _dist_version
+    if (problem := apex_problem(importable_module, installed)) is not None or not importable_module("amp_C"):
+        return problem
+    present = [m for m in APEX_MODULES if importable_module(m)]
+    absent = [m for m in APEX_MODULES if m not in present]
+    return (f"NVIDIA Apex {installed('apex') or '(no distribution metadata)'}: {', '.join(present)}"
+            + (f"; not importable: {', '.join(absent)}" if absent else ""))
+
+
+def megatron_paths(importable_module: Callable[[str], bool] | None = None) -> dict[str, str]:
+    """Which optimizer, multi-tensor kernels and gradient-accumulation fusion megatron-core 0.18.2
+    takes, given what imports here: Transformer Engine first, then NVIDIA Apex, then torch (read off
+    ``megatron/core/optimizer/`` and ``tensor_parallel/layers.py`` of the pinned release)."""
+    importable_module = importable_module or module_importable
+    te = importable_module(TE_OPTIMIZERS)
+    if te:
+        optimizer = "Transformer Engine's FusedAdam/FusedSGD"
+    elif importable_module("apex.optimizers"):
+        optimizer = "Apex's FusedAdam/FusedSGD"
+    else:
+        optimizer = "torch's AdamW/SGD (Adam in the distributed optimizer)"
+    if te:
+        multi_tensor = "Transformer Engine's multi_tensor_applier"
+    elif importable_module("amp_C") and importable_module("apex.multi_tensor_apply"):
+        multi_tensor = "Apex's amp_C with apex.multi_tensor_apply"
+    else:
+        multi_tensor = "Megatron's torch fallbacks (local_multi_tensor_applier)"
+    fusion = ("Apex's fused_weight_gradient_mlp_cuda" if importable_module("fused_weight_gradient_mlp_cuda")
+              else "none, so they refuse --gradient-accumulation-fusion (pass --no-gradient-accumulation-fusion)")
+    # models/backends.py takes Megatron's FusedLayerNorm for local LayerNorm layers once `import apex` works.
+    if not importable_module("apex"):
+        norm = "torch's"
+    elif not importable_module("apex.normalization.fused_layer_norm"):
+        norm = "Megatron's FusedLayerNorm, which refuses to build (this apex has no apex.normalization)"
+    elif not importable_module("fused_layer_norm_cuda"):
+        norm = "Apex's FusedLayerNorm, whose kernel (fused_layer_norm_cuda) is not importable: the first forward fails"
+    else:
+        norm = "Apex's FusedLayerNorm"
+    return {"optimizer": optimizer, "multi_tensor": multi_tensor,
+            "gradient_accumulation_fusion": f"local layers: {fusion}; Transformer Engine layers: their own",
+            "layer_norm": f"local LayerNorm layers: {norm}; RMSNorm and Transformer Engine layers: not Apex's"}
+
 
 def installed_versions() -> dict[str, str | None]:
-    """Version of each optional distribution in ``RECORDED_DISTS`` (None: not installed)."""
-    return {dist: _dist_version(dist) for dist in RECORDED_DISTS}
+    """Version of each optional distribution in ``RECORDED_DISTS`` (None: not installed); Apex as
+    :func:`apex_report` says it, since its distribution name alone does not tell NVIDIA Apex."""
+    versions = {dist: _dist_version(dist) for dist in RECORDED_DISTS}
+    versions["apex"] = apex_report()
+    return versions
 
 
 def check(args: Namespace, available: Callable[[str], bool] | None = None,

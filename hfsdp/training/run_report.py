@@ -77,7 +77,7 @@ def collect() -> dict[str, Any]:
     upstream's pretrain leaves it."""
     import torch
 
-    from hfsdp.training import upstream_base
+    from hfsdp.training import requirements, upstream_base
     from megatron.core import __version__ as megatron_version
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
@@ -99,6 +99,10 @@ def collect() -> dict[str, Any]:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
         "megatron_core": megatron_version if fork else f"{megatron_version} (pristine, {upstream_base.active()})",
+        # What the run imported: TE's and Apex's versions (Apex as one line), and on 0.18.2 which optimizer,
+        # multi-tensor kernels and gradient-accumulation fusion Megatron took ([Note: NVIDIA Apex]).
+        "optional_packages": requirements.installed_versions(),
+        "megatron_paths": requirements.megatron_paths() if fork else None,
     }
 
 

@@ -4,8 +4,8 @@
 #   1. sets and asserts the NVLink-multicast guards our GPU test scripts run under
 #      (NVLS stays off on shared test machines; the product's launchers never force it);
 #   2. installs the wheels found under $HFSDP_GPU_WHEELS (default .gpu-wheels/, git-ignored;
-#      sub-folders too: e.g. mamba_ssm, te/, conv1d/) into $HFSDP_GPU_SITE (default /tmp/hfsdp-site)
-#      without touching the network or the system's packages;
+#      sub-folders too: e.g. mamba_ssm, te/, conv1d/, apex/ from build_apex_wheel.sh) into $HFSDP_GPU_SITE
+#      (default /tmp/hfsdp-site) without touching the network or the system's packages;
 #   3. stands in for mamba_ssm's selective-scan CUDA extension when it is missing (mamba_ssm
 #      imports it eagerly; the Mamba2 Triton path used here never calls it);
 #   4. puts the checkout (with its materialized megatron/) first on PYTHONPATH and prints versions.
@@ -41,5 +41,9 @@ for mod in ("mamba_ssm", "transformer_engine", "causal_conv1d", "triton"):
         print(f"setup_gpu_env: {mod} {getattr(m, '__version__', '?')}")
     except Exception as exc:  # optional packages: say which are absent and why
         print(f"setup_gpu_env: {mod} not available ({type(exc).__name__})")
+from hfsdp.training.requirements import apex_report, megatron_paths  # Apex by its modules, not its name
+
+print(f"setup_gpu_env: apex: {apex_report() or 'not installed'}")
+print("setup_gpu_env: Megatron takes " + "; ".join(f"{k}: {v}" for k, v in megatron_paths().items()))
 PY
 export HFSDP_GPU_ENV_READY=1  # scripts that source this file skip it when already done

@@ -242,7 +242,12 @@ def test_run_report_knows_a_graph_that_teardown_destroyed(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, lambda value=value: value)
     monkeypatch.setattr(run_report, "pool_bytes_held", lambda: 0)
     monkeypatch.setattr(run_report, "maxpool_stats", lambda model: None)
-    assert run_report.collect()["cuda_graph_captured"] is True
+    report = run_report.collect()
+    assert report["cuda_graph_captured"] is True
+    # The optional packages and the optimizer / multi-tensor / gradient-accumulation paths Megatron took.
+    assert set(report["optional_packages"]) == {"transformer-engine", "apex", "mamba-ssm", "causal-conv1d"}
+    assert set(report["megatron_paths"]) == {"optimizer", "multi_tensor", "gradient_accumulation_fusion",
+                                                "layer_norm"}
     teardown.release_cuda_graphs(synchronize=False)
     assert FullCudaGraphWrapper.cuda_graph["training"] is None
     assert run_report.collect()["cuda_graph_captured"] is True

@@ -231,6 +231,7 @@ def test_entry_point_without_the_mamba_kernels() -> None:
 
 
 def test_installed_versions_names_every_recorded_dist(monkeypatch):
+    monkeypatch.setattr(R, "apex_report", lambda: None)
     monkeypatch.setattr(R, "_dist_version", {"transformer-engine": "2.20.2", "mamba-ssm": "2.3.2.post1"}.get)
     assert R.installed_versions() == {"transformer-engine": "2.20.2", "apex": None,
                                       "mamba-ssm": "2.3.2.post1", "causal-conv1d": None}
