@@ -82,3 +82,16 @@ def test_a_parser_without_the_fork_group_is_one_sentence():
 
     with pytest.raises(UserError, match="has no argument group 'hfsdp \\(fork\\)'"):
         flags.fork_flag_names(argparse.ArgumentParser())
+
+
+def test_a_base_gets_only_the_flags_it_names():
+    """``only`` keeps a subset of the group, in the group's order; a name the group lacks is an error."""
+    import argparse
+
+    from megatron.training import fork_args
+
+    parser = fork_args.add_fork_args(argparse.ArgumentParser(), only=["--nccl-comm-warmup"])
+    assert flags.fork_flag_names(parser) == {"--nccl-comm-warmup"}
+    assert parser.parse_args(["--nccl-comm-warmup"]).nccl_comm_warmup is True
+    with pytest.raises(ValueError, match="'--no-such-flag'"):
+        fork_args.add_fork_args(argparse.ArgumentParser(), only=["--nccl-comm-warmup", "--no-such-flag"])
