@@ -19,6 +19,7 @@ case "$base" in
       tests/unit_tests/datasets/test_helpers_fallback.py    # datasets-helpers-lazy-build
       tests/unit_tests/nccl_lifecycle/test_nccl_allocator_nvls.py  # nccl-allocator-respect-nvls-env
       tests/unit_tests/nccl_lifecycle/test_nccl_warmup.py   # initialize-eager-expert-dp-group
+      tests/unit_tests/training_entry/test_flags.py         # training-fork-args-group
       tests/unit_tests/optimizer                            # optimizer-torch-adam-bounded-temporaries,
                                                             # utils-multi-tensor-fallback-host-copies
       tests/unit_tests/megatron_fsdp/test_fsdp_dtensor_state.py  # optimizer-fsdp-dtensor-empty-shard-state
