@@ -18,7 +18,8 @@ case "$base" in
       tests/unit_tests/patchset/test_real_series.py         # fork-identity; the series lints, applies, imports
       tests/unit_tests/datasets/test_helpers_fallback.py    # datasets-helpers-lazy-build
       tests/unit_tests/nccl_lifecycle/test_nccl_allocator_nvls.py  # nccl-allocator-respect-nvls-env
-      tests/unit_tests/nccl_lifecycle/test_nccl_warmup.py   # initialize-eager-expert-dp-group
+      tests/unit_tests/nccl_lifecycle/test_nccl_warmup.py   # initialize-eager-expert-dp-group,
+                                                            # training-nccl-comm-warmup
       tests/unit_tests/training_entry/test_flags.py         # training-fork-args-group
       tests/unit_tests/optimizer                            # optimizer-torch-adam-bounded-temporaries,
                                                             # utils-multi-tensor-fallback-host-copies
