@@ -20,6 +20,7 @@ case "$base" in
       tests/unit_tests/nccl_lifecycle/test_nccl_allocator_nvls.py  # nccl-allocator-respect-nvls-env
       tests/unit_tests/nccl_lifecycle/test_nccl_warmup.py   # initialize-eager-expert-dp-group,
                                                             # training-nccl-comm-warmup
+      tests/unit_tests/nccl_lifecycle/test_teardown.py      # training-clean-teardown
       tests/unit_tests/training_entry/test_flags.py         # training-fork-args-group
       tests/unit_tests/optimizer                            # optimizer-torch-adam-bounded-temporaries,
                                                             # utils-multi-tensor-fallback-host-copies
