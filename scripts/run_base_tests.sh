@@ -26,6 +26,7 @@ case "$base" in
       tests/unit_tests/cuda_graphs/test_cuda_graph_checks.py  # training-cuda-graph-arg-checks
       tests/unit_tests/cuda_graphs/test_capture_memory_log.py  # full-cuda-graph-capture-memory-log
       tests/unit_tests/cuda_graphs/test_cuda_graph_rerun.py  # full-cuda-graph-rerun-mode
+      tests/unit_tests/training_entry/test_bucket_size_rule.py  # 0.19.2's own rule = the planner's
       tests/unit_tests/optimizer                            # optimizer-torch-adam-bounded-temporaries,
                                                             # utils-multi-tensor-fallback-host-copies
       tests/unit_tests/megatron_fsdp/test_fsdp_dtensor_state.py  # optimizer-fsdp-dtensor-empty-shard-state
