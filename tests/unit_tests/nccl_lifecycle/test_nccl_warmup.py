@@ -84,3 +84,20 @@ def test_warm_up_groups_detects_a_non_inert_collective():
 
     with pytest.raises(RuntimeError, match="returned 1.0"):
         nccl_warmup.warm_up_groups([_FakeGroup(n=2)], torch.device("cpu"), corrupting)
+
+
+TINY_MODEL = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 1 --lr 1e-4 --train-iters 2"
+).split()
+
+
+def test_validate_args_refuses_the_warmup_without_nccl(megatron_validator):
+    """The hook in validate_args: the flag parses into the config field, and with a backend that
+    has no NCCL communicators to warm it is one sentence naming both flags."""
+    validate = megatron_validator(TINY_MODEL, world_size=1)
+    assert validate([]).nccl_comm_warmup is False
+    assert validate(["--nccl-comm-warmup"]).nccl_comm_warmup is True
+    with pytest.raises(ValueError, match="--nccl-comm-warmup warms NCCL communicators, but --distributed-backend "
+                                         "is 'gloo'"):
+        validate(["--nccl-comm-warmup", "--distributed-backend", "gloo"])

@@ -253,3 +253,15 @@ def test_run_report_knows_a_graph_that_teardown_destroyed(monkeypatch):
     assert run_report.collect()["cuda_graph_captured"] is True
     monkeypatch.setattr(teardown, "destroyed_graph_stages", set())
     assert run_report.collect()["cuda_graph_captured"] is False
+
+
+def test_megatrons_pretrain_is_decorated_and_can_step_aside():
+    """The hook in training.py: Megatron's own pretrain() runs inside the teardown wrapper, and still
+    takes the in-process restart argument the wrapper reads to step aside."""
+    import inspect
+
+    from megatron.training import training
+
+    assert training.pretrain.__code__.co_filename.endswith("megatron/training/teardown.py")
+    assert inspect.unwrap(training.pretrain).__code__.co_filename.endswith("megatron/training/training.py")
+    assert "inprocess_call_wrapper" in inspect.signature(training.pretrain).parameters

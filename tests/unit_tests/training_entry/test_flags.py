@@ -20,6 +20,21 @@ add_megatron_arguments(parser)
 print("\\n".join(s for a in parser._actions for s in a.option_strings))
 """
 
+# The fork group on each base: a base whose release lacks what a flag drives, or declares the flag
+# itself, gets only the others (fork_args.add_fork_args' ``only``).
+FORK_FLAGS = {
+    "0.18.2": {"--megatron-fsdp-max-pool-double-buffer", "--megatron-fsdp-max-pool-lanes",
+               "--fsdp-db-use-persist-buf-on-alloc-fail", "--nccl-comm-warmup"},
+    "0.19.2": {"--nccl-comm-warmup"},
+}
+
+
+def tree_base() -> str:
+    """The release the materialized tree is built on (``0.19.2`` of ``0.19.2+hfsdp.1``)."""
+    import megatron.core
+
+    return str(megatron.core.__version__).partition("+")[0]
+
 
 @pytest.fixture(scope="module")
 def pristine_options(pristine_megatron: Path) -> set[str]:
@@ -49,10 +64,12 @@ def test_the_cli_prints_one_line_per_flag_and_no_warnings():
                           text=True, timeout=600)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert "--megatron-fsdp-max-pool-lanes N" in proc.stdout and "--nccl-comm-warmup" in proc.stdout
-    assert len(lines) == 1 + len(flags.fork_flag_names())  # a header, then one line per flag
-    lanes = next(line for line in lines if line.startswith("--megatron-fsdp-max-pool-lanes"))
-    assert lanes.split()[2:4] == ["2", "Lanes"]  # the default, then what it does
+    assert len(lines) == 1 + len(flags.fork_flag_names()) == 1 + len(FORK_FLAGS[tree_base()])  # a header, a line a flag
+    warmup = next(line for line in lines if line.startswith("--nccl-comm-warmup"))
+    assert warmup.split()[1:3] == ["off", "Before"]  # the default, then what it does
+    if "--megatron-fsdp-max-pool-lanes" in FORK_FLAGS[tree_base()]:
+        lanes = next(line for line in lines if line.startswith("--megatron-fsdp-max-pool-lanes N"))
+        assert lanes.split()[2:4] == ["2", "Lanes"]
 
 
 def test_the_fork_group_holds_the_flags_and_help_shows_it():
@@ -64,9 +81,7 @@ def test_the_fork_group_holds_the_flags_and_help_shows_it():
     group = fork_args.fork_group(parser)
     assert group is not None and group.title == flags.GROUP_TITLE == fork_args.GROUP_TITLE
     names = {s for a in group._group_actions for s in a.option_strings}
-    assert names == flags.fork_flag_names(parser) == {
-        "--megatron-fsdp-max-pool-double-buffer", "--megatron-fsdp-max-pool-lanes",
-        "--fsdp-db-use-persist-buf-on-alloc-fail", "--nccl-comm-warmup"}
+    assert names == flags.fork_flag_names(parser) == FORK_FLAGS[tree_base()]
     help_text = parser.format_help()
     section = help_text[help_text.index(fork_args.GROUP_TITLE + ":"):]
     section = section[:section.index("\n\n", section.index("--nccl-comm-warmup"))]
@@ -82,3 +97,16 @@ def test_a_parser_without_the_fork_group_is_one_sentence():
 
     with pytest.raises(UserError, match="has no argument group 'hfsdp \\(fork\\)'"):
         flags.fork_flag_names(argparse.ArgumentParser())
+
+
+def test_a_base_gets_only_the_flags_it_names():
+    """``only`` keeps a subset of the group, in the group's order; a name the group lacks is an error."""
+    import argparse
+
+    from megatron.training import fork_args
+
+    parser = fork_args.add_fork_args(argparse.ArgumentParser(), only=["--nccl-comm-warmup"])
+    assert flags.fork_flag_names(parser) == {"--nccl-comm-warmup"}
+    assert parser.parse_args(["--nccl-comm-warmup"]).nccl_comm_warmup is True
+    with pytest.raises(ValueError, match="'--no-such-flag'"):
+        fork_args.add_fork_args(argparse.ArgumentParser(), only=["--nccl-comm-warmup", "--no-such-flag"])
