@@ -32,6 +32,9 @@ APEX_PIN=6424da3b4faa6c8f062da4a48c424fff3f02d42d
 APEX_COMMIT=${APEX_COMMIT:-$APEX_PIN}
 EXTENSIONS="amp_C fused_weight_gradient_mlp_cuda"
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+# Like every tests/gpu script: NVLink multicast off, checked (a build runs no GPU work; the rule has no exceptions).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+(cd "$_root" && "${PYTHON:-python3}" -m hfsdp.nvls_guard) || exit 2
 _usage="bash tests/gpu/build_apex_wheel.sh [--src TARBALL|DIR] [--out DIR] [--jobs N] [--layer-norm] [--dry-run]"
 _fail() {  # one sentence and the way out, exit 2
   echo "build_apex_wheel: $1" >&2
