@@ -30,6 +30,7 @@ case "$base" in
       tests/unit_tests/optimizer                            # optimizer-torch-adam-bounded-temporaries,
                                                             # utils-multi-tensor-fallback-host-copies
       tests/unit_tests/megatron_fsdp/test_fsdp_dtensor_state.py  # optimizer-fsdp-dtensor-empty-shard-state
+      tests/unit_tests/megatron_fsdp/test_wgrad_fusion_apex.py  # tensor-parallel-fsdp-wgrad-fusion-apex
       tests/unit_tests/test_megatron_help.py                # arguments-help-percent
       tests/unit_tests/test_megatron_args.py                # Megatron's own parse, as the tests use it
     ) ;;

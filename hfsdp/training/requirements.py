@@ -289,8 +289,14 @@ def megatron_paths(importable_module: Callable[[str], bool] | None = None) -> di
         multi_tensor = "Apex's amp_C with apex.multi_tensor_apply"
     else:
         multi_tensor = "Megatron's torch fallbacks (local_multi_tensor_applier)"
-    fusion = ("Apex's fused_weight_gradient_mlp_cuda" if importable_module("fused_weight_gradient_mlp_cuda")
-              else "none, so they refuse --gradient-accumulation-fusion (pass --no-gradient-accumulation-fusion)")
+    # Into Megatron-FSDP's main grads, TE's general_gemm writes when TE imports, else Apex's kernel
+    # (tensor-parallel-fsdp-wgrad-fusion-apex.patch); the layers still refuse the flag without Apex's module.
+    if not importable_module("fused_weight_gradient_mlp_cuda"):
+        fusion = "none, so they refuse --gradient-accumulation-fusion (pass --no-gradient-accumulation-fusion)"
+    elif te:
+        fusion = "Apex's fused_weight_gradient_mlp_cuda (Megatron-FSDP's weights: Transformer Engine's general_gemm)"
+    else:
+        fusion = "Apex's fused_weight_gradient_mlp_cuda"
     # models/backends.py takes Megatron's FusedLayerNorm for local LayerNorm layers once `import apex` works.
     if not importable_module("apex"):
         norm = "torch's"

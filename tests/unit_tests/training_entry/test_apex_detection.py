@@ -41,6 +41,9 @@ def test_megatron_paths_follow_the_import_order(importable: set[str], expected: 
     assert paths["multi_tensor"].startswith(expected["multi_tensor"]), paths
     assert paths["gradient_accumulation_fusion"].startswith(f"local layers: {expected['fusion']}"), paths
     assert paths["gradient_accumulation_fusion"].endswith("Transformer Engine layers: their own"), paths
+    # Megatron-FSDP's main grads take TE's general_gemm whenever TE imports, Apex's kernel otherwise.
+    fsdp_te = "(Megatron-FSDP's weights: Transformer Engine's general_gemm)" in paths["gradient_accumulation_fusion"]
+    assert fsdp_te == (expected["optimizer"].startswith("Transformer Engine") and expected["fusion"] != "none, so")
 
 
 @pytest.mark.parametrize(("importable", "norm"), [
