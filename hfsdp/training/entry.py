@@ -238,7 +238,7 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     from hfsdp.determinism import pin_triton_autotune_from_env
     from hfsdp.step_digest import ENV as DIGEST_ENV
     from hfsdp.step_digest import install_from_env as install_digest_from_env
-    from hfsdp.training import data, forward_step, model_provider, run_report
+    from hfsdp.training import data, forward_step, model_provider, requirements, run_report
     from hfsdp.training.spec_error import SpecError
     from megatron.core.enums import ModelType
     from megatron.training import print_rank_0
@@ -262,6 +262,9 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
     print_rank_0(f"> hfsdp entry: model family={family}, transformer_impl={args.transformer_impl}"
                  + (f", FSDP units override={units[0]}" if units else "")
                  + (f", pristine upstream tree {base}" if base is not None else ""))
+    if base is None:  # which kernels Megatron takes: TE's, else Apex's, else torch's ([Note: NVIDIA Apex])
+        paths = requirements.megatron_paths()
+        print_rank_0("> hfsdp entry: Megatron takes " + "; ".join(f"{k}: {v}" for k, v in paths.items()))
     with warnings.catch_warnings():
         # We pass a model_provider function on purpose (the ModelConfig path is hybrid-only).
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
