@@ -28,7 +28,8 @@ case "$base" in
       tests/unit_tests/cuda_graphs/test_cuda_graph_rerun.py  # full-cuda-graph-rerun-mode
       tests/unit_tests/training_entry/test_bucket_size_rule.py  # 0.19.2's own rule = the planner's
       tests/unit_tests/optimizer                            # optimizer-torch-adam-bounded-temporaries,
-                                                            # utils-multi-tensor-fallback-host-copies
+                                                            # utils-multi-tensor-fallback-host-copies,
+                                                            # optimizer-apex-fused-local-shards
       tests/unit_tests/megatron_fsdp/test_fsdp_dtensor_state.py  # optimizer-fsdp-dtensor-empty-shard-state
       tests/unit_tests/megatron_fsdp/test_wgrad_fusion_apex.py  # tensor-parallel-fsdp-wgrad-fusion-apex
       tests/unit_tests/test_megatron_help.py                # arguments-help-percent
