@@ -24,8 +24,9 @@
 # Environment: APEX_COMMIT (40 hex digits, default the pin below); PYTHON (default python3): a Python with
 # the CUDA build of torch the wheel is for, setuptools and packaging; nvcc of torch's CUDA version
 # (CUDA_HOME or PATH), which Apex's setup.py checks.
-# Build time and wheel size: not measured yet (written where there is no nvcc); the script prints both
-# at the end: record them here after the first build.
+# ninja on PATH makes the build parallel (torch's extension builder falls back to a serial one without it).
+# Measured: 62 s, a 7.5 MB wheel (2026-11-28; 32 cores, nvcc 13.0, torch 2.11.0+cu130, Python 3.12.3,
+# setuptools 84.2.1, ninja 1.13.2; --jobs 2, MAX_JOBS=16). The script prints both at the end.
 set -euo pipefail
 # NVIDIA/apex master, 2026-07-08 ("Remove deprecated apex module: gpu_direct_storage (#2017)").
 APEX_PIN=6424da3b4faa6c8f062da4a48c424fff3f02d42d
