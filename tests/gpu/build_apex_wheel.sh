@@ -52,7 +52,7 @@ while [ $# -gt 0 ]; do
       shift 2 ;;
     --dry-run) dry=1; shift ;;
     --layer-norm) EXTENSIONS="$EXTENSIONS fused_layer_norm_cuda"; shift ;;
-    -h|--help) sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) _fail "unknown argument '$1'" "$_usage" ;;
   esac
 done
