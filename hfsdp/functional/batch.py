@@ -82,16 +82,33 @@ def golden_for(recipe: Recipe, platform: str, shared: bool, record: str | None) 
 
 
 def ordered(cases: Sequence[Path]) -> list[list[Recipe]]:
-    """Two waves: first the cases without ``COMPARE_TO`` (every twin among them, added when not
-    named), then the cases that compare against a twin (a twin compares against nothing)."""
+    """Waves by depth: first the cases without ``COMPARE_TO`` (every twin among them, added when
+    not named), then the cases whose twin is in the first wave, and so on: a twin always runs in
+    an earlier wave than the cases compared with it. A cycle of twins is refused."""
     recipes = {r.case_dir.resolve(): r for r in (load_recipe(c) for c in cases)}
-    for recipe in list(recipes.values()):
+    pending = list(recipes.values())
+    while pending:
+        recipe = pending.pop()
         if recipe.compare_to:
             twin = (recipe.case_dir / recipe.compare_to).resolve()
-            recipes.setdefault(twin, load_recipe(twin))
-    first = [r for r in recipes.values() if not r.compare_to]
-    second = [r for r in recipes.values() if r.compare_to]
-    return [w for w in (first, second) if w]
+            if twin not in recipes:
+                recipes[twin] = load_recipe(twin)
+                pending.append(recipes[twin])
+    depth: dict[Path, int] = {}
+
+    def depth_of(key: Path, chain: tuple[Path, ...] = ()) -> int:
+        if key in chain:
+            names = " -> ".join(f"{p.parent.name}/{p.name}" for p in (*chain, key))
+            raise UserError(f"COMPARE_TO forms a cycle: {names}", "compare each case with a twin that compares with none of them")
+        if key not in depth:
+            recipe = recipes[key]
+            twin = (recipe.case_dir / recipe.compare_to).resolve() if recipe.compare_to else None
+            depth[key] = 0 if twin is None else depth_of(twin, (*chain, key)) + 1
+        return depth[key]
+
+    for key in recipes:
+        depth_of(key)
+    return [[r for k, r in recipes.items() if depth[k] == d] for d in range(max(depth.values(), default=-1) + 1)]
 
 
 class Running:

@@ -10,6 +10,9 @@ Keys kept from Megatron (``tests/functional_tests/test_cases/<model>/<case>/mode
 * ``NPROC``: processes per node (default 2);
 * ``COMPARE_TO``: a sibling case whose ``lm loss`` curve (and validation loss, where it has
   one) must be identical;
+* ``COMPARE_RTOL``: with ``COMPARE_TO``, hold the losses within this relative tolerance
+  (0 < R <= 0.05) instead: for a twin whose numerics differ by design, such as a fused
+  weight-gradient path that skips a bf16 rounding;
 * ``CHECKS``: ``log_absent`` / ``log_present`` regex lists, ``min_iterations``,
   ``loss_decreases`` (bool);
 * ``REQUIRE_GOLDEN``: false for cases whose numbers are machine-specific (CPU smoke).
@@ -48,7 +51,7 @@ from hfsdp.usererror import UserError, not_a_regular_file
 TEST_TYPES = ("regular", "ckpt-resume", "smoke")
 DEFAULT_METRICS = ("lm loss", "num-zeros")
 KEYS = ("ENV_VARS", "MODEL_ARGS", "MODEL_ARGS_2", "ENV_VARS_2", "TEST_TYPE", "METRICS", "TRAINING_SCRIPT",
-        "NPROC", "COMPARE_TO", "CHECKS", "REQUIRE_GOLDEN", "RESUME_COMPARE", "DETERMINISM")
+        "NPROC", "COMPARE_TO", "COMPARE_RTOL", "CHECKS", "REQUIRE_GOLDEN", "RESUME_COMPARE", "DETERMINISM")
 CHECK_KEYS = ("log_absent", "log_present", "min_iterations", "loss_decreases")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPE_FIX = "fix model_config.yaml; docs/functional-tests.md lists every key and its type"
@@ -103,6 +106,7 @@ class Recipe:
     training_script: str = "pretrain_gpt.py"
     nproc: int = 2
     compare_to: str | None = None
+    compare_rtol: float = 0.0  # COMPARE_RTOL: 0 means identical
     checks: Checks = field(default_factory=Checks)
     require_golden: bool = True
     resume_compare: ResumeCompare = field(default_factory=ResumeCompare)
@@ -198,6 +202,28 @@ def _checks(raw: Any, where: str) -> Checks:
                   _flag_value(raw, "loss_decreases", False, f"{where} "))
 
 
+def _as_number(value: Any) -> Any:
+    if isinstance(value, str):  # YAML 1.1 reads "5e-5" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _compare_rtol(raw: Mapping[str, Any], where: str) -> float:
+    if "COMPARE_RTOL" not in raw:
+        return 0.0
+    if raw.get("COMPARE_TO") is None:
+        raise RecipeError(f"{where}COMPARE_RTOL is only for a case with COMPARE_TO",
+                          "name the twin (COMPARE_TO), or drop COMPARE_RTOL")
+    rtol = _as_number(raw["COMPARE_RTOL"])
+    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 < rtol <= 0.05:
+        raise RecipeError(f"{where}COMPARE_RTOL must be a number in (0, 0.05], got {raw['COMPARE_RTOL']!r}",
+                          "omit it for identical losses, or give a small relative tolerance, e.g. 0.005")
+    return float(rtol)
+
+
 def _resume_compare(raw: Any, test_type: str, where: str) -> ResumeCompare:
     if raw is None:
         return ResumeCompare()
@@ -207,12 +233,7 @@ def _resume_compare(raw: Any, test_type: str, where: str) -> ResumeCompare:
         raise RecipeError(f"{where} must be a mapping with exact_steps and rtol, got {raw!r}")
     if "exact_steps" not in raw or "rtol" not in raw:
         raise RecipeError(f"{where} needs both exact_steps and rtol, got {dict(raw)!r}")
-    exact, rtol = raw["exact_steps"], raw["rtol"]
-    if isinstance(rtol, str):  # YAML 1.1 reads "5e-5" (no dot) as a string
-        try:
-            rtol = float(rtol)
-        except ValueError:
-            pass
+    exact, rtol = raw["exact_steps"], _as_number(raw["rtol"])
     # An exact first step shows the weights loaded; a loose rtol could hide a lost optimizer state.
     if not _is_int(exact) or exact < 1:
         raise RecipeError(f"{where}: exact_steps must be an int >= 1, got {exact!r}")
@@ -346,6 +367,7 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
         raise RecipeError(f"{path}: COMPARE_TO {compare_to} is not a case folder (no "
                           f"{case_dir / str(compare_to) / 'model_config.yaml'})",
                           "name a sibling case relative to this one, e.g. ../hybrid_mcore_local_fsdp_no_db")
+    compare_rtol = _compare_rtol(raw, f"{path}: ")
     env_vars = _env_map(raw.get("ENV_VARS"), f"{path}: ENV_VARS")
     model_args_2 = _model_args(raw.get("MODEL_ARGS_2"), f"{path}: MODEL_ARGS_2", required=False)
     env_vars_2 = _env_map(raw.get("ENV_VARS_2"), f"{path}: ENV_VARS_2")
@@ -367,6 +389,7 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
         training_script=_training_script(raw.get("TRAINING_SCRIPT"), path),
         nproc=nproc,
         compare_to=compare_to,
+        compare_rtol=compare_rtol,
         checks=_checks(raw.get("CHECKS"), f"{path}: CHECKS"),
         require_golden=require_golden,
         resume_compare=_resume_compare(raw.get("RESUME_COMPARE"), test_type, f"{path}: RESUME_COMPARE"),

@@ -436,7 +436,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
             except golden.GoldenError as exc:
                 result.fail(f"compare-to case {other_recipe.model}/{other_recipe.name}: {exc.cause}")
             else:
-                compare_curves(f"vs {other_recipe.model}/{other_recipe.name}", other_metrics, metrics, None, result)
+                compare_curves(f"vs {other_recipe.model}/{other_recipe.name}", other_metrics, metrics, None, result,
+                               loss_rtol=recipe.compare_rtol)
 
     odd_golden = not_a_regular_file(golden_path) if os.path.lexists(golden_path) else None
     if odd_golden is not None:  # neither read (a pipe would block) nor replaced: it is not ours to lose

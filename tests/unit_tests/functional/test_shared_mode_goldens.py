@@ -33,13 +33,15 @@ world = int(os.environ["WORLD_SIZE"])
 if os.environ.get("RANK", "0") == "0":
     for it in range(1, iters + 1):
         print(f" [t] iteration {it:8d}/{iters:8d} | elapsed time per iteration (ms): 50.0 | "
-              f"lm loss: {10.0 - it / world:.6E} | num zeros: 0 |", flush=True)
+              f"lm loss: {10.0 - it / world + float(os.environ.get('FAKE_LOSS_SHIFT', '0')):.6E} | num zeros: 0 |",
+              flush=True)
         print(f"[Rank 0] (after {it} iterations) memory (MB) | allocated: 100.0 | max allocated: 200.0", flush=True)
 time.sleep(float(os.environ.get("FAKE_SLEEP_AFTER_S", "0")))
 '''
 
 
-def _case(root: Path, name: str, *, nproc: int = 1, compare_to: str | None = None) -> Path:
+def _case(root: Path, name: str, *, nproc: int = 1, compare_to: str | None = None,
+          extra: tuple[str, ...] = ()) -> Path:
     trainer = root / "fake_trainer.py"
     trainer.parent.mkdir(parents=True, exist_ok=True)
     trainer.write_text(FAKE_TRAINER)
@@ -49,6 +51,7 @@ def _case(root: Path, name: str, *, nproc: int = 1, compare_to: str | None = Non
              *[f"  - {m}" for m in METRICS], "MODEL_ARGS:", "  --train-iters: 4"]
     if compare_to:
         lines.insert(1, f"COMPARE_TO: {compare_to}")
+    lines[1:1] = extra
     (case / "model_config.yaml").write_text("\n".join(lines) + "\n")
     return case
 
@@ -177,6 +180,52 @@ def test_twins_run_first_and_are_added_when_missing(tmp_path):
     a, b = _case(cases, "a", compare_to="../twin"), _case(cases, "b")
     waves = batch.ordered([a, b])
     assert [[r.name for r in w] for w in waves] == [["b", "twin"], ["a"]]
+
+
+def test_a_twin_that_compares_with_its_own_twin_runs_a_wave_earlier(tmp_path):
+    cases = tmp_path / "cases"
+    _case(cases, "eager")
+    _case(cases, "fused", compare_to="../eager")
+    graphed = _case(cases, "graphed", compare_to="../fused")
+    waves = batch.ordered([graphed])
+    assert [[r.name for r in w] for w in waves] == [["eager"], ["fused"], ["graphed"]]
+
+
+def test_a_cycle_of_twins_is_refused(tmp_path):
+    cases = tmp_path / "cases"
+    _case(cases, "a", compare_to="../b")
+    b = _case(cases, "b", compare_to="../a")
+    with pytest.raises(UserError, match="COMPARE_TO forms a cycle: hybrid/b -> hybrid/a -> hybrid/b"):
+        batch.ordered([b])
+
+
+@pytest.mark.parametrize(("shift", "passes"), [("0.01", True), ("0.5", False)])
+def test_compare_rtol_holds_a_twin_within_the_tolerance(tmp_path, shift, passes):
+    cases = tmp_path / "cases"
+    _case(cases, "twin")
+    near = _case(cases, "near", compare_to="../twin",
+                 extra=("COMPARE_RTOL: 0.005", "ENV_VARS:", f"  FAKE_LOSS_SHIFT: '{shift}'"))
+    assert load_recipe(near).compare_rtol == 0.005
+    summary = tmp_path / "summary.txt"
+    rc = batch.main([str(near), "--platform", "dgx_test", "--output-dir", str(tmp_path / "o"),
+                     "--summary", str(summary), "--timeout-s", "60", "--record-missing"])
+    lines = summary.read_text().splitlines()
+    assert (rc == 0) == passes, lines
+    near_line = next(line for line in lines if "[hybrid/near]" in line)
+    assert (": PASS " in near_line) == passes, near_line
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    (("COMPARE_RTOL: 0.005",), "COMPARE_RTOL is only for a case with COMPARE_TO"),
+    (("COMPARE_TO: ../twin", "COMPARE_RTOL: 0.2"), r"COMPARE_RTOL must be a number in \(0, 0.05\], got 0.2"),
+    (("COMPARE_TO: ../twin", "COMPARE_RTOL: 0"), r"COMPARE_RTOL must be a number in \(0, 0.05\], got 0"),
+    (("COMPARE_TO: ../twin", "COMPARE_RTOL: yes"), r"COMPARE_RTOL must be a number in \(0, 0.05\], got True"),
+])
+def test_compare_rtol_is_checked_when_the_recipe_loads(tmp_path, extra, match):
+    cases = tmp_path / "cases"
+    _case(cases, "twin")
+    with pytest.raises(UserError, match=match):
+        load_recipe(_case(cases, "bad", extra=extra))
 
 
 def test_batch_runs_cases_and_summarizes(tmp_path):
