@@ -99,7 +99,8 @@ def ordered(cases: Sequence[Path]) -> list[list[Recipe]]:
     def depth_of(key: Path, chain: tuple[Path, ...] = ()) -> int:
         if key in chain:
             names = " -> ".join(f"{p.parent.name}/{p.name}" for p in (*chain, key))
-            raise UserError(f"COMPARE_TO forms a cycle: {names}", "compare each case with a twin that compares with none of them")
+            raise UserError(f"COMPARE_TO forms a cycle: {names}",
+                            "compare each case with a twin that compares with none of them")
         if key not in depth:
             recipe = recipes[key]
             twin = (recipe.case_dir / recipe.compare_to).resolve() if recipe.compare_to else None

@@ -163,7 +163,6 @@ def _cmd_overlay(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_export(project: Project, args: argparse.Namespace) -> int:
-    project.require_default_base("export")
     drop = tuple(patch_name(name, "--drop") for name in args.drop)  # refused before the lock, too
     with writing(project, f"export --queue {args.queue}", print):
         export_queue(project, args.queue, args.sdist, drop=drop)

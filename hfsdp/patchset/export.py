@@ -280,8 +280,8 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
         parent = commit
     unknown = sorted(set(drop) - set(old))
     if unknown:
-        raise SeriesError(f"--drop {', '.join(unknown)}: not in patches/series; nothing was written",
-                          "name patches listed in patches/series")
+        raise SeriesError(f"--drop {', '.join(unknown)}: not in {project.base_label}series; nothing was written",
+                          f"name patches listed in {project.base_label}series")
     kept_but_dropped = sorted(set(drop) & set(texts))
     if kept_but_dropped:
         raise SeriesError(f"--drop {', '.join(kept_but_dropped)}: the queue still has a commit for it; "
@@ -289,15 +289,22 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
     missing = [n for n in old if n not in texts and n not in drop]
     if missing:
         raise SeriesError(
-            f"the queue {repo} has no commit for {', '.join(missing)} (in patches/series); exporting would "
+            f"the queue {repo} has no commit for {', '.join(missing)} (in {project.base_label}series); exporting would "
             "delete them, so nothing was written",
             "if you removed them on purpose, say so: "
             + " ".join(f"`--drop {n}`" for n in missing)
             + "; otherwise the queue is incomplete: make a new one with `scripts/patchset queue --dir DIR`",
         )
     _refuse_overwriting_unlisted(project, [n for n in texts if n not in old])
+    if project.base is not None and overlay.files != project.overlay().files:
+        now = project.overlay().files
+        differ = sorted(p for p in set(overlay.files) | set(now) if overlay.files.get(p) != now.get(p))
+        raise SeriesError(
+            f"the queue changes the overlay ({', '.join(differ)}), which every base shares, but this is base "
+            f"{project.base}; nothing was written",
+            "make overlay changes on the default base (a queue made without --base), or as a patch of this base")
     same_series = keep is not None and list(texts) == list(old)
-    series = None if same_series else SERIES_HEADER + "".join(f"{n}\n" for n in texts)
+    series = None if same_series else render_series(project, list(texts))
     plan = ExportPlan(texts, sorted(drop), gitops.tree_of(repo, "HEAD"), overlay, series)
     if check_state:  # export (refresh writes what it plans)
         plan.already_there = holds(project, plan)  # a second export, or a killed one that wrote patches/
@@ -309,10 +316,24 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
     return plan
 
 
+def render_series(project: Project, names: list[str]) -> str:
+    """The series file listing ``names``. The default base's has the standard header; another base's keeps its
+    file's comments (which say why each patch is carried or left out): those before its first name, then the
+    names, then every other comment line."""
+    listed = "".join(f"{n}\n" for n in names)
+    if project.base is None:
+        return SERIES_HEADER + listed
+    lines = (project.base_dir / "series").read_text(encoding="utf-8").splitlines(keepends=True)
+    is_name = [bool(line.strip()) and not line.lstrip().startswith("#") for line in lines]
+    first = is_name.index(True) if True in is_name else len(lines)
+    after = [line for line, name in zip(lines[first:], is_name[first:], strict=True) if not name]
+    return "".join(lines[:first]) + listed + "".join(after)
+
+
 def holds(project: Project, plan: ExportPlan) -> bool:
     """Whether ``patches/`` already holds exactly what ``plan`` writes (then exporting writes nothing)."""
     now = [(p.name, p.text) for p in project.series()]
-    series = (project.patches_dir / "series").read_text(encoding="utf-8")
+    series = (project.base_dir / "series").read_text(encoding="utf-8")
     return (not plan.dropped and list(plan.texts.items()) == now and plan.series in (None, series)
             and plan.overlay.files == project.overlay().files)
 
@@ -320,12 +341,13 @@ def holds(project: Project, plan: ExportPlan) -> bool:
 def _refuse_overwriting_unlisted(project: Project, new_names: list[str]) -> None:
     """A new patch must not take the place of a file in patches/ that the series does not list (it may be
     someone's only copy of a change)."""
-    taken = [n for n in new_names if os.path.lexists(project.patches_dir / n)]
+    taken = [n for n in new_names if os.path.lexists(project.base_dir / n)]
     if taken:
+        where = project.base_label
         raise SeriesError(
-            f"{', '.join(taken)} would be written as a new patch, but patches/ already has a file of that name that "
-            "is not in patches/series; nothing was written",
-            "move that file out of patches/ (it may be your only copy of a change), or give the new patch another name",
+            f"{', '.join(taken)} would be written as a new patch, but {where} already has a file of that name that "
+            f"is not in {where}series; nothing was written",
+            f"move that file out of {where} (it may be your only copy of a change), or give the new patch another name",
         )
 
 
@@ -382,12 +404,19 @@ def write_plan(project: Project, plan: ExportPlan, snapshot: dict, rerun: str, l
     try:
         built = scratch / "patches"
         shutil.copytree(target, built, symlinks=True)
+        # Another base writes its own folder only ([Note: bases] in project.py): a dropped patch leaves its series
+        # (and its variant, if it has one); a changed shared patch becomes a variant; shared ones stay as they are.
+        home = built / project.base_dir.relative_to(target)
         for name in plan.dropped:
-            (built / name).unlink(missing_ok=True)
+            (home / name).unlink(missing_ok=True)
         for name, text in plan.texts.items():
-            (built / name).write_text(text, encoding="utf-8")
+            shared = built / name
+            if (home != built and not os.path.lexists(home / name) and shared.is_file()
+                    and shared.read_text(encoding="utf-8") == text):
+                continue
+            (home / name).write_text(text, encoding="utf-8")
         if plan.series is not None:
-            (built / "series").write_text(plan.series, encoding="utf-8")
+            (home / "series").write_text(plan.series, encoding="utf-8")
         overlay_changed = _write_overlay(built, project.pin().members, plan.overlay)
         swap_in(target, built, snapshot, lambda d: scan(d, prefix="patches"), rerun)
     finally:
@@ -402,7 +431,6 @@ def write_plan(project: Project, plan: ExportPlan, snapshot: dict, rerun: str, l
 def export_queue(project: Project, repo: Path, sdist: Path | None = None, drop: tuple[str, ...] = (),
                  log: Callable[[str], None] = print) -> list[str]:
     """gbp-pq export (see the note); the caller holds the checkout lock."""
-    project.require_default_base("export")
     snapshot = snapshot_patches(project)
     plan = plan_export(project, repo, drop, sdist)
     if plan.already_there:
@@ -411,5 +439,5 @@ def export_queue(project: Project, repo: Path, sdist: Path | None = None, drop: 
         return list(plan.texts)
     write_plan(project, plan, snapshot, f"scripts/patchset export --queue {repo.absolute()}", log)
     log(f"patchset: exported the overlay ({len(plan.overlay.files)} files) and {len(plan.texts)} patches to "
-        f"{project.patches_dir}")
+        f"{project.base_dir}")
     return list(plan.texts)

@@ -11,7 +11,9 @@ what is different for a base, and each ``series`` what applies to it.
 One base is chosen per command: ``--base VERSION`` of ``scripts/patchset``, else the environment
 variable ``HFSDP_BASE`` (which ``pip install -e .`` reads too), else the default. The tree's stamp
 records the base it was built from; a tree of another base is rebuilt like a stale one (refused
-while it has edits), so switching bases never loses an edit.
+while it has edits), so switching bases never loses an edit. ``refresh`` and ``export`` on a base
+other than the default write its folder only: its series, a new patch, a variant for a shared patch
+they change; they refuse overlay changes, which would reach every base.
 """
 
 from __future__ import annotations
@@ -109,17 +111,6 @@ class Project:
                               f"choose one of those ({where}=VERSION), or add the base as "
                               f"patches/{BASES_DIR_NAME}/<version>/base.toml and series")
         return dataclasses.replace(self, base=chosen)
-
-    def require_default_base(self, verb: str) -> None:
-        """Refuse ``verb`` (refresh, export: they rewrite ``patches/``) on a base other than the default: they
-        do not write a base's folder yet, and must never fold its tree into the default base's series."""
-        if self.base is not None:
-            raise SeriesError(f"`{verb}` writes the default base's patches/ only, not {self.base_label} of base "
-                              f"{self.base}; nothing was written",
-                              f"edit {self.base_label} by hand: `scripts/patchset --base {self.base} queue --dir DIR` "
-                              f"gives a queue to make the change in, `git format-patch` it, copy the patch into "
-                              f"{self.base_label} with a DEP-3 header, add its name to {self.base_label}series, "
-                              f"then `scripts/patchset --base {self.base} lint`")
 
     def for_stamp(self, version: str, sha256: str) -> Project | None:
         """The base of this checkout pinned to ``version`` with sdist ``sha256`` (a tree's stamp), or None."""

@@ -61,7 +61,6 @@ def refresh(
 
     ``patch``/``new`` are ``NAME`` or ``NAME.patch``; a name that breaks the rule ([Note: patch names]
     in series.py) or a tree read through a symbolic link is refused before anything is touched."""
-    project.require_default_base("refresh")
     patch = None if patch is None else patch_name(patch, "--patch")
     new = None if new is None else patch_name(new, "--new")
     require_real_tree(project)
@@ -95,6 +94,14 @@ def _refresh(project: Project, patch: str | None, new: str | None, description: 
     in_overlay = set(overlay_edits(found.edits, stamp))
     to_overlay = {p: k for p, k in found.edits.items() if p in in_overlay}
     upstream = {p: k for p, k in found.edits.items() if p not in in_overlay}
+    if to_overlay and project.base is not None:  # [Note: bases] in project.py: one overlay for every base
+        raise SeriesError(
+            f"{', '.join(sorted(to_overlay))} would go to the overlay, which every base shares, but this tree is of "
+            f"base {project.base}; nothing was written",
+            "make the overlay change on the default base: `scripts/patchset --base "
+            f"{Project(project.root).pin().version} materialize --backup` (your tree is kept whole as "
+            "megatron.bak-*), redo the edit there, then "
+            "`scripts/patchset refresh`")
     _refuse_binary(project, to_overlay)
     target = _choose_target(patches, upstream, patch, new) if upstream else ""
     if not upstream and (patch or new):
@@ -209,7 +216,7 @@ def _choose_target(patches: list[Patch], edits: dict[str, str], patch: str | Non
                           "`scripts/patchset refresh --new NAME` adds one")
     if patch is not None:
         if patch not in [p.name for p in patches]:
-            raise SeriesError(f"{patch} is not in patches/series",
+            raise SeriesError(f"{patch} is not in the series",
                               "pick a listed patch, or `scripts/patchset refresh --new NAME`")
         return patch
     owners: dict[str, str] = {}

@@ -52,7 +52,8 @@ def _grads(mesh, placement, *param_lists):
 @pytest.mark.parametrize("placement", [Shard(0), Replicate()], ids=["shard", "replicate"])
 def test_wrapped_step_matches_torchs_dtensor_step(mesh, placement):
     ref_params, new_params = _params(mesh, placement), _params(mesh, placement)
-    groups = lambda ps: [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+    def groups(ps):
+        return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
     ref = torch.optim.AdamW(groups(ref_params), lr=1e-3, foreach=False)
     new_cls = on_local_shards(KernelOnPlainTensors)
     new = new_cls(groups(new_params), lr=1e-3, foreach=False)

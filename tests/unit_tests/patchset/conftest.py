@@ -1,3 +1,3 @@
-"""Re-export the fake-project fixture (helpers live in patchset_fake.py so tests can import them)."""
+"""Re-export the fake-project fixtures (helpers live in patchset_fake.py so tests can import them)."""
 
-from patchset_fake import fake, overlaid  # noqa: F401
+from patchset_fake import fake, overlaid, two  # noqa: F401

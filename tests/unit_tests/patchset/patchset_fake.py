@@ -254,3 +254,26 @@ def set_pin(env: Env, sha256_hex: str) -> None:
     """Replace the sha256 pinned in ``env``'s base.toml."""
     base = env.project.patches_dir / "base.toml"
     base.write_text(base.read_text().replace(env.project.pin().sha256, sha256_hex))
+
+
+OTHER = "0.19.2"  # the second base of the `two` fixture
+TRAIN_OTHER = TRAIN_PATCH.replace("-    return 'upstream'", "-    return 'upstream, later'")
+
+
+@pytest.fixture
+def two(fake: Env, monkeypatch: pytest.MonkeyPatch) -> Env:
+    """``fake`` with a second base, 0.19.2 (its own train.patch variant), both sdists in a wheelhouse folder."""
+    store = fake.sdist.parent
+    files = dict(BASE_FILES)
+    files["megatron/training/train.py"] = "def train():\n    return 'upstream, later'\n"
+    sdist = make_sdist(store, version=OTHER, files=files)
+    folder = fake.project.patches_dir / "bases" / OTHER
+    folder.mkdir(parents=True)
+    pin = (fake.project.patches_dir / "base.toml").read_text()
+    pin = pin.replace("0.18.2", OTHER).replace(sha256(fake.sdist), sha256(sdist)).replace("release = 7", "release = 1")
+    (folder / "base.toml").write_text(pin)
+    (folder / "train.patch").write_text(patch_text("Fork training, on the later release", TRAIN_OTHER))
+    (folder / "series").write_text("# the later base\nalloc.patch\ntrain.patch\n")
+    monkeypatch.delenv("MEGATRON_PATCHSET_SDIST")
+    monkeypatch.setenv("MEGATRON_PATCHSET_FIND_LINKS", str(store))
+    return fake

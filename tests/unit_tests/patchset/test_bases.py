@@ -7,6 +7,7 @@ one, 0.19.2, in ``patches/bases/0.19.2/``: the shared ``alloc.patch`` and its ow
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -15,15 +16,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from patchset_fake import ALLOC_PATCH, BASE_FILES, TRAIN_PATCH, Env, make_sdist, patch_text, sha256, tree_digest
+from patchset_fake import ALLOC_PATCH, BASE_FILES, OTHER, TRAIN_PATCH, Env, make_sdist, patch_text, tree_digest
 
 from hfsdp.patchset.check import check_against, upstream_commits
 from hfsdp.patchset.cli import main
 from hfsdp.patchset.project import Project
 from hfsdp.patchset.stamp import read_stamp
 
-OTHER = "0.19.2"
-TRAIN_OTHER = TRAIN_PATCH.replace("-    return 'upstream'", "-    return 'upstream, later'")
 CHECKOUT = Path(__file__).resolve().parents[3]
 
 
@@ -33,25 +32,6 @@ def cli(env: Env, *args: str) -> int:
 
 def patches_digest(env: Env) -> dict[str, str]:
     return tree_digest(env.project.patches_dir)
-
-
-@pytest.fixture
-def two(fake: Env, monkeypatch: pytest.MonkeyPatch) -> Env:
-    """``fake`` with a second base, 0.19.2 (its own train.patch variant), both sdists in a wheelhouse folder."""
-    store = fake.sdist.parent
-    files = dict(BASE_FILES)
-    files["megatron/training/train.py"] = "def train():\n    return 'upstream, later'\n"
-    sdist = make_sdist(store, version=OTHER, files=files)
-    folder = fake.project.patches_dir / "bases" / OTHER
-    folder.mkdir(parents=True)
-    pin = (fake.project.patches_dir / "base.toml").read_text()
-    pin = pin.replace("0.18.2", OTHER).replace(sha256(fake.sdist), sha256(sdist)).replace("release = 7", "release = 1")
-    (folder / "base.toml").write_text(pin)
-    (folder / "train.patch").write_text(patch_text("Fork training, on the later release", TRAIN_OTHER))
-    (folder / "series").write_text("# the later base\nalloc.patch\ntrain.patch\n")
-    monkeypatch.delenv("MEGATRON_PATCHSET_SDIST")
-    monkeypatch.setenv("MEGATRON_PATCHSET_FIND_LINKS", str(store))
-    return fake
 
 
 def tree_file(env: Env, path: str) -> str:
@@ -107,24 +87,88 @@ def test_switching_bases_never_loses_an_edit(two: Env, capsys) -> None:
     assert stamp is not None and stamp.base_version == "0.18.2"
 
 
-def test_refresh_and_export_write_the_default_base_only(two: Env, tmp_path: Path, capsys) -> None:
+def test_refresh_on_another_base_writes_its_folder_only(two: Env, capsys) -> None:
+    folder = two.project.patches_dir / "bases" / OTHER
+    (folder / "series").write_text("# the later base\nalloc.patch\ntrain.patch\n# left out: gone.patch (upstream)\n")
+    shared = {n: (two.project.patches_dir / n).read_bytes() for n in ("series", "alloc.patch", "train.patch")}
     assert cli(two, "--base", OTHER, "materialize") == 0
+    # An edit of the base's own variant (train.patch) goes into that variant.
     (two.project.root / "megatron/training/train.py").write_text("def train():\n    return 'mine'\n")
+    assert cli(two, "--base", OTHER, "refresh") == 0
+    assert "+    return 'mine'" in (folder / "train.patch").read_text()
+    # An edit of a file a shared patch owns (alloc.patch) becomes this base's variant of it.
+    alloc = two.project.root / "megatron/core/alloc.py"
+    alloc.write_text(alloc.read_text().replace("maxpool = True", "maxpool = 'later'"))
+    assert cli(two, "--base", OTHER, "refresh") == 0
+    assert "+maxpool = 'later'" in (folder / "alloc.patch").read_text()
+    # A new patch joins this base's series; the series keeps its comments.
+    alloc.write_text(alloc.read_text() + "extra = 1\n")
+    assert cli(two, "--base", OTHER, "refresh", "--new", "extra", "--description", "An extra line") == 0
+    assert (folder / "extra.patch").is_file()
+    assert (folder / "series").read_text() == ("# the later base\nalloc.patch\ntrain.patch\nextra.patch\n"
+                                               "# left out: gone.patch (upstream)\n")
+    # The default base's files are untouched, and both bases still build.
+    assert {n: (two.project.patches_dir / n).read_bytes() for n in shared} == shared
+    capsys.readouterr()
+    assert cli(two, "--base", OTHER, "status") == 0 and "edits:   none" in capsys.readouterr().out
+    assert cli(two, "materialize") == 0
+    assert "maxpool = True" in alloc.read_text() and "extra" not in alloc.read_text()
+    assert cli(two, "--base", OTHER, "materialize") == 0
+    assert "maxpool = 'later'" in alloc.read_text() and alloc.read_text().endswith("extra = 1\n")
+
+
+def test_another_base_never_writes_the_shared_overlay(two: Env, tmp_path: Path, capsys) -> None:
+    assert cli(two, "--base", OTHER, "materialize") == 0
+    (two.project.root / "megatron/core/mine.py").write_text("NEW = 1\n")  # a new file: an overlay edit
     before = patches_digest(two)
     capsys.readouterr()
     assert cli(two, "--base", OTHER, "refresh") == 2
     err = capsys.readouterr().err
-    assert f"`refresh` writes the default base's patches/ only, not patches/bases/{OTHER}/" in err
-    assert cli(two, "--base", OTHER, "export", "--queue", str(tmp_path / "q")) == 2
-    assert "`export` writes the default base's patches/ only" in capsys.readouterr().err
+    assert ("megatron/core/mine.py would go to the overlay, which every base shares, but this tree is of base "
+            f"{OTHER}") in err
+    assert "`scripts/patchset --base 0.18.2 materialize --backup`" in err
     assert cli(two, "refresh") == 2  # the default base's refresh never folds a tree of the other base
     assert "built from other patches or overlay files" in capsys.readouterr().err
+    assert patches_digest(two) == before
+    # The same through a queue of that base: an overlay change is refused, nothing is written.
+    queue = tmp_path / "q"
+    assert cli(two, "--base", OTHER, "queue", "--dir", str(queue)) == 0
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "rebase", "-q", "-i", "patchset/base"], cwd=queue, check=True, capture_output=True,
+                   env={**os.environ, "GIT_SEQUENCE_EDITOR": "sed -i '1s/^pick/edit/'"})
+    (queue / "megatron/core/mine.py").write_text("NEW = 1\n")
+    subprocess.run([*git, "add", "-A"], cwd=queue, check=True)
+    subprocess.run([*git, "commit", "-q", "--amend", "--no-edit"], cwd=queue, check=True)
+    subprocess.run([*git, "rebase", "--continue"], cwd=queue, check=True, capture_output=True,
+                   env={**os.environ, "GIT_EDITOR": "true"})
+    capsys.readouterr()
+    assert cli(two, "--base", OTHER, "export", "--queue", str(queue)) == 2
+    assert "the queue changes the overlay (megatron/core/mine.py), which every base shares" in capsys.readouterr().err
     assert patches_digest(two) == before
     # diff shows the edit against the tree as built, from its own base, whichever base is chosen.
     for args in ((), ("--base", OTHER)):
         assert cli(two, *args, "diff") == 0
-        out = capsys.readouterr().out
-        assert "-    return 'fork'\n+    return 'mine'\n" in out and "alloc.py" not in out
+        assert "mine.py" in capsys.readouterr().out
+
+
+def test_export_of_another_base_drops_from_its_series_only(two: Env, tmp_path: Path, capsys) -> None:
+    folder = two.project.patches_dir / "bases" / OTHER
+    queue = tmp_path / "q"
+    assert cli(two, "--base", OTHER, "queue", "--dir", str(queue)) == 0
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    # Drop alloc (a shared patch) from this base's queue; change train (its variant).
+    subprocess.run([*git, "rebase", "-q", "-i", "patchset/base"], cwd=queue, check=True, capture_output=True,
+                   env={**os.environ, "GIT_SEQUENCE_EDITOR": "sed -i '/ alloc$/d'"})
+    (queue / "megatron/training/train.py").write_text("def train():\n    return 'queued'\n")
+    subprocess.run([*git, "commit", "-q", "-a", "--amend", "--no-edit"], cwd=queue, check=True)
+    shared = tree_digest(two.project.patches_dir)
+    shared = {k: v for k, v in shared.items() if "bases/" not in k}
+    capsys.readouterr()
+    assert cli(two, "--base", OTHER, "export", "--queue", str(queue), "--drop", "alloc.patch") == 0
+    assert (folder / "series").read_text() == "# the later base\ntrain.patch\n"
+    assert "+    return 'queued'" in (folder / "train.patch").read_text()
+    assert {k: v for k, v in tree_digest(two.project.patches_dir).items() if "bases/" not in k} == shared
+    assert (two.project.patches_dir / "alloc.patch").is_file()  # the default base still has it
 
 
 def test_queue_of_another_base(two: Env, tmp_path: Path, capsys) -> None:

@@ -19,7 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from patchset_fake import ALLOC_PATCH, Env, patch_text
+from patchset_fake import ALLOC_PATCH, OTHER, Env, patch_text
 
 from hfsdp.patchset.cli import main
 
@@ -118,6 +118,30 @@ def test_refresh_killed_at_any_moment(overlaid: Env, tmp_path: Path) -> None:
         assert patches_of(work) == after, step
         assert files(work / "megatron", skip=STAMPS) == tree, step
         assert run(work, "status").returncode == 0, step  # up to date, no edits: they are in the patches
+        no_leftovers(work)
+
+
+def test_refresh_of_another_base_killed_at_any_moment(two: Env, tmp_path: Path) -> None:
+    """The same on a second base ([Note: bases] in project.py): the edit of a shared patch's file becomes that
+    base's variant; the default base's files are never written."""
+    root = two.project.root
+    assert main(["--root", str(root), "--base", OTHER, "materialize"]) == 0
+    alloc = root / "megatron/core/alloc.py"
+    alloc.write_text(alloc.read_text().replace("maxpool = True", "maxpool = 'edited'"))
+    tree = files(root / "megatron", skip=STAMPS)
+    before = patches_of(root)
+    ref, steps = reference(root, tmp_path / "ref", "--base", OTHER, "refresh")
+    after = patches_of(ref)
+    assert b"maxpool = 'edited'" in after[f"bases/{OTHER}/alloc.patch"]
+    assert {k: v for k, v in after.items() if f"bases/{OTHER}/alloc.patch" != k} == before
+    for step in steps:
+        work = killed(root, tmp_path / f"kill-{step}", step, "--base", OTHER, "refresh")
+        assert files(work / "megatron", skip=STAMPS) == tree, step
+        status_says_something(work)
+        proc = run(work, "--base", OTHER, "refresh")
+        assert proc.returncode == 0, (step, proc.stderr)
+        assert patches_of(work) == after, step
+        assert run(work, "--base", OTHER, "status").returncode == 0, step
         no_leftovers(work)
 
 
