@@ -34,6 +34,16 @@ def patches_digest(env: Env) -> dict[str, str]:
     return tree_digest(env.project.patches_dir)
 
 
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+
+
+def rebase_queue(two: Env, queue: Path, todo_edit: str) -> None:
+    """A queue of the second base, its commits rewritten by ``git rebase -i`` with ``todo_edit`` (a sed script)."""
+    assert cli(two, "--base", OTHER, "queue", "--dir", str(queue)) == 0
+    subprocess.run([*GIT, "rebase", "-q", "-i", "patchset/base"], cwd=queue, check=True, capture_output=True,
+                   env={**os.environ, "GIT_SEQUENCE_EDITOR": f"sed -i '{todo_edit}'"})
+
+
 def tree_file(env: Env, path: str) -> str:
     return (env.project.root / path).read_text()
 
@@ -132,14 +142,11 @@ def test_another_base_never_writes_the_shared_overlay(two: Env, tmp_path: Path, 
     assert patches_digest(two) == before
     # The same through a queue of that base: an overlay change is refused, nothing is written.
     queue = tmp_path / "q"
-    assert cli(two, "--base", OTHER, "queue", "--dir", str(queue)) == 0
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run([*git, "rebase", "-q", "-i", "patchset/base"], cwd=queue, check=True, capture_output=True,
-                   env={**os.environ, "GIT_SEQUENCE_EDITOR": "sed -i '1s/^pick/edit/'"})
+    rebase_queue(two, queue, "1s/^pick/edit/")  # stopped at the overlay commit
     (queue / "megatron/core/mine.py").write_text("NEW = 1\n")
-    subprocess.run([*git, "add", "-A"], cwd=queue, check=True)
-    subprocess.run([*git, "commit", "-q", "--amend", "--no-edit"], cwd=queue, check=True)
-    subprocess.run([*git, "rebase", "--continue"], cwd=queue, check=True, capture_output=True,
+    subprocess.run([*GIT, "add", "-A"], cwd=queue, check=True)
+    subprocess.run([*GIT, "commit", "-q", "--amend", "--no-edit"], cwd=queue, check=True)
+    subprocess.run([*GIT, "rebase", "--continue"], cwd=queue, check=True, capture_output=True,
                    env={**os.environ, "GIT_EDITOR": "true"})
     capsys.readouterr()
     assert cli(two, "--base", OTHER, "export", "--queue", str(queue)) == 2
@@ -154,13 +161,9 @@ def test_another_base_never_writes_the_shared_overlay(two: Env, tmp_path: Path, 
 def test_export_of_another_base_drops_from_its_series_only(two: Env, tmp_path: Path, capsys) -> None:
     folder = two.project.patches_dir / "bases" / OTHER
     queue = tmp_path / "q"
-    assert cli(two, "--base", OTHER, "queue", "--dir", str(queue)) == 0
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    # Drop alloc (a shared patch) from this base's queue; change train (its variant).
-    subprocess.run([*git, "rebase", "-q", "-i", "patchset/base"], cwd=queue, check=True, capture_output=True,
-                   env={**os.environ, "GIT_SEQUENCE_EDITOR": "sed -i '/ alloc$/d'"})
-    (queue / "megatron/training/train.py").write_text("def train():\n    return 'queued'\n")
-    subprocess.run([*git, "commit", "-q", "-a", "--amend", "--no-edit"], cwd=queue, check=True)
+    rebase_queue(two, queue, "/ alloc$/d")  # drop alloc (a shared patch) from this base's queue
+    (queue / "megatron/training/train.py").write_text("def train():\n    return 'queued'\n")  # change its variant
+    subprocess.run([*GIT, "commit", "-q", "-a", "--amend", "--no-edit"], cwd=queue, check=True)
     shared = tree_digest(two.project.patches_dir)
     shared = {k: v for k, v in shared.items() if "bases/" not in k}
     capsys.readouterr()
