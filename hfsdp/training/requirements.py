@@ -26,6 +26,9 @@ What needs what (0.18.2):
 * ``causal_conv1d``: Mamba layers on the fused path (no ``--disable-mamba-mem-eff-path``).
   Checked by importing what mamba_mixer and mamba_ssm's fused kernel import (a wheel built for
   another torch or CUDA is present but not importable).
+* ``fused_weight_gradient_mlp_cuda`` (NVIDIA Apex): ``--gradient-accumulation-fusion``, on by
+  default. Every model has local linear layers (the output layer at least), and Megatron's refuse
+  the flag without that module, when the model is built, after the process groups are up.
 
 :func:`te_variant_problem` catches a TE core wheel for the wrong CUDA major (the extension built
 against this torch requires the core of torch's CUDA major, so a second, mismatched core is the
@@ -52,10 +55,11 @@ IMPORTS = {
     "mamba_ssm": ("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.layernorm_gated"),
     "causal_conv1d": ("causal_conv1d", "causal_conv1d.causal_conv1d_varlen",
                       "causal_conv1d.cpp_functions"),
+    "fused_weight_gradient_mlp_cuda": ("fused_weight_gradient_mlp_cuda",),
 }
 TE_MODULES = ("transformer_engine", "transformer_engine_torch")  # the package and its torch extension
 LABEL = {"transformer_engine": "Transformer Engine", "mamba_ssm": "mamba-ssm",
-         "causal_conv1d": "causal-conv1d"}
+         "causal_conv1d": "causal-conv1d", "fused_weight_gradient_mlp_cuda": "NVIDIA Apex's wgrad kernel"}
 
 
 class MissingPackage(SpecError):
@@ -120,6 +124,10 @@ def needs(args: Namespace) -> list[Need]:
                             "Mamba's fused path (use_mamba_mem_eff_path, on unless "
                             "--disable-mamba-mem-eff-path)",
                             "pass --disable-mamba-mem-eff-path (nn.Conv1d and mamba_ssm's Triton scan)"))
+    if getattr(args, "gradient_accumulation_fusion", False):
+        out.append(Need("fused_weight_gradient_mlp_cuda",
+                        "--gradient-accumulation-fusion (Megatron's default: the local linear layers)",
+                        "pass --no-gradient-accumulation-fusion"))
     return out
 
 
@@ -177,12 +185,13 @@ def torch_cuda_version() -> str | None:
 
 def missing_error(need: Need, torch_cuda: str | None = None) -> MissingPackage:
     """The cause and way out for one missing package."""
-    extra = te_extra(torch_cuda) if need.package == "transformer_engine" else PACKAGE_EXTRA[need.package]
     verb = "need" if " and " in need.why else "needs"
-    return MissingPackage(
-        f"{need.why} {verb} {LABEL[need.package]} ({need.package}), which is not importable here",
-        f"install the `{extra}` extra, {install_hint(extra)}; or {need.avoid}",
-    )
+    cause = f"{need.why} {verb} {LABEL[need.package]} ({need.package}), which is not importable here"
+    if need.package not in PACKAGE_EXTRA and need.package != "transformer_engine":  # Apex: not on PyPI
+        return MissingPackage(cause, f"{need.avoid}; or install NVIDIA Apex built with it ({APEX_WHEEL_SCRIPT} "
+                                     "builds a wheel; PyPI's `apex` is another project)")
+    extra = te_extra(torch_cuda) if need.package == "transformer_engine" else PACKAGE_EXTRA[need.package]
+    return MissingPackage(cause, f"install the `{extra}` extra, {install_hint(extra)}; or {need.avoid}")
 
 
 def te_variant_problem(torch_cuda: str | None,

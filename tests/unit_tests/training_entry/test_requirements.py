@@ -25,8 +25,9 @@ def parse():
 
     parser = megatron_parser()
 
-    def run(flags: list[str]) -> Namespace:
-        args, unknown = parser.parse_known_args(flags)
+    def run(flags: list[str], fusion: bool = False) -> Namespace:
+        """Megatron's defaults but gradient-accumulation fusion, unless ``fusion`` (the tests below say why)."""
+        args, unknown = parser.parse_known_args(flags if fusion else [*flags, "--no-gradient-accumulation-fusion"])
         assert not unknown, unknown
         return args
 
@@ -69,6 +70,21 @@ def test_te_need_names_every_te_flag_and_every_way_out(parse) -> None:
         assert way in need.avoid, need.avoid
     # Without experts the grouped-GEMM flag does nothing and is not reported.
     assert "--moe-grouped-gemm" not in R.needs(parse(["--moe-grouped-gemm"]))[0].why
+
+
+def test_gradient_accumulation_fusion_needs_apexs_kernel(parse) -> None:
+    """On by default in Megatron; every model's local linear layers (the output layer at least) refuse it without
+    NVIDIA Apex's fused_weight_gradient_mlp_cuda, late: the check says so before any GPU work."""
+    args = parse(["--transformer-impl", "local"], fusion=True)
+    assert packages(args) == ["fused_weight_gradient_mlp_cuda"]
+    R.check(args, lambda p: True, torch_cuda=lambda: "13.0")
+    with pytest.raises(R.MissingPackage) as err:
+        R.check(args, lambda p: p != "fused_weight_gradient_mlp_cuda", torch_cuda=lambda: "13.0")
+    assert err.value.cause == ("--gradient-accumulation-fusion (Megatron's default: the local linear layers) needs "
+                               "NVIDIA Apex's wgrad kernel (fused_weight_gradient_mlp_cuda), which is not importable "
+                               "here"), err.value.cause
+    assert err.value.fix.startswith("pass --no-gradient-accumulation-fusion; or install NVIDIA Apex built with it ("
+                                    "tests/gpu/build_apex_wheel.sh"), err.value.fix
 
 
 ALL = ("transformer_engine", "mamba_ssm", "causal_conv1d")
@@ -219,6 +235,13 @@ def test_entry_point_without_transformer_engine() -> None:
     assert "--transformer-impl transformer_engine needs Transformer Engine" in cause, cause
     assert "`pip install --no-build-isolation -e '.[te" in fix, fix
     assert "or pass --transformer-impl local" in fix, fix
+
+
+def test_entry_point_with_gradient_accumulation_fusion_and_no_apex() -> None:
+    proc = run_entry("pretrain_gpt.py", [*TINY, "--transformer-impl", "local"], ["fused_weight_gradient_mlp_cuda"])
+    cause, fix = assert_one_error(proc, "pretrain_gpt.py")
+    assert "--gradient-accumulation-fusion (Megatron's default: the local linear layers) needs NVIDIA Apex" in cause
+    assert "pass --no-gradient-accumulation-fusion" in fix, fix
 
 
 def test_entry_point_without_the_mamba_kernels() -> None:
