@@ -132,6 +132,20 @@ def _patch_from_commit(repo: Path, commit: str, parent: str, previous: Patch | N
     return f"{name}.patch", render_patch(header, diff)
 
 
+def _same_change(project: Project, repo: Path, parent: str, commit: str, previous: Patch) -> bool:
+    """On a base other than the default: whether the series' patch (a shared one, written against another
+    release) turns ``parent`` into exactly ``commit``'s tree. Its diff then differs from the queue's in line
+    numbers or context only, and it is kept as it is rather than becoming this base's variant."""
+    if project.base is None:
+        return False
+    return gitops.tree_after(repo, parent, previous.diff) == gitops.tree_of(repo, commit)
+
+
+def _header(name: str, text: str) -> str:
+    """A patch file's DEP-3 header (everything before its ``---`` line)."""
+    return parse_patch(name, text, Path(name)).header_text
+
+
 def _same_but_date(text: str, other: str) -> bool:
     """Whether two patch texts differ at most in their Last-Update line (a patch whose diff and header are the
     queue's keeps its file byte for byte: exporting again, after a first export or a killed one, rewrites
@@ -269,13 +283,22 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
         previous = old.get(name_guess)
         fresh = gitops.diff_commits(repo, parent, commit).rstrip("\n")
         changed = previous is None or previous.diff.rstrip("\n") != fresh
+        # On another base, a shared patch written against another release differs from the queue's diff in line
+        # numbers or context while making the same change: it is kept as it is, not turned into a variant.
+        same_change = changed and previous is not None and _same_change(project, repo, parent, commit, previous)
         name, text = _patch_from_commit(repo, commit, parent, previous, changed)
         if name in texts:
             raise SeriesError(f"two queue commits are both named {name}; nothing was written",
                               "give each patch commit a unique subject")
         _refuse_created_files(repo, commit, parent, name, previous)
-        unchanged = previous is not None and (keep.get(name) == fresh if keep is not None else
-                                              not changed and _same_but_date(text, previous.text))
+        if previous is None:
+            unchanged = False
+        elif keep is not None:
+            unchanged = keep.get(name) == fresh
+        elif same_change:
+            unchanged = _same_but_date(_header(name, text), _header(name, previous.text))
+        else:
+            unchanged = not changed and _same_but_date(text, previous.text)
         texts[name] = previous.text if unchanged and previous is not None else text
         parent = commit
     unknown = sorted(set(drop) - set(old))

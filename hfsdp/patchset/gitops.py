@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from .errors import PatchDoesNotApply, PatchsetError, ToolMissing
@@ -130,6 +131,18 @@ def message(repo: Path, commit: str) -> str:
 
 def tree_of(repo: Path, rev: str) -> str:
     return git(["rev-parse", f"{rev}^{{tree}}"], cwd=repo).stdout.strip()
+
+
+def tree_after(repo: Path, rev: str, diff: str) -> str | None:
+    """The tree ``diff`` makes of ``rev``'s (``git apply``, exact context, in a scratch index: the repository's
+    own index and work tree are not touched), or None where it does not apply."""
+    with tempfile.TemporaryDirectory(prefix="patchset-") as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git(["read-tree", rev], cwd=repo, extra_env=env)
+        text = diff if diff.endswith("\n") else diff + "\n"
+        if git(["apply", "--cached", "-"], cwd=repo, input_text=text, extra_env=env, check=False).returncode != 0:
+            return None
+        return git(["write-tree"], cwd=repo, extra_env=env).stdout.strip()
 
 
 def name_status(repo: Path, old: str, new: str) -> list[tuple[str, str]]:

@@ -262,10 +262,12 @@ TRAIN_OTHER = TRAIN_PATCH.replace("-    return 'upstream'", "-    return 'upstre
 
 @pytest.fixture
 def two(fake: Env, monkeypatch: pytest.MonkeyPatch) -> Env:
-    """``fake`` with a second base, 0.19.2 (its own train.patch variant), both sdists in a wheelhouse folder."""
+    """``fake`` with a second base, 0.19.2 (its own train.patch variant; the shared alloc.patch applies there two
+    lines further down), both sdists in a wheelhouse folder."""
     store = fake.sdist.parent
     files = dict(BASE_FILES)
     files["megatron/training/train.py"] = "def train():\n    return 'upstream, later'\n"
+    files["megatron/core/alloc.py"] = "# a later release\nlater = True\n" + BASE_FILES["megatron/core/alloc.py"]
     sdist = make_sdist(store, version=OTHER, files=files)
     folder = fake.project.patches_dir / "bases" / OTHER
     folder.mkdir(parents=True)

@@ -158,6 +158,21 @@ def test_another_base_never_writes_the_shared_overlay(two: Env, tmp_path: Path, 
         assert "mine.py" in capsys.readouterr().out
 
 
+def test_a_queue_of_another_base_exports_its_shared_patches_as_they_are(two: Env, tmp_path: Path, capsys) -> None:
+    """alloc.patch applies to the second base two lines further down: the queue's diff has other line numbers,
+    but the same change, so exporting the unchanged queue writes nothing (no variant of alloc.patch)."""
+    before = patches_digest(two)
+    queue = tmp_path / "q"
+    assert cli(two, "--base", OTHER, "queue", "--dir", str(queue)) == 0
+    diff = subprocess.run(["git", "show", "--format=", "HEAD~1"], cwd=queue, capture_output=True, text=True,
+                          check=True).stdout
+    assert "@@ -21," in diff, diff  # the queue's alloc commit, at the later release's lines (-19 in alloc.patch)
+    capsys.readouterr()
+    assert cli(two, "--base", OTHER, "export", "--queue", str(queue)) == 0
+    assert "already holds what" in capsys.readouterr().out
+    assert patches_digest(two) == before
+
+
 def test_export_of_another_base_drops_from_its_series_only(two: Env, tmp_path: Path, capsys) -> None:
     folder = two.project.patches_dir / "bases" / OTHER
     queue = tmp_path / "q"
