@@ -35,8 +35,8 @@ case "$base" in
       tests/unit_tests/test_megatron_help.py                # arguments-help-percent
       tests/unit_tests/test_megatron_args.py                # Megatron's own parse, as the tests use it
     ) ;;
-    # Not covered yet: mfsdp-reset-mixed-precision-policy, training-log-first-interval-reset (no CPU test on
-    # either base). Not listed: cuda_graphs/test_recipes_validate.py, whose lanes recipes pass
+    # Not covered yet: mfsdp-reset-mixed-precision-policy, training-log-first-interval-reset,
+    # checkpointing-fsdp-dtensor-no-dummy-step-without-checkpoint (no CPU test on either base). Not listed: cuda_graphs/test_recipes_validate.py, whose lanes recipes pass
     # --megatron-fsdp-max-pool-lanes (not carried on this base).
   *)
     echo "run_base_tests: no test subset is listed for base '$base'" >&2
