@@ -285,7 +285,8 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
         changed = previous is None or previous.diff.rstrip("\n") != fresh
         # On another base, a shared patch written against another release differs from the queue's diff in line
         # numbers or context while making the same change: it is kept as it is, not turned into a variant.
-        same_change = changed and previous is not None and _same_change(project, repo, parent, commit, previous)
+        same_change = (keep is None and changed and previous is not None
+                       and _same_change(project, repo, parent, commit, previous))
         name, text = _patch_from_commit(repo, commit, parent, previous, changed)
         if name in texts:
             raise SeriesError(f"two queue commits are both named {name}; nothing was written",
@@ -319,13 +320,7 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
             + "; otherwise the queue is incomplete: make a new one with `scripts/patchset queue --dir DIR`",
         )
     _refuse_overwriting_unlisted(project, [n for n in texts if n not in old])
-    if project.base is not None and overlay.files != project.overlay().files:
-        now = project.overlay().files
-        differ = sorted(p for p in set(overlay.files) | set(now) if overlay.files.get(p) != now.get(p))
-        raise SeriesError(
-            f"the queue changes the overlay ({', '.join(differ)}), which every base shares, but this is base "
-            f"{project.base}; nothing was written",
-            "make overlay changes on the default base (a queue made without --base), or as a patch of this base")
+    _refuse_dropping_what_another_base_applies(project, drop)
     same_series = keep is not None and list(texts) == list(old)
     series = None if same_series else render_series(project, list(texts))
     plan = ExportPlan(texts, sorted(drop), gitops.tree_of(repo, "HEAD"), overlay, series)
@@ -335,22 +330,52 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
             return plan
         if state is not None:
             _refuse_changed_since(project, repo, state.series, state.overlay)
+    _refuse_overlay_change_on_another_base(project, overlay)
     validate(project, plan, sdist)
     return plan
+
+
+def _refuse_overlay_change_on_another_base(project: Project, overlay: Overlay) -> None:
+    """The overlay is every base's ([Note: bases] in project.py): a base other than the default leaves it alone."""
+    now = project.overlay().files
+    if project.base is None or overlay.files == now:
+        return
+    differ = sorted(p for p in set(overlay.files) | set(now) if overlay.files.get(p) != now.get(p))
+    raise SeriesError(
+        f"the queue changes the overlay ({', '.join(differ)}), which every base shares, but this is base "
+        f"{project.base}; nothing was written",
+        "make overlay changes on the default base (a queue made without --base), or as a patch of this base")
+
+
+def _refuse_dropping_what_another_base_applies(project: Project, drop: tuple[str, ...]) -> None:
+    """The default base's --drop deletes the shared file: refuse while another base applies it from there."""
+    if project.base is not None or not drop:
+        return
+    users = []
+    for version in project.bases()[1:]:
+        other = project.with_base(version)
+        names = {p.name for p in other.series()}
+        users += [f"{name} ({other.base_label}series)" for name in drop
+                  if name in names and not (other.base_dir / name).exists()]
+    if users:
+        raise SeriesError(
+            f"--drop would delete {', '.join(users)}, which another base applies from patches/; nothing was written",
+            "take it out of that base's series first, or give that base its own copy (a variant in its folder)")
 
 
 def render_series(project: Project, names: list[str]) -> str:
     """The series file listing ``names``. The default base's has the standard header; another base's keeps its
     file's comments (which say why each patch is carried or left out): those before its first name, then the
-    names, then every other comment line."""
-    listed = "".join(f"{n}\n" for n in names)
+    names (each with the comment on its line), then every other comment line."""
     if project.base is None:
-        return SERIES_HEADER + listed
+        return SERIES_HEADER + "".join(f"{n}\n" for n in names)
     lines = (project.base_dir / "series").read_text(encoding="utf-8").splitlines(keepends=True)
     is_name = [bool(line.strip()) and not line.lstrip().startswith("#") for line in lines]
+    own = {line.split("#", 1)[0].strip(): line if line.endswith("\n") else line + "\n"
+           for line, name in zip(lines, is_name, strict=True) if name}  # a name's line, its own comment kept
     first = is_name.index(True) if True in is_name else len(lines)
     after = [line for line, name in zip(lines[first:], is_name[first:], strict=True) if not name]
-    return "".join(lines[:first]) + listed + "".join(after)
+    return "".join(lines[:first]) + "".join(own.get(n, f"{n}\n") for n in names) + "".join(after)
 
 
 def holds(project: Project, plan: ExportPlan) -> bool:

@@ -95,13 +95,13 @@ def _refresh(project: Project, patch: str | None, new: str | None, description: 
     to_overlay = {p: k for p, k in found.edits.items() if p in in_overlay}
     upstream = {p: k for p, k in found.edits.items() if p not in in_overlay}
     if to_overlay and project.base is not None:  # [Note: bases] in project.py: one overlay for every base
+        default = Project(project.root).pin().version
         raise SeriesError(
             f"{', '.join(sorted(to_overlay))} would go to the overlay, which every base shares, but this tree is of "
             f"base {project.base}; nothing was written",
-            "make the overlay change on the default base: `scripts/patchset --base "
-            f"{Project(project.root).pin().version} materialize --backup` (your tree is kept whole as "
-            "megatron.bak-*), redo the edit there, then "
-            "`scripts/patchset refresh`")
+            f"make the overlay change on the default base: `scripts/patchset --base {default} materialize --backup` "
+            "(your tree is kept whole as megatron.bak-*), redo the edit there, then "
+            f"`scripts/patchset --base {default} refresh`")
     _refuse_binary(project, to_overlay)
     target = _choose_target(patches, upstream, patch, new) if upstream else ""
     if not upstream and (patch or new):

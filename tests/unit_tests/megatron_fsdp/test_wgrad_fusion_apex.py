@@ -33,6 +33,7 @@ def apex_kernel(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
     from megatron.core.extensions import transformer_engine
     monkeypatch.setattr(transformer_engine, "te_general_gemm", None)  # TE absent
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # where Megatron puts its dummy wgrad
     return CALLS
 
 
@@ -59,6 +60,26 @@ def test_fsdp_main_grad_gets_apex_kernel_over_a_zeroed_bucket(apex_kernel: list[
     assert torch.equal(bucket, expected), (bucket, expected)
     assert weight.main_grad is bucket
     assert weight.grad is None  # no grad_added_to_main_grad attribute here: Megatron returns no wgrad
+
+
+@pytest.mark.parametrize("case", ["unsharded buffer", "second use in one backward"])
+def test_the_kernel_adds_where_main_grad_already_holds_this_backwards_gradient(apex_kernel: list[str],
+                                                                              case: str) -> None:
+    """An unsharded grad buffer accumulates micro-batches; a weight used twice in one backward (e.g. with MTP) gets
+    both uses' gradients: neither is zeroed before the kernel adds."""
+    weight, bucket = _fsdp_weight(torch.float32)
+    if case == "unsharded buffer":
+        weight._gbuf = types.SimpleNamespace(is_data_distributed=False)
+    else:
+        weight._gbuf = types.SimpleNamespace(is_data_distributed=True)
+        weight.grad_added_to_main_grad = True
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    out = layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
+        x, weight, None, True, False, False, None, None, None)
+    grad_output = torch.randn_like(out)
+    out.backward(grad_output)
+    assert apex_kernel == ["fp32"], apex_kernel
+    assert torch.equal(bucket, 7.0 + grad_output.float().t() @ x.float()), bucket
 
 
 def test_without_fusion_the_kernel_is_not_used(apex_kernel: list[str]) -> None:

@@ -83,6 +83,36 @@ def test_unwrapped_stand_in_refuses_dtensors(mesh):
         opt.step()
 
 
+def test_a_gradient_of_another_layout_is_refused_not_passed_to_the_kernel(mesh):
+    params = _params(mesh, Shard(0))
+    opt = on_local_shards(KernelOnPlainTensors)(params, lr=1e-3)
+    _grads(mesh, Shard(0), params)
+    full = torch.randn(params[1].shape)  # the same global shape, replicated: another layout than the Shard(0) param
+    params[1].grad = DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+    before = [p.to_local().clone() for p in params]
+    with pytest.raises(TypeError, match=r"KernelOnPlainTensors cannot step DTensor parameters whose gradient or "
+                                        r"state is laid out differently"):
+        opt.step()
+    assert all(torch.equal(b, p.to_local()) for b, p in zip(before, params, strict=True))
+    assert all(isinstance(p, DTensor) for p in opt.param_groups[0]["params"]) and len(opt.state) == 0
+
+
+def test_a_step_that_raises_leaves_the_groups_and_state_as_they_were(mesh):
+    params = _params(mesh, Shard(0))
+
+    class Failing(KernelOnPlainTensors):
+        def step(self, closure=None, **kwargs):
+            super().step(closure, **kwargs)
+            raise RuntimeError("after the update")
+
+    opt = on_local_shards(Failing)(params, lr=1e-3)
+    _grads(mesh, Shard(0), params)
+    with pytest.raises(RuntimeError, match="after the update"):
+        opt.step()
+    assert opt.param_groups[0]["params"] == params
+    assert set(opt.state) == set(params) and all(isinstance(opt.state[p]["exp_avg"], DTensor) for p in params)
+
+
 def test_plain_parameters_pass_through():
     torch.manual_seed(0)
     a, b = torch.nn.Parameter(torch.randn(9)), torch.nn.Parameter(torch.randn(9))

@@ -99,7 +99,8 @@ def test_switching_bases_never_loses_an_edit(two: Env, capsys) -> None:
 
 def test_refresh_on_another_base_writes_its_folder_only(two: Env, capsys) -> None:
     folder = two.project.patches_dir / "bases" / OTHER
-    (folder / "series").write_text("# the later base\nalloc.patch\ntrain.patch\n# left out: gone.patch (upstream)\n")
+    (folder / "series").write_text("# the later base\nalloc.patch\ntrain.patch  # its own variant\n"
+                                   "# left out: gone.patch (upstream)\n")
     shared = {n: (two.project.patches_dir / n).read_bytes() for n in ("series", "alloc.patch", "train.patch")}
     assert cli(two, "--base", OTHER, "materialize") == 0
     # An edit of the base's own variant (train.patch) goes into that variant.
@@ -115,8 +116,8 @@ def test_refresh_on_another_base_writes_its_folder_only(two: Env, capsys) -> Non
     alloc.write_text(alloc.read_text() + "extra = 1\n")
     assert cli(two, "--base", OTHER, "refresh", "--new", "extra", "--description", "An extra line") == 0
     assert (folder / "extra.patch").is_file()
-    assert (folder / "series").read_text() == ("# the later base\nalloc.patch\ntrain.patch\nextra.patch\n"
-                                               "# left out: gone.patch (upstream)\n")
+    assert (folder / "series").read_text() == ("# the later base\nalloc.patch\ntrain.patch  # its own variant\n"
+                                               "extra.patch\n# left out: gone.patch (upstream)\n")
     # The default base's files are untouched, and both bases still build.
     assert {n: (two.project.patches_dir / n).read_bytes() for n in shared} == shared
     capsys.readouterr()
@@ -170,6 +171,34 @@ def test_a_queue_of_another_base_exports_its_shared_patches_as_they_are(two: Env
     capsys.readouterr()
     assert cli(two, "--base", OTHER, "export", "--queue", str(queue)) == 0
     assert "already holds what" in capsys.readouterr().out
+    assert patches_digest(two) == before
+
+
+def test_a_queue_made_before_an_overlay_change_is_stale_not_an_overlay_change(two: Env, tmp_path: Path,
+                                                                              capsys) -> None:
+    queue = tmp_path / "q"
+    assert cli(two, "--base", OTHER, "queue", "--dir", str(queue)) == 0
+    (two.project.patches_dir / "overlay/megatron/core").mkdir(parents=True, exist_ok=True)
+    (two.project.patches_dir / "overlay/megatron/core/pulled.py").write_text("PULLED = 1\n")  # a pull, say
+    before = patches_digest(two)
+    capsys.readouterr()
+    assert cli(two, "--base", OTHER, "export", "--queue", str(queue)) == 2
+    err = capsys.readouterr().err
+    assert "patches changed after the queue" in err and "which every base shares" not in err, err
+    assert patches_digest(two) == before
+
+
+def test_the_default_base_does_not_drop_a_patch_another_base_applies_from_patches(two: Env, tmp_path: Path,
+                                                                                 capsys) -> None:
+    queue = tmp_path / "q"
+    assert cli(two, "queue", "--dir", str(queue)) == 0
+    subprocess.run([*GIT, "rebase", "-q", "-i", "patchset/base"], cwd=queue, check=True, capture_output=True,
+                   env={**os.environ, "GIT_SEQUENCE_EDITOR": "sed -i '/ alloc$/d'"})
+    before = patches_digest(two)
+    capsys.readouterr()
+    assert cli(two, "export", "--queue", str(queue), "--drop", "alloc.patch") == 2
+    err = capsys.readouterr().err
+    assert f"--drop would delete alloc.patch (patches/bases/{OTHER}/series), which another base applies" in err
     assert patches_digest(two) == before
 
 

@@ -16,7 +16,9 @@ parameter as its local shard, with its gradient and state as theirs, through
 fallback uses): the update lands in the shard's storage, and state the first step creates is
 wrapped back into DTensors laid out as the parameter, so ``state_dict`` and checkpoints see what
 TE's FusedAdam would give them. Plain parameters (Megatron's DDP) pass through unchanged. The
-subclass is still an instance of Apex's class, so Megatron's ``isinstance`` checks hold.
+subclass is still an instance of Apex's class, so Megatron's ``isinstance`` checks hold. A list that cannot be
+swapped (a gradient or state of another layout than its parameter's) is refused with a ``TypeError``: Apex's
+kernels would read it as raw storage.
 """
 
 import contextlib
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .torch_adam_local_shards import local_shards
+from .torch_adam_local_shards import DTensor, local_shards
 
 
 def on_local_shards(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
@@ -39,6 +41,12 @@ def on_local_shards(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimi
                 try:
                     for group, params in zip(groups, saved, strict=True):
                         group["params"] = swaps.enter_context(local_shards(self, params))
+                        if left := [p for p in group["params"] if DTensor is not None and isinstance(p, DTensor)]:
+                            raise TypeError(
+                                f"{cls.__name__} cannot step DTensor parameters whose gradient or state is laid "
+                                f"out differently from the parameter ({len(left)}, the first of shape "
+                                f"{tuple(left[0].shape)}): its kernels read raw storage. Use Transformer Engine's "
+                                "optimizer, or uninstall Apex for torch's")
                     return super().step(closure, **kwargs)
                 finally:  # before the swaps unwind: the groups hold the parameters again
                     for group, params in zip(groups, saved, strict=True):
