@@ -317,7 +317,8 @@ def megatron_paths(importable_module: Callable[[str], bool] | None = None) -> di
         norm = "Apex's FusedLayerNorm"
     return {"optimizer": optimizer, "multi_tensor": multi_tensor,
             "gradient_accumulation_fusion": f"local layers: {fusion}; Transformer Engine layers: their own",
-            "layer_norm": f"local LayerNorm layers: {norm}; RMSNorm and Transformer Engine layers: not Apex's"}
+            "layer_norm": f"local LayerNorm layers: {norm}; RMSNorm, Transformer Engine and the hybrid local specs' "
+                          "layers: not Apex's"}
 
 
 def installed_versions() -> dict[str, str | None]:

@@ -140,7 +140,7 @@ def test_nvidia_apex_stand_in_on_sys_path(site: Path) -> None:
         "gradient_accumulation_fusion": "local layers: Apex's fused_weight_gradient_mlp_cuda; "
                                         "Transformer Engine layers: their own",
         "layer_norm": "local LayerNorm layers: Megatron's FusedLayerNorm, which refuses to build (this apex has no "
-                      "apex.normalization); RMSNorm and Transformer Engine layers: not Apex's",
+                      "apex.normalization); RMSNorm, Transformer Engine and the hybrid local specs' layers: not Apex's",
     }
 
 
