@@ -8,6 +8,7 @@ recycled double-buffer bucket does, so a kernel that accumulates without the zer
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
@@ -37,6 +38,15 @@ def apex_kernel(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return CALLS
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, fusion: bool) -> torch.Tensor:
+    """LinearWithGradAccumulationAndAsyncCommunication, no bias, TP of 1, as the public wrapper calls it; arguments
+    a later release adds take their wrapper's default (0.19.2's gtp_remat_size: 1, no GTP sharding)."""
+    fn = layers.LinearWithGradAccumulationAndAsyncCommunication
+    later = list(inspect.signature(fn.forward).parameters)[10:]  # ctx and the nine arguments 0.18.2 has
+    defaults = inspect.signature(layers.linear_with_grad_accumulation_and_async_allreduce).parameters
+    return fn.apply(x, weight, None, fusion, False, False, None, None, None, *(defaults[n].default for n in later))
+
+
 def _fsdp_weight(main_grad_dtype: torch.dtype) -> tuple[torch.nn.Parameter, torch.Tensor]:
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.bfloat16))
@@ -51,8 +61,7 @@ def test_fsdp_main_grad_gets_apex_kernel_over_a_zeroed_bucket(apex_kernel: list[
                                                              kernel: str) -> None:
     weight, bucket = _fsdp_weight(dtype)
     x = torch.randn(3, 4, dtype=torch.bfloat16, requires_grad=True)
-    out = layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
-        x, weight, None, True, False, False, None, None, None)
+    out = _linear(x, weight, True)
     grad_output = torch.randn_like(out)
     out.backward(grad_output)
     assert apex_kernel == [kernel], apex_kernel
@@ -74,8 +83,7 @@ def test_the_kernel_adds_where_main_grad_already_holds_this_backwards_gradient(a
         weight._gbuf = types.SimpleNamespace(is_data_distributed=True)
         weight.grad_added_to_main_grad = True
     x = torch.randn(3, 4, dtype=torch.bfloat16)
-    out = layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
-        x, weight, None, True, False, False, None, None, None)
+    out = _linear(x, weight, True)
     grad_output = torch.randn_like(out)
     out.backward(grad_output)
     assert apex_kernel == ["fp32"], apex_kernel
@@ -85,8 +93,7 @@ def test_the_kernel_adds_where_main_grad_already_holds_this_backwards_gradient(a
 def test_without_fusion_the_kernel_is_not_used(apex_kernel: list[str]) -> None:
     weight, bucket = _fsdp_weight(torch.float32)
     x = torch.randn(3, 4, dtype=torch.bfloat16)
-    out = layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
-        x, weight, None, False, False, False, None, None, None)
+    out = _linear(x, weight, False)
     out.backward(torch.ones_like(out))
     assert apex_kernel == [] and weight.grad is not None
     assert torch.all(bucket == 7.0)

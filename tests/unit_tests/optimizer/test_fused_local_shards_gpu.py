@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("amp_C") is None,
-    reason="needs a GPU and NVIDIA Apex (tests/gpu/build_apex_wheel.sh)")
+    reason="needs a GPU and NVIDIA Apex (tests/gpu/build_apex_wheel.sh)")]
 
 SCRIPT = r'''
 import sys, torch, torch.distributed as dist
