@@ -152,8 +152,7 @@ def _cmd_queue(project: Project, args: argparse.Namespace) -> int:
     print(f"patchset: queue at {args.dir}: base {queue.base[:12]} (tag patchset/base), the overlay commit, then "
           "one commit per patch")
     print("  edit with git (commit --fixup, rebase -i, new commits), "
-          f"then `scripts/patchset{'' if project.base is None else f' --base {project.base}'} export --queue "
-          f"{quoted(args.dir)}`")
+          f"then `{project.command(f'export --queue {quoted(args.dir)}')}`")
     return 0
 
 

@@ -485,7 +485,7 @@ def export_queue(project: Project, repo: Path, sdist: Path | None = None, drop: 
         log(f"patchset: patches/ already holds what {repo} exports (the overlay, {len(plan.texts)} patches); "
             "nothing was written")
         return list(plan.texts)
-    write_plan(project, plan, snapshot, f"scripts/patchset export --queue {repo.absolute()}", log)
+    write_plan(project, plan, snapshot, project.command(f"export --queue {repo.absolute()}"), log)
     log(f"patchset: exported the overlay ({len(plan.overlay.files)} files) and {len(plan.texts)} patches to "
         f"{project.base_dir}")
     return list(plan.texts)

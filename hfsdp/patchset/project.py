@@ -112,6 +112,10 @@ class Project:
                               f"patches/{BASES_DIR_NAME}/<version>/base.toml and series")
         return dataclasses.replace(self, base=chosen)
 
+    def command(self, rest: str) -> str:
+        """``scripts/patchset REST`` as a user reruns it on this base (``--base`` named for any but the default)."""
+        return f"scripts/patchset{'' if self.base is None else f' --base {self.base}'} {rest}"
+
     def for_stamp(self, version: str, sha256: str) -> Project | None:
         """The base of this checkout pinned to ``version`` with sdist ``sha256`` (a tree's stamp), or None."""
         for name in self.bases():

@@ -129,7 +129,7 @@ def _refresh(project: Project, patch: str | None, new: str | None, description: 
     stamp_new = make_stamp(pin, plan.patches(project.patches_dir), plan.overlay, files)
     write_text_atomic(pending, stamp_new.to_json())
     try:
-        write_plan(project, plan, snapshot, "scripts/patchset refresh", log)
+        write_plan(project, plan, snapshot, project.command("refresh"), log)
     except BaseException:
         pending.unlink(missing_ok=True)
         raise
