@@ -170,18 +170,20 @@ FILL80_OVERRIDES = (
 FILL80_EXPERTS_OVERRIDES = ("--hybrid-layer-pattern", "M*E" * 16, "--num-experts", "80")
 # "What users train": the fill model (5.9B params, 24 layers M*E x 8, hidden 4096, seq 4096, 16
 # experts top-2, bf16) with Mamba's fused path (causal-conv1d), for the te_* configurations only;
-# experts are spread over up to REALISTIC_EP ranks (parallel_flags). Gradient-accumulation fusion
-# stays off: the output layer (ColumnParallelLinear) refuses it without Apex's extension.
+# experts are spread over up to REALISTIC_EP ranks (parallel_flags). It keeps Megatron's default
+# --gradient-accumulation-fusion, as NVIDIA's containers run it: TE's layers write their weight
+# gradients into the fp32 main grads, and the output layer (a local ColumnParallelLinear) through
+# Apex's fused_weight_gradient_mlp_cuda, which it therefore needs.
 REALISTIC_OVERRIDES = FILL_GPU_OVERRIDES
 REALISTIC_EP = 4
 PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES, "fill80": FILL80_OVERRIDES,
            "fill80_experts": FILL80_EXPERTS_OVERRIDES, "realistic": REALISTIC_OVERRIDES}
 # Flags of the default model a preset removes (a switch cannot be overridden by a value).
-PRESET_DROPS = {"realistic": ("--disable-mamba-mem-eff-path",)}
+PRESET_DROPS = {"realistic": ("--disable-mamba-mem-eff-path", "--no-gradient-accumulation-fusion")}
 # Presets built for one layer spec: the configurations of any other spec are refused.
 PRESET_SPECS = {"realistic": "te"}
 # Python modules a preset needs on the machine that runs it (checked before the first run).
-PRESET_NEEDS = {"realistic": ("transformer_engine", "causal_conv1d")}
+PRESET_NEEDS = {"realistic": ("transformer_engine", "causal_conv1d", "fused_weight_gradient_mlp_cuda")}
 
 
 def override_flags(base: Sequence[str], overrides: Sequence[str]) -> list[str]:

@@ -25,11 +25,12 @@ def test_presets():
 
 
 def test_realistic_preset_is_fill_with_the_fused_mamba_path():
-    """The realistic preset is the fill model's shape with Mamba's fused path (the default model's
-    --disable-mamba-mem-eff-path dropped), experts over up to 4 ranks, and it takes only
+    """The realistic preset is the fill model's shape with Mamba's fused path and Megatron's default
+    gradient-accumulation fusion (the default model's --disable-mamba-mem-eff-path and
+    --no-gradient-accumulation-fusion dropped), experts over up to 4 ranks, and it takes only
     Transformer Engine configurations."""
     realistic, fill = C.model_flags("realistic"), C.model_flags("fill")
-    dropped = ("--disable-mamba-mem-eff-path",)
+    dropped = ("--disable-mamba-mem-eff-path", "--no-gradient-accumulation-fusion")
     assert all(f in fill for f in dropped)
     assert realistic == [f for f in fill if f not in dropped]
     assert C.parallel_flags("realistic", 4) == C.parallel_flags("realistic", 8) == ["--expert-model-parallel-size", "4"]
