@@ -119,6 +119,16 @@ CONFIGS = {
 }
 
 
+# Configuration flags that change the planned pool (the planner reads them with the model's):
+# --grad-reduce-in-bf16 makes the gradient buffers, and so the grad pool, bf16.
+PLAN_FLAGS = (BF16_RS_FLAG,)
+
+
+def plan_flags(name: str) -> tuple[str, ...]:
+    """The flags of configuration ``name`` that its planned pool depends on (PLAN_FLAGS)."""
+    return tuple(f for f in CONFIGS[name].flags if f in PLAN_FLAGS)
+
+
 def startup_class(name: str) -> tuple[str, bool]:
     """What a configuration's first process on a machine pays once, and later processes of the
     same class find cached: the layer spec's kernels (Triton, inductor, TE) and, with

@@ -1,8 +1,8 @@
 """``scripts/benchmark_double_buffer.py``: time one model under each double-buffer configuration.
 
 Every (repeat, configuration) pair is a fresh ``torchrun`` of :mod:`hfsdp.bench.worker`, launched
-in an interleaved, rotated order; the planner runs once (CPU-only subprocess) for the planned pool
-sizes. Results: a table on stdout, JSON and a PNG chart (see docs/benchmark.md).
+in an interleaved, rotated order; the planner runs (CPU-only subprocess) once per set of plan flags
+for the planned pool sizes. Results: a table on stdout, JSON and a PNG chart (see docs/benchmark.md).
 
 Each run is a process group with a timeout (:func:`hfsdp.proc.run_group`) that gets the caller's
 environment unchanged plus ``--env KEY=VALUE`` ([Note: launch environment] in hfsdp/launch/env.py).
@@ -119,16 +119,34 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def planned_pools(flags: Sequence[str], nproc: int, extra_env: dict[str, str] | None = None,
                   names: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
-    """Planned pool bytes per configuration (weights + grads) from a CPU-only planner run.
+    """Planned pool bytes per configuration (weights + grads) from CPU-only planner runs.
 
     The planner builds the preset's model with local specs (no TE on a CPU); a TE configuration
     has the same parameters per unit, so its planned pool is the local one (bucket padding may
     differ slightly; the measured pool is in the run report). ``names``: the configurations to
     plan (default all); only their lane counts are asked of the planner, so a model too small
-    for a lanes configuration that was not asked for still gets its other plans.
+    for a lanes configuration that was not asked for still gets its other plans. Configurations
+    whose own flags change the plan (cfgs.plan_flags: the gradient buffers' dtype) get one planner
+    run per distinct set of them.
     """
     wanted = list(cfgs.CONFIGS) if names is None else list(names)
-    lanes = sorted({cfgs.CONFIGS[n].lanes for n in wanted if cfgs.CONFIGS[n].plan == "lanes"})
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name in wanted:
+        groups.setdefault(cfgs.plan_flags(name), []).append(name)
+    out: dict[str, dict[str, int]] = {}
+    for own, members in groups.items():
+        plan = _plan(cfgs.override_flags(flags, own), nproc, extra_env, members)
+        if plan is None:
+            return {}
+        out.update(pools_from_plan(plan, members))
+    return out
+
+
+def _plan(flags: Sequence[str], nproc: int, extra_env: dict[str, str] | None,
+          names: Sequence[str]) -> dict[str, Any] | None:
+    """The planner's JSON for ``flags`` at ``nproc`` ranks with the lane counts of ``names``; None
+    (said once) when the planner fails."""
+    lanes = sorted({cfgs.CONFIGS[n].lanes for n in names if cfgs.CONFIGS[n].plan == "lanes"})
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         env = dict(job_env(os.environ, extra_env or {}), CUDA_VISIBLE_DEVICES="")
@@ -137,9 +155,9 @@ def planned_pools(flags: Sequence[str], nproc: int, extra_env: dict[str, str] | 
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print("planner failed; continuing without planned sizes:\n" + proc.stderr[-2000:])
-            return {}
+            return None
         with open(out) as f:
-            return pools_from_plan(json.load(f), wanted)
+            return json.load(f)
 
 
 def pools_from_plan(plan: dict[str, Any], names: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
@@ -218,7 +236,13 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     with open(f"{stem}.log", "w") as f:
         f.write(pretrain_launch.launch_line())
         f.flush()
-        ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout, env=env, stdout=f)
+        try:
+            ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout, env=env, stdout=f)
+        except BaseException as exc:  # Ctrl-C or SIGTERM of the invocation: keep what the run wrote
+            if opts.keep_logs:
+                f.flush()
+                run_logs.keep_run(stem, opts.keep_logs, f"interrupted ({type(exc).__name__}) before the run ended")
+            raise
     rc = "timeout" if ended.timed_out else ended.returncode
     failed: str | None = "not read"  # why the run does not count; kept beside its log (--from-logs)
     try:

@@ -197,3 +197,17 @@ def test_the_bf16_reduce_scatter_rows_are_their_fp32_twins_plus_megatrons_flag()
         twin, bf16 = C.CONFIGS[name], C.CONFIGS[f"{name}_bf16rs"]
         assert bf16.flags == (*twin.flags, "--grad-reduce-in-bf16")
         assert (bf16.plan, bf16.spec, bf16.user_buffers) == (twin.plan, twin.spec, twin.user_buffers)
+
+
+def test_planned_pools_plan_each_configs_gradient_dtype():
+    """A configuration whose own flags change the plan (--grad-reduce-in-bf16: bf16 gradient buffers)
+    gets its own planner run: its grad pool is half the fp32 one, its weight pool the same."""
+    from hfsdp.bench.run import planned_pools
+
+    pools = planned_pools(C.model_flags("default"), 4, names=["maxpool_graph", "te_maxpool_graph_bf16rs", "no_db"])
+    fp32, bf16 = pools["maxpool_graph"], pools["te_maxpool_graph_bf16rs"]
+    assert C.plan_flags("te_maxpool_graph_bf16rs") == ("--grad-reduce-in-bf16",) and C.plan_flags("maxpool_graph") == ()
+    assert "no_db" not in pools
+    # The default model's pools (docs/results.md): weights 128.08 MiB, grads 256.16 in fp32 and 128.08 in bf16.
+    assert fp32["pool_bytes"] == 3 * (fp32["pool_bytes"] - bf16["pool_bytes"]) > 0
+    assert bf16["analytic_minimum_bytes"] == bf16["pool_bytes"] < fp32["analytic_minimum_bytes"] == fp32["pool_bytes"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -301,3 +302,20 @@ def test_resume_needs_keep_logs(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("nothing may run"))
     rc = B.main(["--nproc", "1", "--configs", "no_db", "--no-plan", "--resume", "--out-json", str(tmp_path / "r.json")])
     assert rc == 2 and "no --keep-logs is given" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_keeps_its_log_as_not_counting(monkeypatch, tmp_path):
+    """Ctrl-C or a time limit during a run: what the run wrote is kept with a marker (so --resume
+    launches it again, and the log says where it was), and the interruption goes on up."""
+    kept = tmp_path / "kept"
+
+    def interrupted(cmd, *, stdout, **kwargs):
+        os.write(stdout.fileno(), b"step 1 took 90 s\n")  # as the ranks write: to the file's descriptor
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(B, "run_group", interrupted)
+    opts = B.parse(["--nproc", "1", "--configs", "no_db", "--keep-logs", str(kept), "--", *MODEL])[0]
+    with pytest.raises(KeyboardInterrupt):
+        B.launch_pretrain(B.cfgs.CONFIGS["no_db"], 0, MODEL, opts, str(tmp_path))
+    assert "step 1 took 90 s" in (kept / "no_db-0.log").read_text()
+    assert (kept / "no_db-0.failed").read_text().startswith("interrupted (KeyboardInterrupt) before the run ended")
