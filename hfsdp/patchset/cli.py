@@ -21,7 +21,7 @@ from hfsdp.usererror import kind_of, quoted, run_cli
 
 from .check import check_against, check_base
 from .diff import local_diff, series_diff
-from .errors import PatchsetError
+from .errors import PatchDoesNotApply, PatchsetError
 from .export import export_queue
 from .leftovers import parked_originals
 from .lint import lint
@@ -259,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                                     "and was killed (or is putting the new one in place right now)",
                                     "`scripts/patchset materialize` puts it back first (or says which writer is "
                                     "still running)")
-        return args.func(project, args)
+        try:
+            return args.func(project, args)
+        except PatchDoesNotApply as exc:  # raised below the project: name its base in the commands
+            raise exc.naming(project.command) from None
 
     def run() -> int:
         try:

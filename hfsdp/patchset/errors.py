@@ -8,6 +8,8 @@ for a new folder of the user's choice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hfsdp.usererror import UserError, quoted
 
 
@@ -36,9 +38,11 @@ class PatchDoesNotApply(PatchsetError):
     """A patch in the series failed to apply; the materialized tree was left untouched. ``line_endings``: the
     patch was saved with CRLF line endings (then no rebase helps: the file is fixed instead)."""
 
-    def __init__(self, patch: str, files: list[str], detail: str, line_endings: bool = False) -> None:
+    def __init__(self, patch: str, files: list[str], detail: str, line_endings: bool = False,
+                 command: Callable[[str], str] = lambda rest: f"scripts/patchset {rest}") -> None:
         self.patch = patch
         self.files = files
+        self.detail = detail
         self.line_endings = line_endings
         where = ", ".join(files) if files else "(git did not name a file)"
         if line_endings:
@@ -51,11 +55,15 @@ class PatchDoesNotApply(PatchsetError):
             return
         super().__init__(
             f"patch {patch} does not apply without fuzz (file: {where}).\n{detail.strip()}",
-            f"rebase it in a queue: `scripts/patchset queue --dir DIR` (DIR: a new folder) stops at {patch} "
+            f"rebase it in a queue: `{command('queue --dir DIR')}` (DIR: a new folder) stops at {patch} "
             "with the hunks that fit applied and the others in .rej files; apply those by hand, delete the "
-            "*.rej files, run `scripts/patchset queue --continue --dir DIR`, then `scripts/patchset export "
-            "--queue DIR`. The materialized tree was not changed.",
+            f"*.rej files, run `{command('queue --continue --dir DIR')}`, then `{command('export --queue DIR')}`. "
+            "The materialized tree was not changed.",
         )
+
+    def naming(self, command: Callable[[str], str]) -> PatchDoesNotApply:
+        """The same error, its commands spelled by ``command`` (``Project.command``: ``--base`` where needed)."""
+        return PatchDoesNotApply(self.patch, self.files, self.detail, self.line_endings, command)
 
 
 class DirtyTree(PatchsetError):

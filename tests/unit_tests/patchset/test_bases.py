@@ -412,3 +412,16 @@ def test_the_benchmark_names_the_fork_by_the_base_its_tree_was_built_from(two: E
     assert fork_version(two.project.root) == "0.18.2+hfsdp.7"  # no tree yet: the default base's pin
     assert cli(two, "--base", OTHER, "materialize") == 0
     assert fork_version(two.project.root) == "0.19.2+hfsdp.1"  # the tree's base, though HFSDP_BASE is unset
+
+
+def test_a_patch_that_does_not_apply_on_another_base_names_that_base_in_its_advice(two: Env, capsys) -> None:
+    """The advice's queue, continue and export commands are the ones to run for that base."""
+    variant = two.project.patches_dir / "bases" / OTHER / "train.patch"
+    variant.write_text(variant.read_text().replace("def train():", "def train_renamed():"))
+    capsys.readouterr()
+    assert cli(two, "--base", OTHER, "materialize") == 2
+    advice = capsys.readouterr().err
+    for rest in ("queue --dir DIR", "queue --continue --dir DIR", "export --queue DIR"):
+        assert f"`scripts/patchset --base {OTHER} {rest}`" in advice, advice
+    capsys.readouterr()
+    assert cli(two, "materialize") == 0  # the default base's patches still apply: its advice is never needed
