@@ -143,26 +143,27 @@ def table(rows: Sequence[Row]) -> str:
 
 
 def _time_case(case: Case, warmup: int, iters: int, graph: bool) -> float:
-    """Seconds per collective on this rank (mean over ``iters``)."""
+    """Seconds per collective on this rank (mean over ``iters``); raises when the result is wrong.
+
+    The full message and the shard are views of one allocation, so a registered pool holds one
+    segment, registered (symmetrically: collectively) in the same order on every rank."""
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size()
+    from megatron.core import nccl_allocator
+
+    world, rank = dist.get_world_size(), dist.get_rank()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[case.dtype]
     full = case.size_bytes // _ITEMSIZE[case.dtype]
-    pool = None
+    symmetric = case.buffer == "symmetric"
+    pool = None if case.buffer == "plain" else nccl_allocator.create_nccl_mem_pool(symmetric=symmetric)
     group = dist.group.WORLD
-    if case.buffer != "plain":
-        from megatron.core import nccl_allocator
-
-        pool = nccl_allocator.create_nccl_mem_pool(symmetric=case.buffer == "symmetric")
     with torch.cuda.use_mem_pool(pool) if pool is not None else contextlib.nullcontext():
-        # the full message and one rank's shard, dropped before the pool is deregistered
-        bufs = [torch.ones(full, dtype=dtype, device="cuda"), torch.ones(full // world, dtype=dtype, device="cuda")]
-    if pool is not None:
-        from megatron.core import nccl_allocator
-
-        nccl_allocator.register_mem_pool(pool, group, symmetric=case.buffer == "symmetric")
+        flat = torch.empty(full + full // world, dtype=dtype, device="cuda")
+    # [full message | this rank's shard]: all-gather sends rank + 1, reduce-scatter sums rank + 1
+    bufs = [flat[:full], flat[full:]]
+    (bufs[1] if case.op == "all_gather" else bufs[0]).fill_(rank + 1)
+    registered = False
 
     def once() -> None:
         big, shard = bufs
@@ -173,6 +174,9 @@ def _time_case(case: Case, warmup: int, iters: int, graph: bool) -> float:
 
     graphs: list[torch.cuda.CUDAGraph] = []  # the captured collectives, dropped before their buffers
     try:
+        if pool is not None:
+            nccl_allocator.register_mem_pool(pool, group, symmetric=symmetric)
+            registered = True
         for _ in range(warmup):
             once()
         torch.cuda.synchronize()
@@ -196,15 +200,31 @@ def _time_case(case: Case, warmup: int, iters: int, graph: bool) -> float:
                 once()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters
+        seconds = start.elapsed_time(end) / 1e3 / iters
+        _check_result(case, bufs, world)
+        return seconds
     finally:
         torch.cuda.synchronize()
         graphs.clear()
         bufs.clear()
-        if pool is not None:
-            from megatron.core import nccl_allocator
-
+        del flat
+        if registered:
             nccl_allocator.deregister_mem_pool(pool, group)
+
+
+def _check_result(case: Case, bufs: list, world: int) -> None:
+    """Raise unless the collective computed what it should (a sweep of a broken path times nothing)."""
+    import torch
+
+    big, shard = bufs
+    if case.op == "all_gather":
+        expected = torch.arange(1, world + 1, device=big.device).repeat_interleave(shard.numel()).to(big.dtype)
+        ok = torch.equal(big, expected)
+    else:
+        ok = bool((shard == world * (world + 1) // 2).all())
+    if not ok:
+        raise RuntimeError(f"{case.op} {case.dtype} {human(case.size_bytes)} on {case.buffer} buffers gave wrong "
+                           "values: the timing of this path would mean nothing")
 
 
 def worker(opts: argparse.Namespace) -> int:
@@ -229,7 +249,8 @@ def worker(opts: argparse.Namespace) -> int:
         meta = {"world": world, "graph": opts.graph, "warmup": opts.warmup, "iters": opts.iters,
                 "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                 "device": torch.cuda.get_device_name(local),
-                "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))}}
+                "env": {k: v for k, v in sorted(os.environ.items())
+                        if k.startswith(("NCCL_", "TORCH_NCCL_", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))}}
         write_json_atomic(opts.worker_json, {"meta": meta, "rows": [asdict(r) for r in rows]})
     dist.destroy_process_group()
     return 0
@@ -247,7 +268,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dtypes", type=parse_choices(DTYPES), default=DTYPES, help=f"Default {','.join(DTYPES)}.")
     p.add_argument("--buffers", type=parse_choices(BUFFERS), default=BUFFERS, help=f"Default {','.join(BUFFERS)}.")
     p.add_argument("--graph", action="store_true", help="Time replays of a CUDA graph of --iters collectives.")
-    p.add_argument("--warmup", type=positive(int, zero=True), default=5)
+    p.add_argument("--warmup", type=positive(int), default=5, help="Untimed collectives first (NCCL connects lazily).")
     p.add_argument("--iters", type=positive(int), default=20)
     p.add_argument("--timeout", type=positive(int), default=600, help="Seconds for the whole sweep.")
     p.add_argument("--out-json", default="out/collectives.json")

@@ -77,7 +77,42 @@ def test_without_gpus_the_sweep_says_so_and_writes_nothing(monkeypatch, tmp_path
     assert "--nproc 4: the sweep runs one rank per GPU, and 2 GPUs are visible" in capsys.readouterr().err
     assert C.main(["--sizes", "4100", "--out-json", str(out)]) == 2
     assert "multiples of 8 bytes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        C.parse(["--warmup", "0"])  # NCCL connects on first use: at least one untimed collective
+    assert C.main(["--sizes", "4100", "--out-json", str(out)]) == 2
+    assert "multiples of 8 bytes" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_launcher_passes_its_choices_to_the_ranks_and_keeps_their_rows(monkeypatch, tmp_path, capsys):
+    """The ranks' command line parses back to the caller's choices; their rows become the table and
+    --out-json (with the command), in a folder made for it."""
+    from hfsdp import proc
+    from hfsdp.launch import fit
+
+    monkeypatch.setattr(fit, "gpu_memory", lambda *a, **k: [80 * 2**30] * 4)
+    seen = {}
+
+    def ranks(cmd, **kwargs):
+        args = cmd[cmd.index("hfsdp.bench.collectives") + 1:]
+        seen["opts"] = C.parse(args)
+        seen["nproc"] = cmd[cmd.index("--nproc-per-node") + 1]
+        rows = [C.Row(c.op, c.dtype, c.buffer, c.size_bytes, 100.0 if c.buffer == "plain" else 80.0, 50.0)
+                for c in C.cases(seen["opts"].ops, seen["opts"].dtypes, seen["opts"].buffers, seen["opts"].sizes)]
+        with open(seen["opts"].worker_json, "w") as f:
+            json.dump({"meta": {"world": 2}, "rows": [r.__dict__ for r in rows]}, f)
+        return proc.GroupResult(0, False, 1.0, [], [])
+
+    monkeypatch.setattr(proc, "run_group", ranks)
+    out = tmp_path / "new" / "sweep.json"
+    assert C.main(["--nproc", "2", "--sizes", "64K,1M", "--ops", "reduce_scatter", "--dtypes", "bf16",
+                   "--buffers", "plain,symmetric", "--graph", "--iters", "7", "--out-json", str(out)]) == 0
+    opts = seen["opts"]
+    assert seen["nproc"] == "2" and opts.sizes == (64 * 2**10, 2**20) and opts.ops == ("reduce_scatter",)
+    assert opts.dtypes == ("bf16",) and opts.buffers == ("plain", "symmetric") and opts.graph and opts.iters == 7
+    doc = json.loads(out.read_text())
+    assert len(doc["rows"]) == 4 and "command" in doc["meta"]
+    assert "80.0 (50) 0.80x" in capsys.readouterr().out
 
 
 @pytest.mark.gpu
@@ -87,8 +122,8 @@ def test_the_sweep_runs_on_two_gpus(tmp_path, capsys):
 
     import torch
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+    if torch.cuda.device_count() < 2 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        pytest.skip("needs 2 GPUs, and one process (the sweep starts its own ranks)")
     for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         assert os.environ.get(key) == ("0" if key == "NCCL_NVLS_ENABLE" else "1"), f"{key} must keep NVLS off"
     for graph in ([], ["--graph"]):
