@@ -41,9 +41,13 @@ case "$base" in
       tests/unit_tests/nccl_lifecycle/test_symmetric_pool.py::test_capture_sets_fail_on_home_miss_and_logs_once
       tests/unit_tests/nccl_lifecycle/test_symmetric_pool.py::test_capture_without_max_pool_is_silent
                                                             # full-cuda-graph-strict-homes-after-capture
+      tests/unit_tests/te_specs/test_te_arg_checks.py       # training-te-arg-checks, but for the two below:
+      --deselect tests/unit_tests/te_specs/test_te_arg_checks.py::test_deterministic_te_attention_needs_the_nondeterministic_switch_off
+      --deselect tests/unit_tests/te_specs/test_te_arg_checks.py::test_hybrid_pattern_with_attention_counts
     ) ;;
-    # The FixedPool homes test is deselected: 0.19.2's FixedPoolAllocator is its own (the fork's FixedPool
-    # patches are not carried). Not covered yet: mfsdp-reset-mixed-precision-policy, training-log-first-interval-reset,
+    # Deselected: the FixedPool homes test (0.19.2's FixedPoolAllocator is its own: the fork's FixedPool patches
+    # are not carried), and the TE determinism-switch tests (0.19.2's determinism.py sets
+    # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 under --deterministic-mode, or asserts on another value, first). Not covered yet: mfsdp-reset-mixed-precision-policy, training-log-first-interval-reset,
     # checkpointing-fsdp-dtensor-no-dummy-step-without-checkpoint, mfsdp-fused-wgrad-tied-embedding-grad (no CPU
     # test on either base; the last one's GPU case is hybrid_mcore_local_fsdp_1gpu_eager_no_db_gafusion_apex). Not listed: cuda_graphs/test_recipes_validate.py, whose lanes recipes pass
     # --megatron-fsdp-max-pool-lanes (not carried on this base).
