@@ -38,9 +38,8 @@ case "$base" in
       tests/unit_tests/double_buffer/test_maxpool_allocator.py  # plan and MaxPool, and 0.19.2's
       tests/unit_tests/double_buffer/test_maxpool_buffer.py     # ParamAndGradBuffer building it)
       --deselect tests/unit_tests/double_buffer/test_maxpool_allocator.py::test_fixed_pool_homes_and_storage_resize_backup
-      tests/unit_tests/nccl_lifecycle/test_symmetric_pool.py::test_capture_sets_fail_on_home_miss_and_logs_once
-      tests/unit_tests/nccl_lifecycle/test_symmetric_pool.py::test_capture_without_max_pool_is_silent
-                                                            # full-cuda-graph-strict-homes-after-capture
+      tests/unit_tests/nccl_lifecycle/test_symmetric_pool.py  # full-cuda-graph-strict-homes-after-capture,
+                                                            # mfsdp-symmetric-pool-registration
       tests/unit_tests/te_specs/test_te_arg_checks.py       # training-te-arg-checks, but for the two below:
       --deselect tests/unit_tests/te_specs/test_te_arg_checks.py::test_deterministic_te_attention_needs_the_nondeterministic_switch_off
       --deselect tests/unit_tests/te_specs/test_te_arg_checks.py::test_hybrid_pattern_with_attention_counts
