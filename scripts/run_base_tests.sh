@@ -40,6 +40,8 @@ case "$base" in
       --deselect tests/unit_tests/double_buffer/test_maxpool_allocator.py::test_fixed_pool_homes_and_storage_resize_backup
       tests/unit_tests/nccl_lifecycle/test_symmetric_pool.py  # full-cuda-graph-strict-homes-after-capture,
                                                             # mfsdp-symmetric-pool-registration
+      tests/unit_tests/double_buffer/test_grad_claim.py     # mfsdp-grad-getter-fast-path,
+                                                            # mfsdp-grad-drain-orders-compute
       tests/unit_tests/te_specs/test_te_arg_checks.py       # training-te-arg-checks, but for the two below:
       --deselect tests/unit_tests/te_specs/test_te_arg_checks.py::test_deterministic_te_attention_needs_the_nondeterministic_switch_off
       --deselect tests/unit_tests/te_specs/test_te_arg_checks.py::test_hybrid_pattern_with_attention_counts
