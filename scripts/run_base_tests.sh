@@ -42,16 +42,23 @@ case "$base" in
                                                             # mfsdp-symmetric-pool-registration
       tests/unit_tests/double_buffer/test_grad_claim.py     # mfsdp-grad-getter-fast-path,
                                                             # mfsdp-grad-drain-orders-compute
+      tests/unit_tests/double_buffer/test_live_units.py     # mfsdp-max-pool-lanes-flags (lanes, live units,
+      tests/unit_tests/double_buffer/test_maxpool_lanes.py  # the flag and fully_shard's keyword; its recipes)
+      tests/unit_tests/double_buffer/test_maxpool_lane_allocator.py
+      tests/unit_tests/double_buffer/test_maxpool_lanes_flags.py
+      --deselect tests/unit_tests/double_buffer/test_maxpool_lanes_flags.py::test_both_ddp_configs_carry_and_check_the_field
+      tests/unit_tests/cuda_graphs/test_recipes_validate.py
       tests/unit_tests/te_specs/test_te_arg_checks.py       # training-te-arg-checks, but for the two below:
       --deselect tests/unit_tests/te_specs/test_te_arg_checks.py::test_deterministic_te_attention_needs_the_nondeterministic_switch_off
       --deselect tests/unit_tests/te_specs/test_te_arg_checks.py::test_hybrid_pattern_with_attention_counts
     ) ;;
     # Deselected: the FixedPool homes test (0.19.2's FixedPoolAllocator is its own: the fork's FixedPool patches
-    # are not carried), and the TE determinism-switch tests (0.19.2's determinism.py sets
-    # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 under --deterministic-mode, or asserts on another value, first). Not covered yet: mfsdp-reset-mixed-precision-policy, training-log-first-interval-reset,
+    # are not carried); the TE determinism-switch tests (0.19.2's determinism.py sets
+    # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 under --deterministic-mode, or asserts on another value, first); the
+    # DDP configs' own lanes check (they build no policy at __post_init__ there: the buffer checks it).
+    # Not covered yet: mfsdp-reset-mixed-precision-policy, training-log-first-interval-reset,
     # checkpointing-fsdp-dtensor-no-dummy-step-without-checkpoint, mfsdp-fused-wgrad-tied-embedding-grad (no CPU
-    # test on either base; the last one's GPU case is hybrid_mcore_local_fsdp_1gpu_eager_no_db_gafusion_apex). Not listed: cuda_graphs/test_recipes_validate.py, whose lanes recipes pass
-    # --megatron-fsdp-max-pool-lanes (not carried on this base).
+    # test on either base; the last one's GPU case is hybrid_mcore_local_fsdp_1gpu_eager_no_db_gafusion_apex).
   *)
     echo "run_base_tests: no test subset is listed for base '$base'" >&2
     echo "  -> pass a base that patches/bases/ has and this script lists (0.19.2), or add its subset here" >&2

@@ -25,7 +25,7 @@ print("\\n".join(s for a in parser._actions for s in a.option_strings))
 FORK_FLAGS = {
     "0.18.2": {"--megatron-fsdp-max-pool-double-buffer", "--megatron-fsdp-max-pool-lanes",
                "--fsdp-db-use-persist-buf-on-alloc-fail", "--nccl-comm-warmup"},
-    "0.19.2": {"--nccl-comm-warmup"},
+    "0.19.2": {"--nccl-comm-warmup", "--megatron-fsdp-max-pool-lanes"},
 }
 
 
