@@ -183,15 +183,3 @@ def test_lanes_are_range_checked_once_and_a_float_is_never_taken_from_the_cache(
             dbp.policy_for_fully_shard(zero_dp_strategy="optim_grads_params", maxpool_double_buffer=True,
                                        maxpool_lanes=bad)
 
-
-def test_a_base_without_a_setting_reads_its_default():
-    """Arguments or a config of a base whose parser lacks a setting (0.19.2: no lanes) give that
-    setting's default; the others are read as given."""
-    import types
-
-    settings = {s.field: s.default for s in dbp.SPELLINGS.values()}
-    settings.update(megatron_fsdp_max_pool_double_buffer=True, use_megatron_fsdp=True, **STRATEGY)
-    without_lanes = {k: v for k, v in settings.items() if k != "megatron_fsdp_max_pool_lanes"}
-    for route in (Route.CLI, Route.CONFIG):
-        policy = dbp.build_double_buffer_policy(route, types.SimpleNamespace(**without_lanes))
-        assert policy == DoubleBufferPolicy(allocator=Allocator.MAX_POOL), (route, policy)

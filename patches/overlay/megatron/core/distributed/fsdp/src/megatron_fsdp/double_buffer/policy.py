@@ -27,8 +27,6 @@ Invariants:
   asking for double buffering.
 - lanes are range-checked once, here; units are counted once, by the allocator that serves them
   (LaneMaxPool, with :func:`lanes_units_problem`): only the built model knows its FSDP units.
-- a base whose parser and config lack a setting (0.19.2 has no lanes flag or field) reads that
-  setting's default: what such a base runs.
 """
 
 from __future__ import annotations
@@ -258,7 +256,7 @@ def _read(route: Route, source: Any, setting: str) -> Any:
     spelling = SPELLINGS[setting]
     if route is Route.FULLY_SHARD:
         return source.get(spelling.keyword, spelling.default) if spelling.keyword else spelling.default
-    return getattr(source, spelling.field, spelling.default)  # absent on a base without the setting
+    return getattr(source, spelling.field)
 
 
 def _settings(route: Route, source: Any) -> Settings:
