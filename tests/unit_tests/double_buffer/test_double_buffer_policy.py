@@ -182,4 +182,3 @@ def test_lanes_are_range_checked_once_and_a_float_is_never_taken_from_the_cache(
         with pytest.raises(ValueError, match=re.escape(f"maxpool_lanes must be an integer >= 2, got {bad!r}")):
             dbp.policy_for_fully_shard(zero_dp_strategy="optim_grads_params", maxpool_double_buffer=True,
                                        maxpool_lanes=bad)
-
