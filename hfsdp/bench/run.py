@@ -117,8 +117,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return opts, argv[split + 1:]
 
 
-def planned_pools(flags: Sequence[str], nproc: int, extra_env: dict[str, str] | None = None,
-                  names: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
+PLAN_NICENESS = 10  # the planner yields the CPU to the runs it overlaps
+
+
+class Plans:
     """Planned pool bytes per configuration (weights + grads) from CPU-only planner runs.
 
     The planner builds the preset's model with local specs (no TE on a CPU); a TE configuration
@@ -128,36 +130,59 @@ def planned_pools(flags: Sequence[str], nproc: int, extra_env: dict[str, str] | 
     for a lanes configuration that was not asked for still gets its other plans. Configurations
     whose own flags change the plan (cfgs.plan_flags: the gradient buffers' dtype) get one planner
     run per distinct set of them.
+
+    The planner processes start at construction and run side by side, at a lower CPU priority,
+    beside the GPU runs (each builds the model on the CPU, which a large preset makes slow);
+    :meth:`result` waits for them, and :meth:`stop` ends any still running, so an interrupted
+    invocation leaves none behind.
     """
-    wanted = list(cfgs.CONFIGS) if names is None else list(names)
-    groups: dict[tuple[str, ...], list[str]] = {}
-    for name in wanted:
-        groups.setdefault(cfgs.plan_flags(name), []).append(name)
-    out: dict[str, dict[str, int]] = {}
-    for own, members in groups.items():
-        plan = _plan(cfgs.override_flags(flags, own), nproc, extra_env, members)
-        if plan is None:
-            return {}
-        out.update(pools_from_plan(plan, members))
-    return out
 
-
-def _plan(flags: Sequence[str], nproc: int, extra_env: dict[str, str] | None,
-          names: Sequence[str]) -> dict[str, Any] | None:
-    """The planner's JSON for ``flags`` at ``nproc`` ranks with the lane counts of ``names``; None
-    (said once) when the planner fails."""
-    lanes = sorted({cfgs.CONFIGS[n].lanes for n in names if cfgs.CONFIGS[n].plan == "lanes"})
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "plan.json")
+    def __init__(self, flags: Sequence[str], nproc: int, extra_env: dict[str, str] | None = None,
+                 names: Sequence[str] | None = None) -> None:
+        wanted = list(cfgs.CONFIGS) if names is None else list(names)
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for name in wanted:
+            groups.setdefault(cfgs.plan_flags(name), []).append(name)
+        self._tmp = tempfile.TemporaryDirectory()
         env = dict(job_env(os.environ, extra_env or {}), CUDA_VISIBLE_DEVICES="")
-        cmd = [sys.executable, "-m", "hfsdp.planner", *flags, "--plan-dp-size", str(nproc),
-               *(["--plan-lanes", ",".join(map(str, lanes))] if lanes else []), "--plan-json", out]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print("planner failed; continuing without planned sizes:\n" + proc.stderr[-2000:])
-            return None
-        with open(out) as f:
-            return json.load(f)
+        self._jobs: list[tuple[list[str], str, subprocess.Popen[bytes]]] = []
+        for i, (own, members) in enumerate(groups.items()):
+            lanes = sorted({cfgs.CONFIGS[n].lanes for n in members if cfgs.CONFIGS[n].plan == "lanes"})
+            out = os.path.join(self._tmp.name, f"plan{i}.json")
+            cmd = [sys.executable, "-m", "hfsdp.planner", *cfgs.override_flags(flags, own), "--plan-dp-size",
+                   str(nproc), *(["--plan-lanes", ",".join(map(str, lanes))] if lanes else []), "--plan-json", out]
+            with open(out + ".err", "w") as err:  # a file, not a pipe: nobody reads until the runs end
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                        preexec_fn=lambda: os.nice(PLAN_NICENESS))
+            self._jobs.append((members, out, proc))
+
+    def result(self) -> dict[str, dict[str, int]]:
+        """The pools of every configuration; {} (said once) when a planner run failed."""
+        out: dict[str, dict[str, int]] = {}
+        try:
+            for members, path, proc in self._jobs:
+                if proc.wait() != 0:
+                    err = Path(path + ".err").read_text(errors="replace")
+                    print("planner failed; continuing without planned sizes:\n" + err[-2000:])
+                    return {}
+                with open(path) as f:
+                    out.update(pools_from_plan(json.load(f), members))
+            return out
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        for _, _, proc in self._jobs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self._tmp.cleanup()
+
+
+def planned_pools(flags: Sequence[str], nproc: int, extra_env: dict[str, str] | None = None,
+                  names: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
+    """:class:`Plans` run to the end: the planned pools of ``names`` (default all)."""
+    return Plans(flags, nproc, extra_env, names).result()
 
 
 def pools_from_plan(plan: dict[str, Any], names: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
@@ -513,16 +538,21 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
                     skipped[row] = reason
                     print(f"skip {row}: {reason}")
     fork_rows = [n for n in rows if n in cfgs.CONFIGS]  # the planner plans the fork's pools only
-    planned = {} if opts.no_plan or not fork_rows else planned_pools(flags, opts.nproc, opts.env, fork_rows)
+    plans = None if opts.no_plan or not fork_rows else Plans(flags, opts.nproc, opts.env, fork_rows)
     order = res.interleaved_order(rows, opts.repeats)
     start = time.time()
     primed: dict[str, Any] = {}
-    if opts.from_logs:
-        runs, failures = run_logs.runs_from_logs(opts.from_logs, order, flags, opts)
-    else:
-        if opts.keep_logs:
-            run_logs.claim_machine(opts.keep_logs)  # before any run: a folder holds one machine's runs
-        runs, failures, primed = run_all(order, flags, opts, start)
+    try:
+        if opts.from_logs:
+            runs, failures = run_logs.runs_from_logs(opts.from_logs, order, flags, opts)
+        else:
+            if opts.keep_logs:
+                run_logs.claim_machine(opts.keep_logs)  # before any run: a folder holds one machine's runs
+            runs, failures, primed = run_all(order, flags, opts, start)  # the planner runs meanwhile
+        planned = {} if plans is None else plans.result()
+    finally:
+        if plans is not None:
+            plans.stop()
     # Without the fork, ratios divide by the first release's row of --baseline.
     baseline = bases.run_name(base_names[0], opts.baseline)
     summaries = res.summarize(runs, planned=planned, baseline=baseline)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -280,3 +281,53 @@ def test_a_baseline_outside_the_configurations_is_one_sentence(fake_launch, tmp_
                  "--out-json", str(tmp_path / "r.json")])
     err = capsys.readouterr().err
     assert rc == 2 and "--baseline maxpool_graph is not among --configs" in err and not fake_launch
+
+
+FAKE_PLANNER = """#!/bin/sh
+# Stand-in for `python -m hfsdp.planner ... --plan-json OUT`: notes its start, waits, writes a plan.
+echo "$$" >> "{log}"
+for a; do out=$a; done
+[ -f "{fail}" ] && {{ echo "planner: cannot build this model" >&2; exit 2; }}
+sleep {delay}
+echo '{plan}' > "$out"
+"""
+
+
+def fake_planner(tmp_path, monkeypatch, delay: float = 0.5) -> tuple[str, str]:
+    alloc = {"maxpool_pool_bytes": 400, "fixed_pool_pool_bytes": 100, "analytic_minimum_bytes": 400, "lane_plans": {}}
+    log, fail = str(tmp_path / "started"), str(tmp_path / "fail")
+    exe = tmp_path / "python"
+    exe.write_text(FAKE_PLANNER.format(log=log, fail=fail, delay=delay,
+                                       plan=json.dumps({"allocators": {"weight": alloc}})))
+    exe.chmod(0o755)
+    monkeypatch.setattr(B.sys, "executable", str(exe))
+    return log, fail
+
+
+def test_planner_runs_start_together_and_are_read_after_the_runs(tmp_path, monkeypatch):
+    log, _ = fake_planner(tmp_path, monkeypatch)
+    plans = B.Plans(["--hidden-size", "64"], 2, names=["maxpool_graph", "te_maxpool_graph_bf16rs"])
+    # Two sets of plan flags (fp32 and bf16 gradient buffers): both processes start before either ends.
+    deadline = time.monotonic() + 5
+    while not (os.path.exists(log) and len(open(log).read().split()) == 2):
+        assert time.monotonic() < deadline, "the second planner run did not start while the first ran"
+        time.sleep(0.01)
+    pools = plans.result()
+    assert pools == {name: {"pool_bytes": 400, "analytic_minimum_bytes": 400}
+                     for name in ("maxpool_graph", "te_maxpool_graph_bf16rs")}
+
+
+def test_a_failed_planner_run_leaves_no_sizes_and_says_why(tmp_path, monkeypatch, capsys):
+    _, fail = fake_planner(tmp_path, monkeypatch)
+    open(fail, "w").close()
+    assert B.planned_pools(["--hidden-size", "64"], 2, names=["maxpool"]) == {}
+    said = capsys.readouterr().out
+    assert "planner failed; continuing without planned sizes:\nplanner: cannot build this model" in said
+
+
+def test_stopping_the_plans_ends_running_planners(tmp_path, monkeypatch):
+    log, _ = fake_planner(tmp_path, monkeypatch, delay=60)
+    plans = B.Plans(["--hidden-size", "64"], 2, names=["maxpool"])
+    procs = [p for _, _, p in plans._jobs]
+    plans.stop()
+    assert all(p.returncode is not None for p in procs)
