@@ -106,6 +106,16 @@ CONFIGS = {
         (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS, BF16_RS_FLAG),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 "
         "gradient reduce-scatter", "maxpool", "te"),
+    # The same with plain (not symmetric) registration: NCCL's ring kernels read and write the
+    # registered buffers in place. On 4 x H200 (NCCL 2.28, NVLS off) the symmetric bf16
+    # reduce-scatter kernels run at 0.67-0.71x the ring's bandwidth from 64 MiB up
+    # (docs/results.md, the message-size sweep), while the registered ring matches the plain one.
+    "te_maxpool_ub_nosymm_graph_bf16rs": BenchConfig(
+        "te_maxpool_ub_nosymm_graph_bf16rs",
+        (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", "--disable-symmetric-registration",
+         *GRAPH_FLAGS, BF16_RS_FLAG),
+        "Transformer Engine specs, max-pool + NCCL user buffers registered plainly (not symmetric), "
+        "full-iteration CUDA graph, bf16 gradient reduce-scatter", "maxpool", "te"),
     # Diagnostic: Megatron's default --rerun-mode, kept explicitly, under the graph. Graphed runs
     # otherwise run it disabled (megatron/training/cuda_graph_rerun.py); this times the per-step
     # all-reduce and host sync that the change removes.

@@ -135,9 +135,14 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_ub_graph",
                                                               "te_maxpool_graph_bf16rs",
                                                               "te_maxpool_ub_graph_bf16rs",
+                                                              "te_maxpool_ub_nosymm_graph_bf16rs",
                                                               "no_db_graph_validate",
                                                               "te_no_db_graph_validate"]
     assert C.CONFIGS["maxpool_graph"].flags[:2] == C.CONFIGS["maxpool"].flags
+    nosymm = C.CONFIGS["te_maxpool_ub_nosymm_graph_bf16rs"]
+    assert [f for f in nosymm.flags if f != "--disable-symmetric-registration"] == list(
+        C.CONFIGS["te_maxpool_ub_graph_bf16rs"].flags)
+    assert nosymm.user_buffers and nosymm.graphed and nosymm.spec == "te" and nosymm.plan == "maxpool"
 
 
 def test_validate_configs_are_their_graphed_twins_with_megatrons_default_rerun_mode():
