@@ -48,6 +48,7 @@ case "$base" in
       tests/unit_tests/double_buffer/test_maxpool_lanes_flags.py
       --deselect tests/unit_tests/double_buffer/test_maxpool_lanes_flags.py::test_both_ddp_configs_carry_and_check_the_field
       tests/unit_tests/cuda_graphs/test_recipes_validate.py
+      tests/unit_tests/training_entry/test_fsdp_units.py    # mfsdp-unit-modules-from-overlay
       tests/unit_tests/te_specs/test_te_arg_checks.py       # training-te-arg-checks, but for the two below:
       --deselect tests/unit_tests/te_specs/test_te_arg_checks.py::test_deterministic_te_attention_needs_the_nondeterministic_switch_off
       --deselect tests/unit_tests/te_specs/test_te_arg_checks.py::test_hybrid_pattern_with_attention_counts
