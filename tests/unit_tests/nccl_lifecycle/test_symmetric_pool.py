@@ -199,6 +199,30 @@ def test_staging_is_a_noop_without_nccl_ub_or_max_pool(events):
     assert events.log == [] and events.gmb.creations == []
 
 
+@pytest.mark.parametrize(
+    ("comm_dtype", "staged"),
+    [(None, False), (torch.float32, False), (torch.bfloat16, True)],
+    ids=["no-comm-dtype", "comm-dtype-of-the-grads", "bf16-comm-for-fp32-grads"],
+)
+def test_hybrid_fsdp_grad_comm_arenas_are_staged_only_when_a_group_uses_them(events, comm_dtype, staged):
+    """Hybrid FSDP's hsdp_grad_comm allocator allocates only for groups whose fp32 main grads are
+    cast to another communication dtype; unused, its arenas would sit registered in the NCCL pool."""
+    groups = hybrid_groups()
+    buf = make_buffer(events.log, groups)
+    buf.hsdp_grad_comm_alloc = MaxPoolAllocator(
+        "hsdp_grad_comm", groups, numel_fn=padded, dtype_fn=lambda g: comm_dtype or torch.float32
+    )
+    buf.mp_policy = SimpleNamespace(grad_comm_dtype=comm_dtype)
+    for g in groups:
+        g.main_grad_buffer = SimpleNamespace(dtype=torch.float32)
+        g.hsdp_comm_gbuf = SimpleNamespace()
+    record = sym.stage_symmetric_max_pool(buf)
+    staged_names = {name for name, *_ in record.arenas}
+    assert staged_names == {"fsdp_params", "fsdp_grads", *(["hsdp_grad_comm"] if staged else [])}
+    made = {name.split("_maxpool")[0] for name, *_ in events.gmb.creations}
+    assert any("hsdp_grad_comm" in name for name, *_ in events.gmb.creations) == staged, made
+
+
 # ------------------------------------------------------------------ ordering
 
 

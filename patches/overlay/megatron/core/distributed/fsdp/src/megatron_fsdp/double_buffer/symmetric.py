@@ -20,7 +20,10 @@ makes this one deterministic step at ``ParamAndGradBuffer`` init:
    manual registration, right after ``manual_buffer_registration``).
 
 After staging no arena grows ([Note: max-pool failure modes] in allocator.py, size
-drift). This module never touches ``NCCL_NVLS_ENABLE``.
+drift). Only allocators that will allocate are staged: hybrid FSDP's ``hsdp_grad_comm``
+allocator serves only parameter groups whose gradients are cast to
+``mp_policy.grad_comm_dtype`` for the DP-outer reduction, and without one it never
+allocates (:func:`stages`). This module never touches ``NCCL_NVLS_ENABLE``.
 """
 
 from __future__ import annotations
@@ -128,6 +131,24 @@ def rendezvous(groups: Sequence[Any], where: str) -> None:
     log_single_rank(logger, logging.INFO, f"[maxpool-symm] rendezvous {where}")
 
 
+def stages(buffer: Any, alloc: MaxPool) -> bool:
+    """Whether staging pre-sizes ``alloc``: every max-pool allocator of ``buffer`` but an
+    ``hsdp_grad_comm`` one that no parameter group uses. A group uses it when its main grads'
+    dtype differs from ``mp_policy.grad_comm_dtype`` (the gradient is then cast into that
+    allocator's bucket before the DP-outer reduction; the same test the reduction makes)."""
+    if alloc is not getattr(buffer, "hsdp_grad_comm_alloc", None):
+        return True
+    comm_dtype = getattr(getattr(buffer, "mp_policy", None), "grad_comm_dtype", None)
+    if comm_dtype is None:
+        return False
+    return any(
+        getattr(group, "hsdp_comm_gbuf", None) is not None
+        and getattr(group, "main_grad_buffer", None) is not None
+        and group.main_grad_buffer.dtype != comm_dtype
+        for group in buffer.parameter_groups
+    )
+
+
 def stage_symmetric_max_pool(buffer: Any) -> StagingRecord | None:
     """Thin-hook target: stage a ParamAndGradBuffer's max-pool arenas in the NCCL pool.
 
@@ -139,7 +160,7 @@ def stage_symmetric_max_pool(buffer: Any) -> StagingRecord | None:
     policy = policy_of(buffer.ddp_config)
     if not policy.stage_symmetric:
         return None
-    allocators = buffer_max_pool_allocators(buffer)
+    allocators = [a for a in buffer_max_pool_allocators(buffer) if stages(buffer, a)]
     if not allocators:
         return None
     groups = list(buffer.ubr_groups or [])
