@@ -44,7 +44,7 @@ import stat
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -83,6 +83,23 @@ def positive(kind: type = int, *, zero: bool = False) -> Callable[[str], object]
 
     parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}"
     return parse
+
+
+def comma_choices(option: str, values: str | Sequence[str], allowed: Sequence[str], noun: str,
+                  once: str | None = None) -> list[str]:
+    """The names ``option`` gives as a comma-separated list (a repeated option's values joined),
+    stripped, in order. No name, a name not in ``allowed`` or a name given twice is a UserError
+    naming the option and, as the way out, the choices (``once``: the fix for a repeat)."""
+    names = [n.strip() for text in ([values] if isinstance(values, str) else values) for n in text.split(",")]
+    names = [n for n in names if n]
+    choices = ", ".join(allowed)
+    if not names:
+        raise UserError(f"{option} names no {noun}", f"name one or more of {choices}")
+    if unknown := [n for n in names if n not in allowed]:
+        raise UserError(f"{option} names {', '.join(map(repr, unknown))}, not a {noun}", f"use {choices}")
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise UserError(f"{option} names {', '.join(twice)} more than once", once or f"name each {noun} once")
+    return names
 
 
 def env_number(name: str, default: float | int | None, *, kind: type = int, zero: bool = False,

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp.bench import configs as cfgs
-from hfsdp.usererror import UserError, run_cli
+from hfsdp.usererror import UserError, comma_choices, run_cli
 
 FORK = "fork"
 PREFIX = "upstream-"
@@ -87,14 +87,7 @@ class Prepared:
 
 def names(values: Sequence[str] | None) -> list[str]:
     """The bases ``--base`` names (repeatable, comma-separated), in order; default the fork alone."""
-    out = [n.strip() for v in (values or [FORK]) for n in v.split(",") if n.strip()]
-    if not out:
-        raise UserError("--base names no base", f"name one or more of {', '.join(CHOICES)}")
-    if unknown := [n for n in out if n not in CHOICES]:
-        raise UserError(f"--base names {', '.join(map(repr, unknown))}, not a base", f"use {', '.join(CHOICES)}")
-    if twice := sorted({n for n in out if out.count(n) > 1}):
-        raise UserError(f"--base names {', '.join(twice)} more than once", "name each base once")
-    return out
+    return comma_choices("--base", values or [FORK], CHOICES, "base")
 
 
 def run_name(base: str, config: str) -> str:

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from hfsdp.atomic import write_json_atomic
-from hfsdp.usererror import UserError, output_file, positive, run_cli
+from hfsdp.usererror import UserError, comma_choices, output_file, positive, run_cli
 
 OPS = ("all_gather", "reduce_scatter")
 DTYPES = ("fp32", "bf16")
@@ -71,16 +71,15 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
-def parse_choices(allowed: Sequence[str]):
-    """argparse ``type=``: a comma-separated subset of ``allowed``, in the order given, each once."""
+def parse_choices(option: str, allowed: Sequence[str], noun: str):
+    """argparse ``type=``: a comma-separated subset of ``allowed``, in the order given, each once
+    (:func:`hfsdp.usererror.comma_choices`; argparse prints its refusal)."""
 
     def parse(text: str) -> tuple[str, ...]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        if not names or any(n not in allowed for n in names):
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)} (comma-separated)")
-        if len(set(names)) != len(names):
-            raise argparse.ArgumentTypeError(f"{text!r} names one more than once")
-        return tuple(names)
+        try:
+            return tuple(comma_choices(option, text, allowed, noun))
+        except UserError as exc:
+            raise argparse.ArgumentTypeError(f"{exc.cause}; {exc.fix}") from None
 
     return parse
 
@@ -264,9 +263,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--nproc", type=positive(int), default=None, help="Ranks, one per GPU (default: every GPU).")
     p.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
                    help=f"Full message sizes (default {DEFAULT_SIZES}).")
-    p.add_argument("--ops", type=parse_choices(OPS), default=OPS, help=f"Default {','.join(OPS)}.")
-    p.add_argument("--dtypes", type=parse_choices(DTYPES), default=DTYPES, help=f"Default {','.join(DTYPES)}.")
-    p.add_argument("--buffers", type=parse_choices(BUFFERS), default=BUFFERS, help=f"Default {','.join(BUFFERS)}.")
+    p.add_argument("--ops", type=parse_choices("--ops", OPS, "collective"), default=OPS,
+                   help=f"Default {','.join(OPS)}.")
+    p.add_argument("--dtypes", type=parse_choices("--dtypes", DTYPES, "dtype"), default=DTYPES,
+                   help=f"Default {','.join(DTYPES)}.")
+    p.add_argument("--buffers", type=parse_choices("--buffers", BUFFERS, "buffer kind"), default=BUFFERS,
+                   help=f"Default {','.join(BUFFERS)}.")
     p.add_argument("--graph", action="store_true", help="Time replays of a CUDA graph of --iters collectives.")
     p.add_argument("--warmup", type=positive(int), default=5, help="Untimed collectives first (NCCL connects lazily).")
     p.add_argument("--iters", type=positive(int), default=20)

@@ -32,7 +32,7 @@ from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments, shared_autotune
 from hfsdp.proc import run_group
 from hfsdp.training import requirements
-from hfsdp.usererror import UserError, not_a_regular_file, output_file, output_folder, positive, run_cli
+from hfsdp.usererror import UserError, comma_choices, not_a_regular_file, output_file, output_folder, positive, run_cli
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -360,16 +360,8 @@ def _with_trees(argv: Sequence[str]) -> int:
 
 def wanted_configs(text: str) -> list[str]:
     """The configurations ``--configs`` names, in order; an unknown, missing or repeated name is refused."""
-    names = [c.strip() for c in text.split(",") if c.strip()]
-    known = ", ".join(cfgs.CONFIGS)
-    if not names:
-        raise UserError("--configs names no configuration", f"name one or more of {known}")
-    if unknown := [n for n in names if n not in cfgs.CONFIGS]:
-        raise UserError(f"--configs names {', '.join(map(repr, unknown))}, not a configuration", f"use {known}")
-    if twice := sorted({n for n in names if names.count(n) > 1}):
-        raise UserError(f"--configs names {', '.join(twice)} more than once",
-                        "name each configuration once; --repeats runs each several times")
-    return names
+    return comma_choices("--configs", text, list(cfgs.CONFIGS), "configuration",
+                         once="name each configuration once; --repeats runs each several times")
 
 
 # Model flags the benchmark reads itself (tokens per step, the global batch): whole numbers > 0.
@@ -522,10 +514,7 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
     opts.trees, base_meta = bases.resolve(base_names, Path(opts.bases_dir), stack, build=not opts.from_logs)
     release_configs = runnable
     if opts.release_configs is not None:
-        release_configs = [n.strip() for n in opts.release_configs.split(",") if n.strip()]
-        if stray := [n for n in release_configs if n not in wanted]:
-            raise UserError(f"--release-configs names {', '.join(stray)}, not among --configs ({', '.join(wanted)})",
-                            "name a subset of --configs")
+        release_configs = comma_choices("--release-configs", opts.release_configs, wanted, "configuration of --configs")
         release_configs = [n for n in runnable if n in release_configs]
     if upstream := [b for b in base_names if b != bases.FORK]:
         for base in upstream:

@@ -24,10 +24,11 @@ def test_sizes_are_powers_of_1024_and_checked():
 
 
 def test_choices_keep_order_and_refuse_unknown_or_repeated_names():
-    ops = C.parse_choices(C.OPS)
+    ops = C.parse_choices("--ops", C.OPS, "collective")
     assert ops("reduce_scatter,all_gather") == ("reduce_scatter", "all_gather")
-    for bad, said in (("allgather", "choose from all_gather, reduce_scatter"), (",", "choose from"),
-                      ("all_gather,all_gather", "more than once")):
+    for bad, said in (("allgather", "--ops names 'allgather', not a collective; use all_gather, reduce_scatter"),
+                      (",", "--ops names no collective; name one or more of all_gather, reduce_scatter"),
+                      ("all_gather,all_gather", "--ops names all_gather more than once; name each collective once")):
         with pytest.raises(argparse.ArgumentTypeError, match=said):
             ops(bad)
 

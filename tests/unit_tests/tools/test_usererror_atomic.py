@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hfsdp.atomic import NonFiniteJSON, json_text, loads_strict, write_json_atomic, write_text_atomic
-from hfsdp.usererror import UserError, env_number, output_file, report, run_cli
+from hfsdp.usererror import UserError, comma_choices, env_number, output_file, report, run_cli
 
 
 def test_a_user_error_is_two_lines_and_a_hint(monkeypatch):
@@ -182,3 +182,17 @@ def test_an_output_file_that_a_write_in_one_step_would_replace_is_refused(tmp_pa
     with pytest.raises(UserError, match="writing it would put a regular file in its place"):
         output_file("--out", target)
     assert os.path.lexists(target) and not target.is_file()
+
+
+def test_comma_choices_keep_order_and_refuse_none_unknown_or_repeated():
+    allowed = ["a", "b", "c"]
+    assert comma_choices("--x", " c, a ,", allowed, "letter") == ["c", "a"]
+    assert comma_choices("--x", ["b", "c,a"], allowed, "letter") == ["b", "c", "a"]  # a repeated option's values
+    for given, cause, fix in ((",", "--x names no letter", "name one or more of a, b, c"),
+                              ("a,z,y", "--x names 'z', 'y', not a letter", "use a, b, c"),
+                              ("a,b,a", "--x names a more than once", "name each letter once")):
+        with pytest.raises(UserError) as err:
+            comma_choices("--x", given, allowed, "letter")
+        assert (err.value.cause, err.value.fix) == (cause, fix)
+    with pytest.raises(UserError, match="once, please"):
+        comma_choices("--x", "b,b", allowed, "letter", once="once, please")
