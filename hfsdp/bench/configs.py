@@ -108,8 +108,8 @@ CONFIGS = {
         "gradient reduce-scatter", "maxpool", "te"),
     # The same with plain (not symmetric) registration: NCCL's ring kernels read and write the
     # registered buffers in place. On 4 x H200 (NCCL 2.28, NVLS off) the symmetric bf16
-    # reduce-scatter kernels run at 0.67-0.71x the ring's bandwidth from 64 MiB up
-    # (docs/results.md, the message-size sweep), while the registered ring matches the plain one.
+    # reduce-scatter kernels take 1.37-1.50x the ring's time from 64 MiB up (docs/results.md,
+    # the message-size sweep), while the registered ring matches the plain one.
     "te_maxpool_ub_nosymm_graph_bf16rs": BenchConfig(
         "te_maxpool_ub_nosymm_graph_bf16rs",
         (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", "--disable-symmetric-registration",
