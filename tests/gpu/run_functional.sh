@@ -10,7 +10,8 @@
 #                    cases side by side on a 4-GPU machine)   CASE_TIMEOUT=S (default 170) per run
 #   BUDGET_S=S       end the batch after S seconds (SIGINT: running cases end, none start) and still
 #                    pack what it wrote
-#   PLATFORM=dgx_h200 to force a golden name (default: this GPU's kind)
+#   PLATFORM=dgx_h200 to force the GPU kind of the goldens (default: this GPU's; a tree built from
+#                    another base than the default adds _mcore<version>)
 # --record writes every case's golden; --record-missing only those of cases that have none to be held
 # to. Either way a golden comes only from a run that passed.
 # Everything lands in $OUT/functional.tgz (logs, metrics, goldens) plus $OUT/functional_summary.txt.
@@ -26,8 +27,9 @@ if [ ${#cases[@]} -eq 0 ]; then
   mapfile -t cases < <(cd tests/functional_tests/test_cases && ls -d */*/ | sed 's#/$##' | grep -v '^smoke/')
 fi
 paths=(); for c in "${cases[@]}"; do paths+=("tests/functional_tests/test_cases/$c"); done
-# Goldens are per GPU kind: golden_values_dev_<platform>.json (PLATFORM=dgx_h200 to force one).
-platform=${PLATFORM:-$(python3 -c 'import torch; n = torch.cuda.get_device_name(); print(next((f"dgx_{k.lower()}" for k in ("H100", "H200", "B200", "A100") if k in n), "dgx_" + n.split()[-1].lower()))')}
+# Goldens are per GPU kind, and per base on a tree not built from the default one:
+# golden_values_dev_<platform>.json ([Note: golden names per base] in hfsdp/functional/platform.py).
+platform=$(python -m hfsdp.functional.platform "${PLATFORM:-}") || exit 2
 work=${HFSDP_FUNCTIONAL_OUT:-/tmp/hfsdp_functional}
 mkdir -p "$work"
 # $OUT may name a subfolder that does not exist yet (a lost run taught us: mkdir it).

@@ -29,7 +29,7 @@ python -m hfsdp.nvls_guard || exit 2  # our GPU tests keep NVLink multicast off;
 out=${OUT:-/tmp/hfsdp_shared_dp_out}; mkdir -p "$out"
 work=${WORK:-/tmp/hfsdp_shared_dp}; mkdir -p "$work"
 summary="$out/shared_dp_summary.txt"
-platform=$(python3 -c 'import torch; n = torch.cuda.get_device_name(); print(next((f"dgx_{k.lower()}" for k in ("H100", "H200", "B200", "A100") if k in n), "dgx_" + n.split()[-1].lower()))')
+platform=$(python -m hfsdp.functional.platform "${PLATFORM:-}") || exit 2  # what run_functional.sh holds cases to
 mapfile -t two_rank < <(cd tests/functional_tests/test_cases && grep -L '^NPROC: 1' */*/model_config.yaml \
   | xargs -n1 dirname | grep -v '^smoke/')
 bench_configs=${BENCH_CONFIGS:-no_db,maxpool,maxpool_lanes3,no_db_graph,maxpool_graph}
@@ -50,7 +50,7 @@ stage() {  # stage NAME: run it with its output in $work/NAME.log
   case $name in
     exit) OUT="$work/exit" timeout -k 10 "${STAGE_TIMEOUT:-560}" python tests/gpu/nccl_lifecycle/full_iter_cuda_graph_mfsdp.py ;;
     functional) OUT="$work/functional" HFSDP_FUNCTIONAL_OUT="$work/functional/cases" RANKS_PER_GPU=2 \
-      JOBS=${JOBS:-3} CASE_TIMEOUT=${CASE_TIMEOUT:-300} PLATFORM=$platform \
+      JOBS=${JOBS:-3} CASE_TIMEOUT=${CASE_TIMEOUT:-300} \
       timeout -k 10 "${STAGE_TIMEOUT:-560}" bash tests/gpu/run_functional.sh --record-missing "${two_rank[@]}" ;;
     suite) OUT="$work/suite" NPROC=2 timeout -k 10 "${STAGE_TIMEOUT:-560}" bash tests/gpu/run_maxpool_gpu.sh ;;
     bench2) timeout -k 10 "${STAGE_TIMEOUT:-560}" bash -c 'bench 2 "$bench_configs" bench2' ;;
