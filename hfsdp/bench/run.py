@@ -72,6 +72,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="Record the CUDA allocator's history and write what was live at the "
                         "peak, by allocator (hfsdp/bench/memtrace.py; distorts timings).")
     p.add_argument("--run-timeout", type=positive(int), default=300, help="Seconds per torchrun.")
+    p.add_argument("--time-budget", type=positive(int), default=None, metavar="S",
+                   help="Launch no run that would end more than S seconds after the runs began, the "
+                        "longest run so far being the estimate (for a job with a time limit); the "
+                        "rest are listed as not launched, and --resume with --keep-logs runs them.")
     p.add_argument("--keep-logs", default=None,
                    help="Copy every timing run's Megatron log and run report into this folder.")
     p.add_argument("--from-logs", default=None, metavar="DIR",
@@ -315,10 +319,16 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
                 print(f"[prime] {name} (discarded) {'ok' if run else 'FAILED'} in {wall:.0f}s"
                       f"{startup_words(run)}", flush=True)
         refused = run_logs.kept_upstream_failures(opts.keep_logs, order) if opts.resume else {}
+        walls: list[float] = []  # every launched run's length: the estimate --time-budget uses
         for k, (repeat, name) in enumerate(order, 1):
             if (repeat, name) in kept:
                 runs.append(kept[repeat, name])
                 print(f"[{k}/{len(order)}] repeat {repeat} {name:<11} kept in {opts.keep_logs}", flush=True)
+                continue
+            if opts.time_budget and walls and time.time() - start + max(walls) > opts.time_budget:
+                failures[f"{name}#{repeat}"] = (f"not launched: --time-budget {opts.time_budget}s would end "
+                                                f"during it (the longest run so far took {max(walls):.0f}s)")
+                print(f"[{k}/{len(order)}] repeat {repeat} {failures[f'{name}#{repeat}']}", flush=True)
                 continue
             if name in refused:  # a release that cannot run a configuration fails the same way again
                 failures[f"{name}#{repeat}"] = f"not repeated: {refused[name]}"
@@ -328,6 +338,7 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
             t0 = time.time()
             run, info = launch(bases.config(name), repeat, flags, opts, workdir)
             wall = time.time() - t0
+            walls.append(wall)
             if run is None:
                 failures[f"{name}#{repeat}"] = info
                 if bases.split(name)[0] == bases.FORK:

@@ -94,6 +94,25 @@ def test_no_prime(fake_launch, tmp_path):
     assert [c[1] for c in fake_launch] == [0]
 
 
+def test_time_budget_launches_no_run_that_would_end_past_it(fake_launch, monkeypatch, tmp_path, capsys):
+    """Each faked run takes 100 s of a fake clock: with 250 s, two runs fit and the third would end at 300 s."""
+    clock = [1000.0]
+    monkeypatch.setattr(B.time, "time", lambda: clock[0])
+    real_launch = B.launch
+
+    def slow_launch(*args, **kwargs):
+        clock[0] += 100.0
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(B, "launch", slow_launch)
+    rc = B.main(["--configs", "no_db,maxpool", "--repeats", "2", "--no-plan", "--no-chart", "--no-prime",
+                 "--time-budget", "250", "--out-json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert rc == 1 and len(fake_launch) == 2, out  # the invocation is incomplete: exit 1
+    assert out.count("not launched: --time-budget 250s would end during it (the longest run so far took 100s)") == 2
+    assert len(json.loads((tmp_path / "r.json").read_text())["runs"]) == 2
+
+
 @pytest.mark.parametrize(("own", "expected"), [
     (["--profile-dir", "/p", "--profile-stack"], ["--profile-dir", "/p", "--profile-stack"]),
     (["--profile-dir", "/p"], ["--profile-dir", "/p"]),
