@@ -27,6 +27,7 @@ case "$base" in
       tests/unit_tests/cuda_graphs/test_capture_memory_log.py  # full-cuda-graph-capture-memory-log
       tests/unit_tests/cuda_graphs/test_cuda_graph_rerun.py  # full-cuda-graph-rerun-mode
       tests/unit_tests/training_entry/test_bucket_size_rule.py  # 0.19.2's own rule = the planner's
+      tests/unit_tests/planner/test_grad_dtypes.py          # 0.19.2's adapter's grad dtypes = the planner's
       tests/unit_tests/optimizer                            # optimizer-torch-adam-bounded-temporaries,
                                                             # utils-multi-tensor-fallback-host-copies,
                                                             # optimizer-apex-fused-local-shards

@@ -50,11 +50,22 @@ def _itemsize(dtype: Any, fallback: int) -> int:
                          .replace("bfloat16", "bf16").replace("float16", "fp16"), fallback)
 
 
-def grad_dtypes(args: Any) -> tuple[Any, Any]:
-    """(main_grads_dtype, grad_comm_dtype) as the Megatron-FSDP adapter derives them."""
+def grad_dtypes(args: Any, release: tuple[int, int] | None = None) -> tuple[Any, Any]:
+    """(main_grads_dtype, grad_comm_dtype) as the tree's Megatron-FSDP adapter derives them.
+
+    ``release``: the tree's (major, minor), default the imported ``megatron.core``'s. 0.18's
+    adapter turns ``grad_reduce_in_fp32`` (``--accumulate-allreduce-grads-in-fp32``, Megatron's
+    default with ``--bf16``) into fp32 for both; from 0.19 the adapter passes
+    ``--megatron-fsdp-main-grads-dtype`` and ``--megatron-fsdp-grad-comm-dtype`` through, whose
+    ``auto`` (None) is the parameters' dtype, so a bf16 model has bf16 gradient buffers there.
+    """
     import torch
 
-    if args.accumulate_allreduce_grads_in_fp32:
+    if release is None:
+        from megatron.core import package_info
+
+        release = (int(package_info.MAJOR), int(package_info.MINOR))
+    if release < (0, 19) and args.accumulate_allreduce_grads_in_fp32:
         return torch.float32, torch.float32
     return args.megatron_fsdp_main_grads_dtype, args.megatron_fsdp_grad_comm_dtype
 
