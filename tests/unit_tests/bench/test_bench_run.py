@@ -109,8 +109,28 @@ def test_time_budget_launches_no_run_that_would_end_past_it(fake_launch, monkeyp
                  "--time-budget", "250", "--out-json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert rc == 1 and len(fake_launch) == 2, out  # the invocation is incomplete: exit 1
-    assert out.count("not launched: --time-budget 250s would end during it (the longest run so far took 100s)") == 2
+    assert out.count("not launched: --time-budget 250s would end during it (estimate 100s, the longest run after "
+                     "the first)") == 2
     assert len(json.loads((tmp_path / "r.json").read_text())["runs"]) == 2
+
+
+def test_time_budget_estimate_leaves_out_the_cold_first_run(fake_launch, monkeypatch, tmp_path, capsys):
+    """The first run pays for cold compile caches (150 s of a fake clock), the rest take 50 s. With 320 s
+    all four fit (they end at 150, 200, 250, 300 s); the first run as the estimate would stop after two."""
+    clock = [1000.0]
+    monkeypatch.setattr(B.time, "time", lambda: clock[0])
+    real_launch = B.launch
+
+    def launch(*args, **kwargs):
+        clock[0] += 150.0 if not fake_launch else 50.0
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(B, "launch", launch)
+    rc = B.main(["--configs", "no_db,maxpool", "--repeats", "2", "--no-plan", "--no-chart", "--no-prime",
+                 "--time-budget", "320", "--out-json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and len(fake_launch) == 4, out
+    assert B.run_estimate([150.0]) == 150.0 and B.run_estimate([150.0, 50.0, 60.0]) == 60.0
 
 
 @pytest.mark.parametrize(("own", "expected"), [
