@@ -106,6 +106,13 @@ CONFIGS = {
         (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS, BF16_RS_FLAG),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 "
         "gradient reduce-scatter", "maxpool", "te"),
+    # The same with three lanes: one more unit live, so all-gathers may run two units ahead.
+    "te_maxpool_ub_lanes3_graph_bf16rs": BenchConfig(
+        "te_maxpool_ub_lanes3_graph_bf16rs",
+        (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, LANES_FLAG, "3", "--use-nccl-ub", *GRAPH_FLAGS,
+         BF16_RS_FLAG),
+        "Transformer Engine specs, max-pool with 3 lanes + NCCL user buffers, full-iteration CUDA graph, bf16 "
+        "gradient reduce-scatter", "lanes", "te"),
     # The same with plain (not symmetric) registration: NCCL's ring kernels read and write the
     # registered buffers in place. On 4 x H200 (NCCL 2.28, NVLS off) the symmetric bf16
     # reduce-scatter kernels take 1.37-1.50x the ring's time from 64 MiB up (docs/results.md,
