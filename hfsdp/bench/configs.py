@@ -51,6 +51,8 @@ TE_FLAGS = ("--transformer-impl", "transformer_engine")
 # configurations must match bit for bit (TE and local kernels differ, so they never match each other).
 BASELINES = {"local": "no_db", "te": "te_no_db"}
 BF16_RS_FLAG = "--grad-reduce-in-bf16"
+FUSION_FLAGS = ("--moe-permute-fusion", "--moe-router-fusion", "--cross-entropy-loss-fusion",
+                "--cross-entropy-fusion-impl", "native")
 
 
 CONFIGS = {
@@ -106,6 +108,14 @@ CONFIGS = {
         (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS, BF16_RS_FLAG),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 "
         "gradient reduce-scatter", "maxpool", "te"),
+    # The same with the kernel fusions Megatron leaves off by default: Transformer Engine's MoE permute and
+    # router (top-k, aux-loss) kernels, and Megatron's native fused cross entropy (its TE one is refused).
+    "te_maxpool_ub_graph_bf16rs_fused": BenchConfig(
+        "te_maxpool_ub_graph_bf16rs_fused",
+        (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS, BF16_RS_FLAG,
+         *FUSION_FLAGS),
+        "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 gradient "
+        "reduce-scatter, MoE permute/router and cross-entropy fusions", "maxpool", "te"),
     # The same with three lanes: one more unit live, so all-gathers may run two units ahead.
     "te_maxpool_ub_lanes3_graph_bf16rs": BenchConfig(
         "te_maxpool_ub_lanes3_graph_bf16rs",
