@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import megatron.core
-from megatron.core import package_info
 from hfsdp.planner.memory import grad_dtypes
+from megatron.core import package_info
 
 ADAPTER = Path(megatron.core.__file__).parent / "distributed" / "fsdp" / "mcore_fsdp_adapter.py"
 
