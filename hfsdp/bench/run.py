@@ -297,16 +297,14 @@ def startup_words(run: res.RunResult | None) -> str:
     return "" if run is None or run.startup_s is None else f", step 2 at {run.startup_s:.0f}s"
 
 
-def run_estimate(walls: Sequence[float]) -> float:
-    """How long the next run may take, for ``--time-budget``: the longest run after the first once
-    one has ended, else the first. The invocation's first run alone pays for cold caches (Triton
-    compiles and autotuning, TE's kernels: minutes on a fresh machine, [Note: priming]); the runs
-    after it find them filled, so it would overstate every later run."""
-    return max(walls[1:]) if len(walls) > 1 else walls[0]
-
-
-def estimate_words(walls: Sequence[float]) -> str:
-    return "the longest run after the first" if len(walls) > 1 else "the only run so far"
+def run_estimate(walls: Sequence[float]) -> tuple[float, str]:
+    """How long the next run may take, for ``--time-budget``, and what that figure is: the longest
+    run after the first once one has ended, else the first. The invocation's first run alone pays
+    for cold caches (Triton compiles and autotuning, TE's kernels: minutes on a fresh machine,
+    [Note: priming]); the runs after it find them filled, so it would overstate every later run."""
+    if len(walls) > 1:
+        return max(walls[1:]), "the longest run after the first"
+    return walls[0], "the only run so far"
 
 
 def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argparse.Namespace,
@@ -344,10 +342,10 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
                       flush=True)
                 continue
             # A run not repeated costs no time, so the budget is checked after that.
-            if opts.time_budget and walls and time.time() - start + run_estimate(walls) > opts.time_budget:
+            estimate, what = run_estimate(walls) if walls else (0.0, "")
+            if opts.time_budget and walls and time.time() - start + estimate > opts.time_budget:
                 failures[f"{name}#{repeat}"] = (f"not launched: --time-budget {opts.time_budget}s would end "
-                                                f"during it (estimate {run_estimate(walls):.0f}s, "
-                                                f"{estimate_words(walls)})")
+                                                f"during it (estimate {estimate:.0f}s, {what})")
                 print(f"[{k}/{len(order)}] repeat {repeat} {failures[f'{name}#{repeat}']}", flush=True)
                 continue
             t0 = time.time()

@@ -130,7 +130,7 @@ def test_time_budget_estimate_leaves_out_the_cold_first_run(fake_launch, monkeyp
                  "--time-budget", "320", "--out-json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert rc == 0 and len(fake_launch) == 4, out
-    assert B.run_estimate([150.0]) == 150.0 and B.run_estimate([150.0, 50.0, 60.0]) == 60.0
+    assert B.run_estimate([150.0])[0] == 150.0 and B.run_estimate([150.0, 50.0, 60.0])[0] == 60.0
 
 
 @pytest.mark.parametrize(("own", "expected"), [
