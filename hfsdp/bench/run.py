@@ -342,12 +342,13 @@ def run_all(order: Sequence[tuple[int, str]], flags: Sequence[str], opts: argpar
                       flush=True)
                 continue
             # A run not repeated costs no time, so the budget is checked after that.
-            estimate, what = run_estimate(walls) if walls else (0.0, "")
-            if opts.time_budget and walls and time.time() - start + estimate > opts.time_budget:
-                failures[f"{name}#{repeat}"] = (f"not launched: --time-budget {opts.time_budget}s would end "
-                                                f"during it (estimate {estimate:.0f}s, {what})")
-                print(f"[{k}/{len(order)}] repeat {repeat} {failures[f'{name}#{repeat}']}", flush=True)
-                continue
+            if opts.time_budget and walls:
+                estimate, what = run_estimate(walls)
+                if time.time() - start + estimate > opts.time_budget:
+                    failures[f"{name}#{repeat}"] = (f"not launched: --time-budget {opts.time_budget}s would end "
+                                                    f"during it (estimate {estimate:.0f}s, {what})")
+                    print(f"[{k}/{len(order)}] repeat {repeat} {failures[f'{name}#{repeat}']}", flush=True)
+                    continue
             t0 = time.time()
             run, info = launch(bases.config(name), repeat, flags, opts, workdir)
             wall = time.time() - t0
