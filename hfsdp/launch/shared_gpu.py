@@ -27,13 +27,17 @@ IB_DISABLE = "NCCL_IB_DISABLE"
 
 
 def rank_env(environ: Mapping[str, str], ranks_per_gpu: int, hostname: str | None = None) -> dict[str, str]:
-    """The environment of one rank: ``environ`` (torchrun's, with its ``LOCAL_RANK``) plus
+    """The environment of one rank: ``environ`` (torchrun's, with its ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE``, or an srun task's ``LOCAL_RANK`` and ``WORLD_SIZE``) plus
 
-    * ``LOCAL_RANK`` = the GPU index (``LOCAL_RANK // ranks_per_gpu``), for ``set_device``;
-    * ``NCCL_HOSTID`` = ``<host>-slot<LOCAL_RANK % ranks_per_gpu>``: the ranks of one GPU get
-      different identities, so NCCL sees them on separate hosts; the ranks of one slot (one per
-      GPU) share one, so NCCL may still join them by P2P. ``<host>`` is the user's
-      ``NCCL_HOSTID`` if set, else the host name;
+    * ``LOCAL_RANK`` = the GPU index, ``LOCAL_RANK % G`` over the host's G = ``LOCAL_WORLD_SIZE /
+      ranks_per_gpu`` GPUs, for ``set_device``: round robin, because torch's NCCL process group
+      places a collective issued before a device is bound (Megatron's first barrier) on GPU
+      ``rank % G``, and the two must agree;
+    * ``NCCL_HOSTID`` = ``<host>-slot<LOCAL_RANK // G>``: the ranks of one GPU get different
+      identities, so NCCL sees them on separate hosts; the ranks of one slot (one per GPU) share
+      one, so NCCL may still join them by P2P. ``<host>`` is the user's ``NCCL_HOSTID`` if set,
+      else the host name;
     * ``NCCL_SOCKET_IFNAME=lo`` and ``NCCL_IB_DISABLE=1``, unless the user set them: the
       "separate hosts" are one machine, reached over loopback;
     * ``HFSDP_RANKS_PER_GPU`` = ``ranks_per_gpu``, so launchers inside the rank keep the mode.
@@ -44,7 +48,13 @@ def rank_env(environ: Mapping[str, str], ranks_per_gpu: int, hostname: str | Non
     local = environ.get("LOCAL_RANK")
     assert local is not None and local.isdigit(), (
         f"LOCAL_RANK={local!r}: {__name__} runs as a torchrun rank (hfsdp.launch.torchrun.command)")
-    gpu, slot = divmod(int(local), ranks_per_gpu)
+    # torchrun sets LOCAL_WORLD_SIZE; srun-per-GPU tasks get WORLD_SIZE, which is the same on the
+    # one host the mode runs on.
+    world = environ.get("LOCAL_WORLD_SIZE") or environ.get("WORLD_SIZE")
+    assert world is not None and world.isdigit() and int(world) % ranks_per_gpu == 0, (
+        f"LOCAL_WORLD_SIZE/WORLD_SIZE={world!r} is not a multiple of ranks_per_gpu {ranks_per_gpu} "
+        f"({__name__} runs as a torchrun rank or an srun task)")
+    slot, gpu = divmod(int(local), int(world) // ranks_per_gpu)
     env = dict(environ)
     host = environ.get(HOSTID) or hostname or socket.gethostname()
     env["LOCAL_RANK"] = str(gpu)

@@ -9,10 +9,12 @@ host. Give each rank its own host identity (``NCCL_HOSTID``) and NCCL connects t
 socket transport on loopback, like ranks on separate machines. Nothing else changes: each rank
 is its own process with its own CUDA context, allocator, parameters and NCCL communicators, so
 per-rank memory, pool plans and every reduced bit are those of a real run at the same
-data-parallel size. ``--ranks-per-gpu N`` places ranks ``k*N .. k*N+N-1`` of this host on GPU
-``k``; each rank starts through :mod:`hfsdp.launch.shared_gpu`, which sets its environment
-(``LOCAL_RANK`` = the GPU index, which Megatron passes to ``torch.cuda.set_device``) and then
-execs the real target, so torchrun still watches the rank's own pid.
+data-parallel size. ``--ranks-per-gpu N`` places rank ``r`` of this host's G GPUs on GPU
+``r % G`` (round robin: where torch's NCCL process group puts a collective issued before a device
+is bound, as Megatron's first barrier is); each rank starts through
+:mod:`hfsdp.launch.shared_gpu`, which sets its environment (``LOCAL_RANK`` = the GPU index, which
+Megatron passes to ``torch.cuda.set_device``) and then execs the real target, so torchrun still
+watches the rank's own pid.
 
 What this mode cannot show: speed (the ranks time-slice one GPU and talk over loopback sockets),
 compute/communication overlap, NVLink and P2P transports. It runs on one host only.

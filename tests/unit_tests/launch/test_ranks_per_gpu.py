@@ -69,21 +69,28 @@ def test_gpu_count_checks():
 
 
 def test_rank_env_gives_each_rank_of_a_gpu_its_own_host():
-    caller = {"LOCAL_RANK": "3", "RANK": "3", "NCCL_NVLS_ENABLE": "1", "MASTER_ADDR": "10.0.0.1", "X": "y"}
+    caller = {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "RANK": "3", "NCCL_NVLS_ENABLE": "1",
+              "MASTER_ADDR": "10.0.0.1", "X": "y"}
     env = shared_gpu.rank_env(caller, ranks_per_gpu=2, hostname="box")
-    assert env["LOCAL_RANK"] == "1"  # GPU 1 for local ranks 2 and 3
+    assert env["LOCAL_RANK"] == "1"  # GPU 1 for local ranks 1 and 3 (round robin)
     assert env["NCCL_HOSTID"] == "box-slot1"
     assert env["NCCL_SOCKET_IFNAME"] == "lo" and env["NCCL_IB_DISABLE"] == "1"
     assert env[torchrun.RANKS_PER_GPU_ENV] == "2"
     for key in ("RANK", "NCCL_NVLS_ENABLE", "MASTER_ADDR", "X"):  # the caller's, unchanged
         assert env[key] == caller[key]
-    hosts = {shared_gpu.rank_env({"LOCAL_RANK": str(r)}, 2, "box")["NCCL_HOSTID"] for r in range(4)}
-    assert hosts == {"box-slot0", "box-slot1"}  # ranks of one GPU differ; one slot per GPU shares
+    placed = [shared_gpu.rank_env({"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "4"}, 2, "box") for r in range(4)]
+    # Ranks of one GPU differ in slot; one slot per GPU shares it. GPU = rank % GPUs: where torch's
+    # NCCL process group puts a collective issued before set_device (Megatron's first barrier).
+    assert [(e["LOCAL_RANK"], e["NCCL_HOSTID"]) for e in placed] == [
+        ("0", "box-slot0"), ("1", "box-slot0"), ("0", "box-slot1"), ("1", "box-slot1")]
+    assert [int(e["LOCAL_RANK"]) for e in placed] == [r % 2 for r in range(4)]
+    # An srun task (one host): WORLD_SIZE stands in for LOCAL_WORLD_SIZE.
+    assert shared_gpu.rank_env({"LOCAL_RANK": "2", "WORLD_SIZE": "4"}, 2, "box")["LOCAL_RANK"] == "0"
 
 
 def test_rank_env_keeps_what_the_user_set():
-    env = shared_gpu.rank_env({"LOCAL_RANK": "0", "NCCL_SOCKET_IFNAME": "eth1", "NCCL_IB_DISABLE": "0",
-                               "NCCL_HOSTID": "mine"}, 2, "box")
+    env = shared_gpu.rank_env({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "NCCL_SOCKET_IFNAME": "eth1",
+                               "NCCL_IB_DISABLE": "0", "NCCL_HOSTID": "mine"}, 2, "box")
     assert env["NCCL_SOCKET_IFNAME"] == "eth1" and env["NCCL_IB_DISABLE"] == "0"
     assert env["NCCL_HOSTID"] == "mine-slot0"  # still one per rank: a shared id would refuse the GPU
 
@@ -100,8 +107,8 @@ def test_each_rank_runs_the_target_with_its_environment(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     ranks = sorted((tmp_path / f"env.{r}").read_text().split() for r in range(4))
     host = __import__("socket").gethostname()
-    assert ranks == [["0", "0", f"{host}-slot0", "eth9"], ["1", "0", f"{host}-slot1", "eth9"],
-                     ["2", "1", f"{host}-slot0", "eth9"], ["3", "1", f"{host}-slot1", "eth9"]]
+    assert ranks == [["0", "0", f"{host}-slot0", "eth9"], ["1", "1", f"{host}-slot0", "eth9"],
+                     ["2", "0", f"{host}-slot1", "eth9"], ["3", "1", f"{host}-slot1", "eth9"]]
 
 
 def test_a_failing_rank_fails_the_launch(tmp_path):
