@@ -11,9 +11,11 @@ each listed step:
   non-unit module and read freed memory: an illegal address on the GPU). Printed on rank 0
   only (the unsharded weights are the same on all).
 * ``HFSDP-DIGEST opt step=S rank=R when=pre|post params_sumsq=... exp_avg=... exp_avg_sq=...
-  steps=[...] lr=[...]`` around every ``torch.optim`` step taken during that step, per rank: the
-  sum of squares of the (fp32 main) parameters, the sums of Adam's moments, the set of step
-  counts and the learning rates (each rank holds its own shards). Step 0 is the
+  [grad_groups=numel:sumsq,...] steps=[...] lr=[...]`` around every ``torch.optim`` step taken
+  during that step, per rank: the sum of squares of the (fp32 main) parameters, the sums of
+  Adam's moments, before the step each parameter group's gradient size and sum of squares
+  (after clipping), the set of step counts and the learning rates (each rank holds its own
+  shards). Step 0 is the
   optimizer steps taken before training (the ``fsdp_dtensor`` loader's dummy step).
 
 Diffing two runs' lines (``grep HFSDP-DIGEST run1.log``) names the first module, or the
@@ -93,7 +95,9 @@ class Digest:
         if step is None:
             return
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        totals = {"params_sumsq": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
+        totals: dict[str, Any] = {"params_sumsq": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
+        if when == "pre":  # the gradients the step will apply, experts apart from the rest
+            totals |= grad_sumsq(optimizer.param_groups)
         step_values: set[float] = set()
         for p in params:
             totals["params_sumsq"] += tensor_stats(p)[1]  # the sum alone could cancel out
@@ -105,8 +109,25 @@ class Digest:
                 step_values.add(float(state["step"]))
         lrs = sorted({float(g.get("lr", 0.0)) for g in optimizer.param_groups})
         self.emit(f"HFSDP-DIGEST opt step={step} rank={self.rank} when={when} "
-                  + " ".join(f"{k}={v!r}" for k, v in totals.items())
+                  + " ".join(f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in totals.items())
                   + f" steps={sorted(step_values)} lr={lrs}")
+
+
+def grad_sumsq(param_groups: Any) -> dict[str, Any]:
+    """Per optimizer parameter group, ``numel:sumsq`` of this rank's (local) gradients, ``e``
+    appended for an expert-parallel group (Megatron's ``is_expert_parallel`` key, where the
+    optimizer keeps it). Megatron groups expert parameters apart, so a group's element count
+    names it. Ratios between groups are unchanged by gradient clipping, so they compare runs
+    whose clip factor differs."""
+    out = []
+    for group in param_groups:
+        numel, sumsq = 0, 0.0
+        for p in group["params"]:
+            if getattr(p, "grad", None) is not None:
+                numel += getattr(p.grad, "_local_tensor", p.grad).numel()
+                sumsq += tensor_stats(p.grad)[1]
+        out.append(f"{numel}:{sumsq!r}" + ("e" if group.get("is_expert_parallel", False) else ""))
+    return {"grad_groups": ",".join(out)}
 
 
 def install_from_env(environ: Mapping[str, str] | None = None) -> Digest | None:

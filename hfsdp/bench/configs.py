@@ -96,9 +96,13 @@ CONFIGS = {
     "te_maxpool_ub_graph": BenchConfig(
         "te_maxpool_ub_graph", (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph", "maxpool", "te"),
-    # Gradients reduce-scattered in bf16 (Megatron's --grad-reduce-in-bf16; main grads and their
-    # accumulation stay fp32): half the bytes, and with registered buffers NCCL's symmetric
-    # reduce-scatter kernels, which reduce in fp32. Not bit-identical to te_no_db (fp32 reduction).
+    # Gradients reduce-scattered in bf16 (Megatron's --grad-reduce-in-bf16, which also leaves the
+    # gradient buffers in the model's bf16, as the planner knows): half the bytes, and with registered
+    # buffers NCCL's symmetric reduce-scatter kernels, which reduce in fp32. Not bit-identical to
+    # te_no_db (fp32 buffers and reduction).
+    "te_no_db_bf16rs": BenchConfig(
+        "te_no_db_bf16rs", (*TE_FLAGS, BF16_RS_FLAG),
+        "Transformer Engine specs, no double buffer, bf16 gradient reduce-scatter", None, "te"),
     "te_maxpool_graph_bf16rs": BenchConfig(
         "te_maxpool_graph_bf16rs", (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, *GRAPH_FLAGS, BF16_RS_FLAG),
         "Transformer Engine specs, max-pool, full-iteration CUDA graph, bf16 gradient reduce-scatter",

@@ -88,3 +88,19 @@ def test_install_from_env_maps_megatron_iterations_to_logged_steps(monkeypatch):
     finally:
         for h in d.handles:
             h.remove()
+
+
+def test_grad_groups_per_parameter_group():
+    """Before the step: each group's gradient size and sum of squares, expert groups marked
+    (Megatron's is_expert_parallel key); not after it."""
+    dense, expert = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    dense.grad, expert.grad = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 0.0, 4.0])
+    opt = torch.optim.SGD([{"params": [dense]}, {"params": [expert], "is_expert_parallel": True}], lr=0.1)
+    lines: list[str] = []
+    d = step_digest.Digest(frozenset({1}), lambda: 1, 0, emit=lines.append)
+    d.optimizer_step(opt, "pre")
+    d.optimizer_step(opt, "post")
+    groups = lines[0].split("grad_groups=")[1].split()[0].split(",")
+    assert [g.split(":")[0] for g in groups] == ["2", "3"] and groups[1].endswith("e")
+    assert [float(g.split(":")[1].rstrip("e")) for g in groups] == pytest.approx([5.0, 25.0])
+    assert "grad_groups" not in lines[1]
