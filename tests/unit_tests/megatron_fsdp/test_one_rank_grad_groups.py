@@ -209,3 +209,31 @@ def test_finish_grad_sync_reduces_what_was_held():
     order.clear()
     fsdp.finish_grad_sync()  # nothing held: nothing extra
     assert order == [("wait",)]
+
+
+@pytest.mark.parametrize("distributed,accumulate", [(True, False), (False, True)])
+def test_local_layer_te_gemm_adds_into_an_unsharded_buffer(monkeypatch, distributed, accumulate):
+    """The TE branch of a local layer's fused wgrad: overwrite a sharded bucket, add into an unsharded
+    buffer that holds the earlier micro-batches (invariant 3)."""
+    from megatron.core.extensions import transformer_engine
+    from tests.unit_tests.megatron_fsdp.test_wgrad_fusion_apex import _fsdp_weight, _linear
+
+    seen = []
+
+    def gemm(total_input, grad_output, out_dtype=None, layout="TN", out=None, grad=False, accumulate=False):
+        seen.append(accumulate)
+        product = (grad_output.float().t() @ total_input.float()).to(out.dtype)
+        out.copy_(out + product if accumulate else product)
+
+    monkeypatch.setattr(transformer_engine, "te_general_gemm", gemm)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    weight, bucket = _fsdp_weight(torch.float32)
+    weight._gbuf = SimpleNamespace(is_data_distributed=distributed)
+    earlier = bucket.clone()  # an earlier micro-batch's gradient (or a recycled bucket's bytes)
+    x = torch.randn(3, 4, dtype=torch.bfloat16, requires_grad=True)
+    out = _linear(x, weight, True)
+    grad_output = torch.randn_like(out)
+    out.backward(grad_output)
+    product = grad_output.float().t() @ x.detach().float()
+    assert seen == [accumulate]
+    assert torch.equal(bucket, earlier + product if accumulate else product)
