@@ -15,8 +15,7 @@ each listed step:
   during that step, per rank: the sum of squares of the (fp32 main) parameters, the sums of
   Adam's moments, before the step each parameter group's gradient size and sum of squares
   (after clipping), the set of step counts and the learning rates (each rank holds its own
-  shards). Step 0 is the
-  optimizer steps taken before training (the ``fsdp_dtensor`` loader's dummy step).
+  shards). Step 0 is the optimizer steps taken before training (the ``fsdp_dtensor`` loader's dummy step).
 
 Diffing two runs' lines (``grep HFSDP-DIGEST run1.log``) names the first module, or the
 first optimizer quantity, that differs. Diagnostics only: each record syncs the GPU.
@@ -96,8 +95,8 @@ class Digest:
             return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         totals: dict[str, Any] = {"params_sumsq": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
-        if when == "pre":  # the gradients the step will apply, experts apart from the rest
-            totals |= grad_sumsq(optimizer.param_groups)
+        if when == "pre":  # the gradients the step will apply, per parameter group
+            totals["grad_groups"] = grad_groups(optimizer.param_groups)
         step_values: set[float] = set()
         for p in params:
             totals["params_sumsq"] += tensor_stats(p)[1]  # the sum alone could cancel out
@@ -113,12 +112,12 @@ class Digest:
                   + f" steps={sorted(step_values)} lr={lrs}")
 
 
-def grad_sumsq(param_groups: Any) -> dict[str, Any]:
+def grad_groups(param_groups: Any) -> str:
     """Per optimizer parameter group, ``numel:sumsq`` of this rank's (local) gradients, ``e``
-    appended for an expert-parallel group (Megatron's ``is_expert_parallel`` key, where the
-    optimizer keeps it). Megatron groups expert parameters apart, so a group's element count
-    names it. Ratios between groups are unchanged by gradient clipping, so they compare runs
-    whose clip factor differs."""
+    appended for a group marked expert-parallel (Megatron's ``is_expert_parallel`` key, where the
+    optimizer keeps it; Megatron-FSDP's optimizer may group experts with other parameters).
+    Ratios between groups are unchanged by gradient clipping, so they compare runs whose clip
+    factor differs."""
     out = []
     for group in param_groups:
         numel, sumsq = 0, 0.0
@@ -127,7 +126,7 @@ def grad_sumsq(param_groups: Any) -> dict[str, Any]:
                 numel += getattr(p.grad, "_local_tensor", p.grad).numel()
                 sumsq += tensor_stats(p.grad)[1]
         out.append(f"{numel}:{sumsq!r}" + ("e" if group.get("is_expert_parallel", False) else ""))
-    return {"grad_groups": ",".join(out)}
+    return ",".join(out)
 
 
 def install_from_env(environ: Mapping[str, str] | None = None) -> Digest | None:
