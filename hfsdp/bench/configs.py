@@ -112,8 +112,13 @@ CONFIGS = {
         (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS, BF16_RS_FLAG),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 "
         "gradient reduce-scatter", "maxpool", "te"),
-    # The same with the kernel fusions Megatron leaves off by default: Transformer Engine's MoE permute and
-    # router (top-k, aux-loss) kernels, and Megatron's native fused cross entropy (its TE one is refused).
+    # The kernel fusions Megatron leaves off by default: Transformer Engine's MoE permute and router
+    # (top-k, aux-loss) kernels, and Megatron's native fused cross entropy (its TE one is refused).
+    # Eager with them, so that a base that cannot capture graphs is compared with its best flags too.
+    "te_no_db_fused": BenchConfig(
+        "te_no_db_fused", (*TE_FLAGS, *FUSION_FLAGS),
+        "Transformer Engine specs, no double buffer, MoE permute/router and cross-entropy fusions", None, "te"),
+    # Graphed max-pool + UB + bf16 reduce-scatter with the same fusions.
     "te_maxpool_ub_graph_bf16rs_fused": BenchConfig(
         "te_maxpool_ub_graph_bf16rs_fused",
         (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS, BF16_RS_FLAG,

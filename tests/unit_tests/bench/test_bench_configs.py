@@ -218,3 +218,12 @@ def test_planned_pools_plan_each_configs_gradient_dtype():
     # The default model's pools (docs/results.md): weights 128.08 MiB, grads 256.16 in fp32 and 128.08 in bf16.
     assert fp32["pool_bytes"] == 3 * (fp32["pool_bytes"] - bf16["pool_bytes"]) > 0
     assert bf16["analytic_minimum_bytes"] == bf16["pool_bytes"] < fp32["analytic_minimum_bytes"] == fp32["pool_bytes"]
+
+
+def test_fused_configs_add_the_same_fusions_to_their_twins():
+    for fused, twin in (("te_no_db_fused", "te_no_db"),
+                        ("te_maxpool_ub_graph_bf16rs_fused", "te_maxpool_ub_graph_bf16rs")):
+        assert C.CONFIGS[fused].flags == (*C.CONFIGS[twin].flags, *C.FUSION_FLAGS)
+        assert (C.CONFIGS[fused].spec, C.CONFIGS[fused].plan, C.CONFIGS[fused].graphed) == (
+            C.CONFIGS[twin].spec, C.CONFIGS[twin].plan, C.CONFIGS[twin].graphed)
+    assert C.loss_groups(["te_no_db", "te_no_db_fused"]) == {"te_no_db": ["te_no_db", "te_no_db_fused"]}
