@@ -103,7 +103,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         f"--bases-dir (hfsdp/bench/bases.py); its rows are named <base>:<config>.")
     p.add_argument("--release-configs", default=None, metavar="CONFIGS",
                    help="Comma-separated subset of --configs that the releases of --base run (default: all "
-                        "of them); the fork runs every one.")
+                        "of them); the fork runs every one unless --fork-configs narrows it.")
+    p.add_argument("--fork-configs", default=None, metavar="CONFIGS",
+                   help="Comma-separated subset of --configs that the fork runs (default: all of them): "
+                        "its best against releases that run other configurations, in one invocation.")
     p.add_argument("--bases-dir", default=bases.DEFAULT_DIR,
                    help="Where `python -m hfsdp.bench.bases prepare` put the releases (default out/bases).")
     add_env_option(p)
@@ -535,7 +538,10 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
         else:
             skipped[name] = reason
             print(f"skip {name}: {reason}")
-    rows = [n for n in runnable if bases.FORK in base_names]
+    fork_configs = runnable
+    if opts.fork_configs is not None:
+        fork_configs = comma_choices("--fork-configs", opts.fork_configs, wanted, "configuration of --configs")
+    rows = [n for n in runnable if bases.FORK in base_names and n in fork_configs]
     opts.trees, base_meta = bases.resolve(base_names, Path(opts.bases_dir), stack, build=not opts.from_logs)
     release_configs = runnable
     if opts.release_configs is not None:

@@ -220,6 +220,18 @@ def test_release_configs_narrow_what_the_releases_run(prepared: Path, faked, tmp
     assert said in err
 
 
+def test_fork_configs_narrow_what_the_fork_runs(prepared: Path, faked, tmp_path: Path, capsys) -> None:
+    argv = ["--configs", "te_no_db,te_maxpool", "--repeats", "1", "--base", "fork,upstream-0.19.2",
+            "--bases-dir", str(prepared), "--no-plan", "--no-chart", "--no-prime",
+            "--out-json", str(tmp_path / "r.json")]
+    assert B.main([*argv, "--fork-configs", "te_maxpool", "--release-configs", "te_no_db"]) == 0
+    assert sorted(n for n, _, _ in faked) == ["te_maxpool", "upstream-0.19.2:te_no_db"]
+    faked.clear()
+    assert B.main([*argv, "--fork-configs", "maxpool_graph"]) == 2 and not faked
+    said = "--fork-configs names 'maxpool_graph', not a configuration of --configs\n  -> use te_no_db, te_maxpool"
+    assert said in capsys.readouterr().err
+
+
 def test_local_specs_refused_only_for_hybrid_models_on_releases_without_them() -> None:
     bare = bases.Capabilities(frozenset({"--hybrid-layer-pattern", "--transformer-impl", "--spec"}), False)
     hybrid = ["--hybrid-layer-pattern", "M*", "--transformer-impl", "local"]
