@@ -102,7 +102,12 @@ def main() -> None:
                 print(_log_line(it, iters, it * mbs * world, ms, report.item()), flush=True)
         torch.distributed.barrier()
     finally:
-        # Clean exit even on failure: no "destroy_process_group() was not called" leak.
+        # Clean exit even on failure, in pretrain's teardown order: Megatron's model-parallel
+        # state first, so no gloo group outlives destroy_process_group() in a module global (to
+        # be freed in interpreter finalization, where its threads may not be joined), then the
+        # process groups (no "destroy_process_group() was not called" leak).
+        if (parallel_state := sys.modules.get("megatron.core.parallel_state")) is not None:
+            parallel_state.destroy_model_parallel()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
