@@ -74,16 +74,16 @@ def attribute(events: Sequence[dict], frames: str = DEFAULT_FRAMES) -> dict[tupl
             launches[corr] = (float(e["ts"]), e.get("tid"))
         if e.get("cat") in HOST_CATEGORIES:
             host[e.get("tid")].append(e)
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    kernels = [(e, launches.get((e.get("args") or {}).get("correlation")))
+               for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     wanted: dict[object, list[float]] = defaultdict(list)
-    for e in kernels:
-        if (launch := launches.get((e.get("args") or {}).get("correlation"))) is not None:
+    for _, launch in kernels:
+        if launch is not None:
             wanted[launch[1]].append(launch[0])
     pattern = re.compile(frames)
     found = {tid: sites(host.get(tid, ()), at, pattern) for tid, at in wanted.items()}
     rows: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for e in kernels:
-        launch = launches.get((e.get("args") or {}).get("correlation"))
+    for e, launch in kernels:
         where = (NO_LAUNCH, "") if launch is None else found[launch[1]][launch[0]]
         row = rows[(kernel_class(str(e.get("name", ""))), *where)]
         row[0] += float(e.get("dur", 0))

@@ -475,6 +475,15 @@ def check_machine(flags: Sequence[str], opts: argparse.Namespace) -> None:
         raise exc.user_error("install what the model needs, or change its flags after --") from None
 
 
+def _narrowed(option: str, value: str | None, wanted: Sequence[str], runnable: list[str]) -> list[str]:
+    """The runnable configurations that ``option`` (a comma-separated subset of --configs) keeps, in
+    --configs order; all of them when it is not given."""
+    if value is None:
+        return list(runnable)
+    keep = comma_choices(option, value, wanted, "configuration of --configs")
+    return [n for n in runnable if n in keep]
+
+
 def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
     opts, extra = parse(argv)
     base_names = bases.names(opts.base)
@@ -538,15 +547,13 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
         else:
             skipped[name] = reason
             print(f"skip {name}: {reason}")
-    fork_configs = runnable
-    if opts.fork_configs is not None:
-        fork_configs = comma_choices("--fork-configs", opts.fork_configs, wanted, "configuration of --configs")
-    rows = [n for n in runnable if bases.FORK in base_names and n in fork_configs]
+    if opts.fork_configs is not None and bases.FORK not in base_names:
+        raise UserError("--fork-configs narrows what the fork runs, but --base does not name the fork",
+                        f"add {bases.FORK} to --base, or leave --fork-configs out")
+    fork_configs = _narrowed("--fork-configs", opts.fork_configs, wanted, runnable)
+    release_configs = _narrowed("--release-configs", opts.release_configs, wanted, runnable)
+    rows = fork_configs if bases.FORK in base_names else []
     opts.trees, base_meta = bases.resolve(base_names, Path(opts.bases_dir), stack, build=not opts.from_logs)
-    release_configs = runnable
-    if opts.release_configs is not None:
-        release_configs = comma_choices("--release-configs", opts.release_configs, wanted, "configuration of --configs")
-        release_configs = [n for n in runnable if n in release_configs]
     if upstream := [b for b in base_names if b != bases.FORK]:
         for base in upstream:
             offers = bases.capabilities(base, opts.trees, job_env(os.environ, opts.env))

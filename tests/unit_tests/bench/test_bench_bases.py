@@ -230,6 +230,9 @@ def test_fork_configs_narrow_what_the_fork_runs(prepared: Path, faked, tmp_path:
     assert B.main([*argv, "--fork-configs", "maxpool_graph"]) == 2 and not faked
     said = "--fork-configs names 'maxpool_graph', not a configuration of --configs\n  -> use te_no_db, te_maxpool"
     assert said in capsys.readouterr().err
+    assert B.main([*argv[:4], "--base", "upstream-0.19.2", *argv[6:], "--fork-configs", "te_no_db"]) == 2
+    assert "--fork-configs narrows what the fork runs, but --base does not name the fork" in capsys.readouterr().err
+    assert not faked
 
 
 def test_local_specs_refused_only_for_hybrid_models_on_releases_without_them() -> None:
