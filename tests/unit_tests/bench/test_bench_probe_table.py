@@ -259,7 +259,7 @@ def test_a_flag_written_with_equals_replaces_the_presets(tmp_path, call_cli):
     assert "--seq-length=2048" not in flags and flags[flags.index("--seq-length") + 1] == "2048"
 
 
-# --- the trace readers: python -m hfsdp.bench.{timeline,idle,waits,hostdiff} -----------------------------------
+# --- the trace readers: python -m hfsdp.bench.{timeline,idle,waits,launchers,hostdiff} -------------------------
 
 KERNEL = {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 5, "pid": 0, "tid": 0}
 TRACES = {  # name -> the text of a trace file written under tmp
@@ -283,7 +283,7 @@ def trace_tool(module: str) -> Callable[[list[str]], int]:
 # (tool, arguments with TMP for the folder of TRACES, exit status, fragment of the output)
 TRACE_ROWS = [
     *[(tool, [name if name.startswith("/") else f"TMP/{name}"], 2, says)
-      for tool in ("timeline", "idle", "waits") for name, says in (
+      for tool in ("timeline", "idle", "waits", "launchers") for name, says in (
         ("nan.json", "event 0 ('k') has ts nan, not a finite number"),
         ("inf.json", "has dur inf, not a finite number"),
         ("negative.json", "has a negative dur (-5)"),
@@ -295,10 +295,13 @@ TRACE_ROWS = [
         ("/dev/null", "is a character device, not a regular file"),
         ("", "does not exist"),
     )],
-    *[(tool, ["TMP/sp ö/t r.json"], 0, "") for tool in ("timeline", "idle", "waits")],
+    *[(tool, ["TMP/sp ö/t r.json"], 0, "") for tool in ("timeline", "idle", "waits", "launchers")],
     *[(tool, ["TMP/good.json", "--steps", bad], 2, "argument --steps: must be > 0")
-      for tool in ("timeline", "idle", "waits") for bad in ("0", "-1")],
-    *[(tool, ["TMP/good.json", "--top", "0"], 2, "argument --top: must be > 0") for tool in ("idle", "waits")],
+      for tool in ("timeline", "idle", "waits", "launchers") for bad in ("0", "-1")],
+    *[(tool, ["TMP/good.json", "--top", "0"], 2, "argument --top: must be > 0")
+      for tool in ("idle", "waits", "launchers")],
+    ("launchers", ["TMP/good.json", "--frames", "a["], 2, "argument --frames: 'a[' is not a valid regular expression"),
+    ("launchers", ["TMP/good.json", "--classes", "gemm,gems"], 2, "--classes names 'gems', not a kernel class"),
     ("timeline", ["TMP/good.json", "--step-ms", "nan"], 2, "argument --step-ms: must be > 0, got nan"),
     ("timeline", ["TMP/good.json", "--step-ms", "-1"], 2, "argument --step-ms: must be > 0, got -1"),
     ("waits", ["TMP/good.json", "--min-us", "nan"], 2, "argument --min-us: must be >= 0, got nan"),
