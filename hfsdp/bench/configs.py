@@ -125,6 +125,15 @@ CONFIGS = {
          *FUSION_FLAGS),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 gradient "
         "reduce-scatter, MoE permute/router and cross-entropy fusions", "maxpool", "te"),
+    # The same with Megatron's --use-precision-aware-optimizer: Transformer Engine's FusedAdam keeps the
+    # fp32 master weights and writes the bf16 model weights in its own kernel, so Megatron-FSDP keeps no
+    # main weights and skips its main-to-model weight copies (reduced gradients go to decoupled_grad).
+    "te_maxpool_ub_graph_bf16rs_fused_pao": BenchConfig(
+        "te_maxpool_ub_graph_bf16rs_fused_pao",
+        (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS, BF16_RS_FLAG,
+         *FUSION_FLAGS, "--use-precision-aware-optimizer"),
+        "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 gradient "
+        "reduce-scatter, the fusions, precision-aware optimizer", "maxpool", "te"),
     # The same with three lanes: one more unit live, so all-gathers may run two units ahead.
     "te_maxpool_ub_lanes3_graph_bf16rs": BenchConfig(
         "te_maxpool_ub_lanes3_graph_bf16rs",

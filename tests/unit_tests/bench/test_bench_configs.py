@@ -136,6 +136,7 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_graph_bf16rs",
                                                               "te_maxpool_ub_graph_bf16rs",
                                                               "te_maxpool_ub_graph_bf16rs_fused",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao",
                                                               "te_maxpool_ub_lanes3_graph_bf16rs",
                                                               "te_maxpool_ub_nosymm_graph_bf16rs",
                                                               "no_db_graph_validate",
