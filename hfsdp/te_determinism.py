@@ -20,6 +20,7 @@ Standard library only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,6 +84,11 @@ FLAGS: tuple[Setting, ...] = (
             "differ between processes. Never set those three variables yourself: validate_args "
             "rejects values that contradict the flag (te_arg_checks)."),
 )
+# Flags that Megatron 0.18.2's validate_args refuses together with --deterministic-mode.
+REFUSED: tuple[Setting, ...] = (
+    Setting("--cross-entropy-loss-fusion", True, "Megatron: \"Cross Entropy Fusion is currently not deterministic.\""),
+    Setting("--use-flash-attn", True, "Megatron: \"Flash attention can not be used in deterministic mode.\""),
+)
 NOT_SET: tuple[Setting, ...] = (
     Setting("grouped GEMM", "no setting",
             "TE's GroupedLinear runs one cuBLASLt GEMM per expert over up to 4 streams, each with its "
@@ -118,6 +124,12 @@ def argv() -> list[str]:
     for name, value in flags().items():
         out += [name] if value is True else [name, str(value)]
     return out
+
+
+def refused(flags: Sequence[str]) -> list[str]:
+    """The flags of ``flags`` that Megatron refuses under ``--deterministic-mode`` (REFUSED), in order."""
+    names = {s.name for s in REFUSED}
+    return list(dict.fromkeys(f for f in flags if f in names))
 
 
 def describe() -> str:

@@ -179,3 +179,31 @@ def test_docs_list_every_setting() -> None:
     doc = (REPO_ROOT / "docs/transformer-engine.md").read_text()
     for name in (*D.env(), *D.env("cache"), *D.flags()):
         assert name in doc, f"docs/transformer-engine.md does not list {name}"
+
+
+REFUSAL_BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+                "--micro-batch-size 1 --bf16 --lr 1e-4 --train-iters 2").split()
+
+
+@pytest.mark.parametrize("refused", D.REFUSED, ids=lambda s: s.name)
+def test_megatron_refuses_each_refused_flag_under_deterministic_mode(megatron_validator, monkeypatch, refused) -> None:
+    """REFUSED is what Megatron's validate_args says: the benchmark refuses these before any run."""
+    import torch
+
+    for name, value in D.env().items():
+        monkeypatch.setenv(name, value)
+    message = refused.why.split('"')[1]
+    run = megatron_validator(REFUSAL_BASE, world_size=1)
+    try:
+        run(D.argv())  # accepted alone
+        with pytest.raises(AssertionError, match=message.replace(".", r"\.")):
+            run([*D.argv(), refused.name])
+        run([refused.name])  # and the flag alone
+    finally:
+        torch.use_deterministic_algorithms(False)  # validate_args turned it on for this process
+
+
+def test_refused_names_each_refused_flag_once_in_order() -> None:
+    flags = ["--use-flash-attn", "--bf16", "--cross-entropy-loss-fusion", "--use-flash-attn"]
+    assert D.refused(flags) == ["--use-flash-attn", "--cross-entropy-loss-fusion"]
+    assert D.refused(["--bf16", *D.argv()]) == []
