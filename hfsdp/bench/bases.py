@@ -132,11 +132,11 @@ def priming_runs(run_names: Sequence[str]) -> list[str]:
 
 
 def loss_groups(run_names: Sequence[str]) -> dict[str, list[str]]:
-    """cfgs.loss_groups per base: a release's rows are held to its own eager baseline (its FSDP units differ)."""
+    """cfgs.loss_groups per base: a release's rows are held to its own eager twin (its FSDP units differ)."""
     groups: dict[str, list[str]] = {}
     for name in run_names:
         base, config_ = split(name)
-        groups.setdefault(run_name(base, cfgs.BASELINES[cfgs.CONFIGS[config_].spec]), []).append(name)
+        groups.setdefault(run_name(base, cfgs.loss_baseline(config_)), []).append(name)
     return groups
 
 

@@ -53,6 +53,12 @@ BASELINES = {"local": "no_db", "te": "te_no_db"}
 BF16_RS_FLAG = "--grad-reduce-in-bf16"
 FUSION_FLAGS = ("--moe-permute-fusion", "--moe-router-fusion", "--cross-entropy-loss-fusion",
                 "--cross-entropy-fusion-impl", "native")
+PAO_FLAG = "--use-precision-aware-optimizer"
+# Flags that change a run's numbers, not only its speed and memory: see loss_baseline.
+NUMERICS_FLAGS = frozenset({BF16_RS_FLAG, *FUSION_FLAGS, PAO_FLAG})
+# The realistic preset's best flags: TE specs, graphed max-pool, NCCL user buffers, bf16 reduce-scatter.
+TE_MAXPOOL_UB_GRAPH_BF16RS = (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS,
+                              BF16_RS_FLAG)
 
 
 CONFIGS = {
@@ -108,8 +114,7 @@ CONFIGS = {
         "Transformer Engine specs, max-pool, full-iteration CUDA graph, bf16 gradient reduce-scatter",
         "maxpool", "te"),
     "te_maxpool_ub_graph_bf16rs": BenchConfig(
-        "te_maxpool_ub_graph_bf16rs",
-        (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS, BF16_RS_FLAG),
+        "te_maxpool_ub_graph_bf16rs", TE_MAXPOOL_UB_GRAPH_BF16RS,
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 "
         "gradient reduce-scatter", "maxpool", "te"),
     # The kernel fusions Megatron leaves off by default: Transformer Engine's MoE permute and router
@@ -120,25 +125,19 @@ CONFIGS = {
         "Transformer Engine specs, no double buffer, MoE permute/router and cross-entropy fusions", None, "te"),
     # Graphed max-pool + UB + bf16 reduce-scatter with the same fusions.
     "te_maxpool_ub_graph_bf16rs_fused": BenchConfig(
-        "te_maxpool_ub_graph_bf16rs_fused",
-        (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS, BF16_RS_FLAG,
-         *FUSION_FLAGS),
+        "te_maxpool_ub_graph_bf16rs_fused", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 gradient "
         "reduce-scatter, MoE permute/router and cross-entropy fusions", "maxpool", "te"),
     # The same with Megatron's --use-precision-aware-optimizer: Transformer Engine's FusedAdam keeps the
     # fp32 master weights and writes the bf16 model weights in its own kernel, so Megatron-FSDP keeps no
     # main weights and skips its main-to-model weight copies (reduced gradients go to decoupled_grad).
     "te_maxpool_ub_graph_bf16rs_fused_pao": BenchConfig(
-        "te_maxpool_ub_graph_bf16rs_fused_pao",
-        (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS, BF16_RS_FLAG,
-         *FUSION_FLAGS, "--use-precision-aware-optimizer"),
+        "te_maxpool_ub_graph_bf16rs_fused_pao", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 gradient "
         "reduce-scatter, the fusions, precision-aware optimizer", "maxpool", "te"),
     # The same with three lanes: one more unit live, so all-gathers may run two units ahead.
     "te_maxpool_ub_lanes3_graph_bf16rs": BenchConfig(
-        "te_maxpool_ub_lanes3_graph_bf16rs",
-        (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, LANES_FLAG, "3", "--use-nccl-ub", *GRAPH_FLAGS,
-         BF16_RS_FLAG),
+        "te_maxpool_ub_lanes3_graph_bf16rs", (*TE_MAXPOOL_UB_GRAPH_BF16RS, LANES_FLAG, "3"),
         "Transformer Engine specs, max-pool with 3 lanes + NCCL user buffers, full-iteration CUDA graph, bf16 "
         "gradient reduce-scatter", "lanes", "te"),
     # The same with plain (not symmetric) registration: NCCL's ring kernels read and write the
@@ -146,9 +145,7 @@ CONFIGS = {
     # reduce-scatter kernels take 1.37-1.50x the ring's time from 64 MiB up (docs/results.md,
     # the message-size sweep), while the registered ring matches the plain one.
     "te_maxpool_ub_nosymm_graph_bf16rs": BenchConfig(
-        "te_maxpool_ub_nosymm_graph_bf16rs",
-        (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", "--disable-symmetric-registration",
-         *GRAPH_FLAGS, BF16_RS_FLAG),
+        "te_maxpool_ub_nosymm_graph_bf16rs", (*TE_MAXPOOL_UB_GRAPH_BF16RS, "--disable-symmetric-registration"),
         "Transformer Engine specs, max-pool + NCCL user buffers registered plainly (not symmetric), "
         "full-iteration CUDA graph, bf16 gradient reduce-scatter", "maxpool", "te"),
     # Diagnostic: Megatron's default --rerun-mode, kept explicitly, under the graph. Graphed runs
@@ -299,9 +296,22 @@ def availability(name: str) -> str | None:
     return None
 
 
+def loss_baseline(name: str) -> str:
+    """The configuration whose lm loss ``name``'s must equal bit for bit: its eager twin.
+
+    Double buffering, graphs and user buffers must not change a bit; NUMERICS_FLAGS may. So the
+    twin is the spec's baseline (BASELINES) with ``name``'s NUMERICS_FLAGS added: te_no_db for
+    te_maxpool_graph, te_no_db_bf16rs for te_maxpool_ub_graph_bf16rs. Where no configuration is
+    that twin, ``name`` itself: its repeats are held to each other (the most common sequence)."""
+    config = CONFIGS[name]
+    base = CONFIGS[BASELINES[config.spec]]
+    wanted = set(base.flags) | (set(config.flags) & NUMERICS_FLAGS)
+    return next((c.name for c in CONFIGS.values() if c.spec == config.spec and set(c.flags) == wanted), name)
+
+
 def loss_groups(names: Sequence[str]) -> dict[str, list[str]]:
-    """Baseline -> the configurations among ``names`` whose losses are held to it (BASELINES)."""
+    """Baseline -> the configurations among ``names`` whose losses are held to it (loss_baseline)."""
     groups: dict[str, list[str]] = {}
     for name in names:
-        groups.setdefault(BASELINES[CONFIGS[name].spec], []).append(name)
+        groups.setdefault(loss_baseline(name), []).append(name)
     return groups

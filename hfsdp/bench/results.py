@@ -149,7 +149,8 @@ def loss_agreement(runs: Sequence[RunResult], baseline: str = BASELINE) -> dict[
     """
     seqs = [r.lm_loss for r in runs if r.config == baseline and r.lm_loss]
     if not seqs:
-        return {"reference": None, "runs": []}
+        return {"baseline": baseline, "reference": None, "runs": [],
+                "held": sorted({r.config for r in runs if r.config != baseline})}
     counts: dict[tuple[float | None, ...], int] = {}
     for seq in seqs:
         counts[seq] = counts.get(seq, 0) + 1
@@ -169,7 +170,9 @@ def loss_agreement(runs: Sequence[RunResult], baseline: str = BASELINE) -> dict[
 
 def format_loss_agreement(agreement: dict[str, Any]) -> list[str]:
     if agreement.get("reference") is None:
-        return ["loss agreement: no baseline losses"]
+        held = agreement.get("held")
+        return [f"loss agreement: no {agreement.get('baseline', BASELINE)} losses"
+                + (f" to hold {', '.join(held)} to" if held else "")]
     lines = [f"loss agreement vs {agreement['baseline_runs']} {agreement.get('baseline', BASELINE)} run(s) "
              f"({agreement['baseline_distinct_sequences']} distinct sequence(s)):"]
     for r in agreement["runs"]:

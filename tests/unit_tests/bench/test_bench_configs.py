@@ -227,4 +227,25 @@ def test_fused_configs_add_the_same_fusions_to_their_twins():
         assert C.CONFIGS[fused].flags == (*C.CONFIGS[twin].flags, *C.FUSION_FLAGS)
         assert (C.CONFIGS[fused].spec, C.CONFIGS[fused].plan, C.CONFIGS[fused].graphed) == (
             C.CONFIGS[twin].spec, C.CONFIGS[twin].plan, C.CONFIGS[twin].graphed)
-    assert C.loss_groups(["te_no_db", "te_no_db_fused"]) == {"te_no_db": ["te_no_db", "te_no_db_fused"]}
+    assert C.loss_groups(["te_no_db", "te_no_db_fused"]) == {"te_no_db": ["te_no_db"],
+                                                               "te_no_db_fused": ["te_no_db_fused"]}
+
+
+@pytest.mark.parametrize("name, twin", [
+    ("maxpool_lanes3_graph", "no_db"), ("no_db_d1", "no_db"), ("te_maxpool_graph", "te_no_db"),
+    ("te_maxpool_graph_bf16rs", "te_no_db_bf16rs"), ("te_maxpool_ub_nosymm_graph_bf16rs", "te_no_db_bf16rs"),
+    ("te_maxpool_ub_lanes3_graph_bf16rs", "te_no_db_bf16rs"), ("te_no_db_bf16rs", "te_no_db_bf16rs"),
+    # No eager twin among the configurations: held to its own repeats.
+    ("te_maxpool_ub_graph_bf16rs_fused", "te_maxpool_ub_graph_bf16rs_fused"),
+    ("te_maxpool_ub_graph_bf16rs_fused_pao", "te_maxpool_ub_graph_bf16rs_fused_pao"),
+])
+def test_losses_are_held_to_the_eager_twin_with_the_same_numerics_flags(name, twin):
+    assert C.loss_baseline(name) == twin
+    baseline = C.CONFIGS[twin]
+    assert not baseline.graphed and not baseline.user_buffers and baseline.plan is None or twin == name
+    assert set(baseline.flags) & C.NUMERICS_FLAGS == set(C.CONFIGS[name].flags) & C.NUMERICS_FLAGS
+
+
+def test_every_configuration_has_a_loss_baseline_of_its_spec():
+    for name, config in C.CONFIGS.items():
+        assert C.CONFIGS[C.loss_baseline(name)].spec == config.spec, name

@@ -136,7 +136,9 @@ def test_loss_agreement_reference_is_the_majority_baseline():
     a, b = (1.0, 2.0), (1.0, 2.5)
     agreement = R.loss_agreement([_run("no_db", 0, b), _run("no_db", 1, a), _run("no_db", 2, a)])
     assert agreement["reference"] == list(a) and agreement["baseline_distinct_sequences"] == 2
-    assert R.loss_agreement([_run("maxpool", 0, a)])["reference"] is None
+    missing = R.loss_agreement([_run("maxpool", 0, a)])
+    assert missing["reference"] is None
+    assert R.format_loss_agreement(missing) == ["loss agreement: no no_db losses to hold maxpool to"]
 
 
 def _diverged(path):
