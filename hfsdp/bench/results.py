@@ -173,7 +173,14 @@ def format_loss_agreement(agreement: dict[str, Any]) -> list[str]:
         held = agreement.get("held")
         return [f"loss agreement: no {agreement.get('baseline', BASELINE)} losses"
                 + (f" to hold {', '.join(held)} to" if held else "")]
-    lines = [f"loss agreement vs {agreement['baseline_runs']} {agreement.get('baseline', BASELINE)} run(s) "
+    baseline = agreement.get("baseline", BASELINE)
+    if all(r["config"] == baseline for r in agreement["runs"]):  # nothing else held to it: its repeats alone
+        if agreement["baseline_runs"] == 1:
+            return [f"loss agreement: 1 {baseline} run and nothing held to it, nothing to compare"]
+        return [f"loss agreement among {agreement['baseline_runs']} {baseline} runs: "
+                + ("bit-identical" if agreement["baseline_distinct_sequences"] == 1
+                   else f"{agreement['baseline_distinct_sequences']} distinct sequences")]
+    lines = [f"loss agreement vs {agreement['baseline_runs']} {baseline} run(s) "
              f"({agreement['baseline_distinct_sequences']} distinct sequence(s)):"]
     for r in agreement["runs"]:
         verdict = ("bit-identical" if r["identical"]

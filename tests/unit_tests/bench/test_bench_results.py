@@ -136,6 +136,11 @@ def test_loss_agreement_reference_is_the_majority_baseline():
     a, b = (1.0, 2.0), (1.0, 2.5)
     agreement = R.loss_agreement([_run("no_db", 0, b), _run("no_db", 1, a), _run("no_db", 2, a)])
     assert agreement["reference"] == list(a) and agreement["baseline_distinct_sequences"] == 2
+    alone = R.loss_agreement([_run("no_db", 0, a)])
+    assert R.format_loss_agreement(alone) == ["loss agreement: 1 no_db run and nothing held to it, nothing to compare"]
+    assert R.format_loss_agreement(agreement) == ["loss agreement among 3 no_db runs: 2 distinct sequences"]
+    same = R.loss_agreement([_run("no_db", 0, a), _run("no_db", 1, a)])
+    assert R.format_loss_agreement(same) == ["loss agreement among 2 no_db runs: bit-identical"]
     missing = R.loss_agreement([_run("maxpool", 0, a)])
     assert missing["reference"] is None
     assert R.format_loss_agreement(missing) == ["loss agreement: no no_db losses to hold maxpool to"]
