@@ -23,8 +23,9 @@ from __future__ import annotations
 import argparse
 import bisect
 import itertools
+import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from hfsdp.bench.timeline import DEVICE_CATEGORIES, read_trace, span, union, well_formed_events
@@ -55,39 +56,47 @@ class IdleReport:
     by_frame: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
-def flatten(events: Iterable[dict]) -> list[Segment]:
-    """Non-overlapping segments of one thread's nested host events, innermost event named.
+Stack = list[tuple[float, str, str]]  # open host events, outermost first: (end, cat, name)
+
+
+def nested(events: Iterable[dict]) -> Iterator[tuple[float, float, Stack]]:
+    """One thread's nested host events as consecutive non-overlapping intervals ``[lo, hi)``, each
+    with the events open over it. One sweep: the stack is one list, changed between yields, so a
+    trace with a deep Python stack on every event costs no more than its events (read what you
+    need from it before the next one). Times with nothing open are skipped.
 
     Events are assumed properly nested (the profiler's per-thread events are); a child that
     outlives its parent is clipped to the parent's end.
     """
-    spans = sorted(((*span(e), e.get("cat", ""), e.get("name", "")) for e in events),
+    spans = sorted(((*span(e), str(e.get("cat", "")), str(e.get("name", ""))) for e in events),
                    key=lambda s: (s[0], -s[1]))
-    out: list[Segment] = []
-    stack: list[tuple[float, str, str]] = []  # (end, cat, name)
-    cursor = None
-
-    def emit(upto: float) -> None:
-        nonlocal cursor
-        if stack and cursor is not None and upto > cursor:
-            op = next((n for _, c, n in reversed(stack) if c == "cpu_op"), "")
-            frame = next((n for _, c, n in reversed(stack)
-                          if c == "python_function" and not n.startswith("<built-in")), "")
-            out.append(Segment(cursor, upto, stack[-1][2], op, frame))
-        cursor = upto if cursor is None else max(cursor, upto)
-
-    for start, end, cat, name in spans:
+    stack: Stack = []
+    cursor: float | None = None
+    for start, end, cat, name in itertools.chain(spans, [(math.inf, math.inf, "", "")]):  # the last closes all
         while stack and stack[-1][0] <= start:  # close everything that ended before this one
-            emit(stack[-1][0])
+            top = stack[-1][0]
+            if cursor is not None and top > cursor:
+                yield cursor, top, stack
+            cursor = top if cursor is None else max(cursor, top)
             stack.pop()
-        emit(start)
+        if start == math.inf:
+            return
+        if stack and cursor is not None and start > cursor:
+            yield cursor, start, stack
         cursor = start
-        end = min(end, stack[-1][0]) if stack else end
-        stack.append((end, cat, name))
-    while stack:
-        emit(stack[-1][0])
-        stack.pop()
-    return out
+        stack.append((min(end, stack[-1][0]) if stack else end, cat, name))
+
+
+def innermost(stack: Stack, cat: str, name: Callable[[str], bool] = lambda n: True) -> str | None:
+    """The name of the innermost open event of category ``cat`` whose name passes ``name``."""
+    return next((n for _, c, n in reversed(stack) if c == cat and name(n)), None)
+
+
+def flatten(events: Iterable[dict]) -> list[Segment]:
+    """Non-overlapping segments of one thread's nested host events (``nested``), innermost event named."""
+    return [Segment(lo, hi, stack[-1][2], innermost(stack, "cpu_op") or "",
+                    innermost(stack, "python_function", lambda n: not n.startswith("<built-in")) or "")
+            for lo, hi, stack in nested(events)]
 
 
 class ThreadSegments:

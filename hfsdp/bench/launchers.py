@@ -26,39 +26,34 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from hfsdp.bench.idle import HOST_CATEGORIES, LAUNCH_CATEGORIES
+from hfsdp.bench.idle import HOST_CATEGORIES, LAUNCH_CATEGORIES, innermost, nested
 from hfsdp.bench.kernels import KERNEL_CLASSES, kernel_class
-from hfsdp.bench.timeline import read_trace, regex, span, well_formed_events
+from hfsdp.bench.timeline import read_trace, regex, well_formed_events
 from hfsdp.usererror import UserError, positive, run_cli
 
 # Our code and the libraries whose calls a user can change or report: the default --frames.
 DEFAULT_FRAMES = r"megatron/|hfsdp/|transformer_engine/|mamba_ssm/|causal_conv1d/|apex/"
 NO_LAUNCH = "(no launch)"
+NO_CPU_OP = "(no cpu_op)"
 
 
 def sites(events: Iterable[dict], at: Sequence[float], frames: re.Pattern[str]) -> dict[float, tuple[str, str]]:
     """For each time in ``at``: (innermost cpu_op, innermost Python frame matching ``frames``) of
-    one thread's host events open then. One sweep, so a trace with a deep Python stack on every
-    event costs no more than its events. A child that outlives its parent is clipped to the
-    parent's end (the profiler's own events nest; clipping keeps a malformed one from hiding the
-    rest)."""
-    spans = sorted(((*span(e), str(e.get("cat", "")), str(e.get("name", ""))) for e in events),
-                   key=lambda s: (s[0], -s[1]))
+    one thread's host events open then (``idle.nested``: one sweep)."""
+    times = sorted(set(at))
     out: dict[float, tuple[str, str]] = {}
-    open_: list[tuple[float, str, str]] = []  # (end, cat, name), outermost first
-    i = 0
-    for ts in sorted(set(at)):
-        while i < len(spans) and spans[i][0] <= ts:
-            start, end, cat, name = spans[i]
-            while open_ and open_[-1][0] <= start:
-                open_.pop()
-            open_.append((min(end, open_[-1][0]) if open_ else end, cat, name))
-            i += 1
-        while open_ and open_[-1][0] <= ts:
-            open_.pop()
-        op = next((n for _, c, n in reversed(open_) if c == "cpu_op"), "(no cpu_op)")
-        frame = next((n for _, c, n in reversed(open_) if c == "python_function" and frames.search(n)), "")
-        out[ts] = (op, frame)
+    j = 0
+    for lo, hi, stack in nested(events):
+        while j < len(times) and times[j] < lo:
+            out[times[j]] = (NO_CPU_OP, "")
+            j += 1
+        if j < len(times) and times[j] < hi:
+            where = (innermost(stack, "cpu_op") or NO_CPU_OP,
+                     innermost(stack, "python_function", lambda n: bool(frames.search(n))) or "")
+            while j < len(times) and times[j] < hi:
+                out[times[j]] = where
+                j += 1
+    out.update((t, (NO_CPU_OP, "")) for t in times[j:])
     return out
 
 

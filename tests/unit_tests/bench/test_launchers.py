@@ -81,3 +81,46 @@ def test_cli_prints_classes_largest_first_and_refuses_bad_input(tmp_path: Path, 
     empty.write_text(json.dumps({"traceEvents": [X("cpu_op", "aten::mm", 0, 1)]}))
     assert launchers.main([str(empty)]) == 2
     assert "holds no kernel events" in capsys.readouterr().err
+
+
+def _brute_sites(events: list[dict], ts: float, frames: str) -> tuple[str, str]:
+    """What is open at ``ts`` (start <= ts < end, each child clipped to its parent), by brute force."""
+    import re
+
+    spans = sorted(((e["ts"], e["ts"] + e["dur"], e["cat"], e["name"]) for e in events), key=lambda s: (s[0], -s[1]))
+    open_: list[tuple[float, str, str]] = []
+    for start, end, cat, name in spans:
+        if start > ts:
+            break
+        while open_ and open_[-1][0] <= start:
+            open_.pop()
+        open_.append((min(end, open_[-1][0]) if open_ else end, cat, name))
+    live = [(c, n) for end, c, n in open_ if end > ts]
+    op = next((n for c, n in reversed(live) if c == "cpu_op"), launchers.NO_CPU_OP)
+    frame = next((n for c, n in reversed(live) if c == "python_function" and re.search(frames, n)), "")
+    return op, frame
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sites_agree_with_a_brute_force_read_at_every_boundary(seed: int) -> None:
+    import random
+    import re
+
+    rng = random.Random(seed)
+    events: list[dict] = []
+
+    def nest(lo: int, hi: int, depth: int) -> None:  # properly nested children, some touching their parent's ends
+        t = lo
+        while depth < 6 and t < hi and rng.random() < 0.7:
+            start = rng.randint(t, hi)
+            end = rng.randint(start, hi)
+            cat = rng.choice(["cpu_op", "python_function", "user_annotation"])
+            name = rng.choice(["megatron/a.py(1): f", "torch/b.py(2): g", "aten::copy_", "aten::mm"])
+            events.append(X(cat, name, start, end - start))
+            nest(start, end, depth + 1)
+            t = end
+    nest(0, 100, 0)
+    times = sorted({e["ts"] for e in events} | {e["ts"] + e["dur"] for e in events} | {-1, 50, 100, 101})
+    frames = r"megatron/"
+    got = launchers.sites(events, times, re.compile(frames))
+    assert got == {t: _brute_sites(events, t, frames) for t in times}
