@@ -502,12 +502,14 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
         raise UserError(f"the {opts.preset} preset needs {', '.join(absent)}, which "
                         f"{'is' if len(absent) == 1 else 'are'} not importable here",
                         "install the GPU extras (docs/benchmark.md), or pick another preset")
-    if opts.deterministic and (clash := {n: r for n in wanted
-                                         if (r := te_determinism.refused([*flags, *cfgs.CONFIGS[n].flags]))}):
+    # --deterministic-mode from --deterministic or after --: what Megatron refuses beside it fails every run.
+    if "--deterministic-mode" in flags and (clash := {n: r for n in wanted if (
+            r := te_determinism.refused([*flags, *cfgs.CONFIGS[n].flags]))}):
         refused = sorted({f for r in clash.values() for f in r})
-        raise UserError(f"--deterministic gives every run --deterministic-mode, which Megatron refuses together "
-                        f"with {', '.join(refused)} ({', '.join(clash)})",
-                        "drop --deterministic, or those configurations and flags")
+        source = "--deterministic gives every run" if opts.deterministic else "the flags after -- give every run"
+        raise UserError(f"{source} --deterministic-mode, which Megatron refuses together with "
+                        f"{', '.join(refused)} ({', '.join(clash)})",
+                        "drop --deterministic-mode, or those configurations and flags")
     te_wanted = [n for n in wanted if cfgs.CONFIGS[n].spec == "te"]
     if te_wanted and not opts.from_logs and not requirements.importable("transformer_engine"):
         raise UserError(f"{', '.join(te_wanted)} need Transformer Engine, which is not importable here",

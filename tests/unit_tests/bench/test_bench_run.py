@@ -243,17 +243,17 @@ def test_te_configurations_without_te_are_refused(monkeypatch, tmp_path, capsys)
     assert not (tmp_path / "r.json").exists()
 
 
-@pytest.mark.parametrize("configs, extra, named", [
-    ("te_no_db,te_no_db_fused", [], "--cross-entropy-loss-fusion (te_no_db_fused)"),
-    ("te_no_db", ["--", "--use-flash-attn"], "--use-flash-attn (te_no_db)"),
+@pytest.mark.parametrize("configs, options, named", [
+    ("te_no_db,te_no_db_fused", ["--deterministic"], "--cross-entropy-loss-fusion (te_no_db_fused)"),
+    ("te_no_db", ["--deterministic", "--", "--use-flash-attn"], "--use-flash-attn (te_no_db)"),
+    ("te_no_db_fused", ["--", "--deterministic-mode"], "--cross-entropy-loss-fusion (te_no_db_fused)"),
 ])
 def test_deterministic_with_flags_megatron_refuses_is_refused_before_any_run(monkeypatch, tmp_path, capsys,
-                                                                            configs, extra, named):
+                                                                            configs, options, named):
     monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("nothing may run"))
-    rc = B.main(["--configs", configs, "--no-plan", "--deterministic", "--out-json", str(tmp_path / "r.json"),
-                 *extra])
+    rc = B.main(["--configs", configs, "--no-plan", "--out-json", str(tmp_path / "r.json"), *options])
     err = capsys.readouterr().err
-    assert rc == 2 and f"which Megatron refuses together with {named}" in err, err
+    assert rc == 2 and f"--deterministic-mode, which Megatron refuses together with {named}" in err, err
     assert not (tmp_path / "r.json").exists()
 
 
