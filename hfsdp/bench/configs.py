@@ -128,9 +128,10 @@ CONFIGS = {
         "te_maxpool_ub_graph_bf16rs_fused", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 gradient "
         "reduce-scatter, MoE permute/router and cross-entropy fusions", "maxpool", "te"),
-    # The same with Megatron's --use-precision-aware-optimizer: Transformer Engine's FusedAdam keeps the
-    # fp32 master weights and writes the bf16 model weights in its own kernel, so Megatron-FSDP keeps no
-    # main weights and skips its main-to-model weight copies (reduced gradients go to decoupled_grad).
+    # The same with Megatron's --use-precision-aware-optimizer: Megatron-FSDP hands the reduced gradients to
+    # Transformer Engine's FusedAdam as decoupled_grad in their own dtype (bf16 here) instead of casting each
+    # shard to its fp32 main weights' dtype every step. Megatron-FSDP keeps its fp32 main weights and still
+    # copies them to the bf16 model weights after the step (megatron/core/optimizer/distrib_optimizer.py).
     "te_maxpool_ub_graph_bf16rs_fused_pao": BenchConfig(
         "te_maxpool_ub_graph_bf16rs_fused_pao", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 gradient "
