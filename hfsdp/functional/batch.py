@@ -13,12 +13,11 @@ Neighbours share only the host, so step times are still judged, within the golde
 With several ranks per GPU cases share the GPUs, and no step time is judged ([Note: goldens of
 the several-ranks-per-GPU mode] in golden.py).
 
-Goldens (:func:`golden_for`): on its own GPUs a case is held to ``--platform``'s golden. With
-several ranks per GPU, to the mode's golden of that GPU kind (``<platform>_shared``), else to
-the golden of a real run on this kind, else on any kind (losses and num-zeros compare
-exactly across kinds of one architecture). ``--record-missing`` records a case that has none
-of these, under ``<platform>_shared`` in the shared mode. Exit status 0 only when every case
-passed.
+Goldens: each ``run_case`` probes its run's environment and picks the golden recorded in an
+equal one ([Note: choosing a golden] in selection.py); ``--record-missing`` records the goldens a
+case lacks for this environment (under ``<platform>_shared`` in the shared mode). Exit status 0
+only when every case passed or was refused by a need its recipe declares (``ENVIRONMENT``); the
+summary counts each verdict.
 """
 
 from __future__ import annotations
@@ -40,7 +39,15 @@ from typing import IO
 from hfsdp.diagnostics import stack_dump_after_s
 from hfsdp.functional import golden, outdir
 from hfsdp.functional.recipe import Recipe, load_recipe
-from hfsdp.functional.run_case import RESULT_MARK, output_dir_for, trains_on_gpus
+from hfsdp.functional.run_case import (
+    EXIT_STATUS,
+    GOLDEN_MARK,
+    PASS,
+    REFUSED,
+    RESULT_MARK,
+    output_dir_for,
+    trains_on_gpus,
+)
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
 from hfsdp.usererror import Interrupted, UserError, output_file, positive, run_cli
@@ -55,30 +62,19 @@ class Outcome:
     returncode: int
     seconds: float
     result: str  # the driver's result line, or why there is none
-    platform: str
+    golden: str  # the golden file held to or recorded, as run_case named it ('' when it named none)
     recorded: bool
 
     def line(self) -> str:
         mode = " (recorded)" if self.recorded else ""
-        return f"rc={self.returncode} {self.seconds:.0f}s {self.result} [{self.case}] golden {self.platform}{mode}"
+        held = f" golden {self.golden}{mode}" if self.golden else ""
+        return f"rc={self.returncode} {self.seconds:.0f}s {self.result} [{self.case}]{held}"
 
-
-def golden_for(recipe: Recipe, platform: str, shared: bool, record: str | None) -> tuple[str, bool]:
-    """(the platform whose golden the case is held to, whether to record it instead); see the
-    module note. ``record``: None, ``"missing"`` or ``"all"``."""
-    wanted = [f"{platform}{golden.SHARED_SUFFIX}", platform] if shared else [platform]
-    if record == "all":
-        return wanted[0], True
-    for name in wanted:
-        if recipe.golden_path(ENVIRONMENT, name).is_file():
-            return name, False
-    if shared:
-        prefix = f"golden_values_{ENVIRONMENT}_"
-        real = sorted(p.name[len(prefix):-len(".json")] for p in recipe.case_dir.glob(f"{prefix}*.json"))
-        real = [p for p in real if not golden.is_shared_platform(p)]
-        if real:
-            return real[0], False
-    return wanted[0], record == "missing"
+    @property
+    def verdict(self) -> str:
+        """The verdict of the result line (``PASS``, ``FAIL``, ...), ``not run`` without one."""
+        head, sep, verdict = self.result.rpartition(": ")
+        return verdict if sep and head.startswith(RESULT_MARK) else "not run"
 
 
 def ordered(cases: Sequence[Path]) -> list[list[Recipe]]:
@@ -201,12 +197,13 @@ def run_one(recipe: Recipe, ns: argparse.Namespace, shared: bool, running: Runni
 
 
 def run_case(recipe: Recipe, ns: argparse.Namespace, shared: bool, running: Running, env: list[str]) -> Outcome:
-    platform, record = golden_for(recipe, ns.platform, shared, ns.record)
+    record = {"all": ["--record"], "missing": ["--record-missing"]}.get(ns.record or "", [])
     out = output_dir_for(recipe, ns.output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{recipe.name}.driver.log"
-    cmd = [sys.executable, "-m", "hfsdp.functional.run_case", str(recipe.case_dir), "--platform", platform,
-           "--ranks-per-gpu", str(ns.ranks_per_gpu), *(["--record"] if record else []),
+    cmd = [sys.executable, "-m", "hfsdp.functional.run_case", str(recipe.case_dir),
+           *(["--platform", ns.platform] if ns.platform else []),
+           "--ranks-per-gpu", str(ns.ranks_per_gpu), *record,
            *(["--nproc", str(ns.nproc)] if ns.nproc else []),
            *(["--timeout-s", f"{ns.timeout_s:g}"] if ns.timeout_s else []),
            *(["--output-dir", str(ns.output_dir)] if ns.output_dir else []),
@@ -215,8 +212,7 @@ def run_case(recipe: Recipe, ns: argparse.Namespace, shared: bool, running: Runn
     with open(log, "w") as sink:
         child = running.start(cmd, sink)
         if child is None:
-            return Outcome(f"{recipe.model}/{recipe.name}", -1, 0.0, "not run: the batch was interrupted",
-                           platform, False)
+            return Outcome(f"{recipe.model}/{recipe.name}", -1, 0.0, "not run: the batch was interrupted", "", False)
         try:
             rc = child.wait()
         finally:
@@ -225,7 +221,10 @@ def run_case(recipe: Recipe, ns: argparse.Namespace, shared: bool, running: Runn
     lines = [ln for ln in text if ln.startswith(RESULT_MARK)]
     refused = [ln.removeprefix("run_case: error: ") for ln in text if ln.startswith("run_case: error: ")]
     result = lines[-1] if lines else f"refused: {refused[-1]} (see {log})" if refused else f"no result line (see {log})"
-    return Outcome(f"{recipe.model}/{recipe.name}", rc, time.monotonic() - start, result, platform, record)
+    named = [ln.removeprefix(GOLDEN_MARK).split()[0] for ln in text if ln.startswith(GOLDEN_MARK + " ")]
+    recorded = any(ln.startswith("recorded ") for ln in text)
+    return Outcome(f"{recipe.model}/{recipe.name}", rc, time.monotonic() - start, result,
+                   named[0] if named else "", recorded)
 
 
 def check_gpus(recipes: Sequence[Recipe], ns: argparse.Namespace) -> None:
@@ -257,6 +256,17 @@ def check_gpus(recipes: Sequence[Recipe], ns: argparse.Namespace) -> None:
                         "cases need none)")
 
 
+def count_line(outcomes: Sequence[Outcome]) -> str:
+    """``N of M cases passed`` and how many got each other verdict (``2 REFUSED, 1 FAIL``)."""
+    passed = sum(o.verdict == PASS for o in outcomes)
+    others: dict[str, int] = {}
+    for o in outcomes:
+        if o.verdict != PASS:
+            others[o.verdict] = others.get(o.verdict, 0) + 1
+    tail = "".join(f", {n} {verdict}" for verdict, n in sorted(others.items()))
+    return f"{passed} of {len(outcomes)} cases passed{tail}"
+
+
 def check_summary(path: Path) -> None:
     """Refuse a ``--summary`` that cannot be written, before any case runs (not after all of them)."""
     output_file("--summary", path)
@@ -270,7 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="record every case's golden (for this platform, and mode)")
     record.add_argument("--record-missing", dest="record", action="store_const", const="missing",
                         help="record the goldens of cases that have none to be held to (see the module note)")
-    parser.add_argument("--platform", default="dgx_h200", help="this GPU kind's golden name, e.g. dgx_h100")
+    parser.add_argument("--platform", default=None,
+                        help="hold every case to this platform's goldens, e.g. dgx_h100 (default: each run's own, "
+                             "as run_case)")
     parser.add_argument("--nproc", type=positive(int), default=None,
                         help="ranks per case (default: each case's NPROC; another count compares no golden)")
     torchrun.add_ranks_per_gpu_option(parser)
@@ -320,8 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     running.stop()  # before the pool's exit waits for its threads
                     pool.shutdown(cancel_futures=True)
                     raise
-        failed = [o for o in outcomes if o.returncode != 0]
-        summary = [o.line() for o in outcomes] + [f"{len(outcomes) - len(failed)} of {len(outcomes)} cases passed"]
+        failed = [o for o in outcomes if o.returncode not in (EXIT_STATUS[PASS], EXIT_STATUS[REFUSED])]
+        summary = [o.line() for o in outcomes] + [count_line(outcomes)]
         print(summary[-1])
         if ns.summary is not None:
             ns.summary.parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp.atomic import loads_strict, write_json_atomic
+from hfsdp.functional import environment
 from hfsdp.functional.logparse import Metrics
 from hfsdp.usererror import UserError, quoted
 
@@ -199,12 +200,34 @@ def load(path: Path) -> Metrics:
         obj = read_json(path)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise GoldenError(f"{path} cannot be read as JSON: {exc}", "re-create it with the functional driver") from exc
-    return read_golden(path, list(obj) if isinstance(obj, dict) else [])
+    return read_golden(path, [k for k in obj if k != environment.KEY] if isinstance(obj, dict) else [])
 
 
-def save(path: Path, metrics: Metrics, names: tuple[str, ...] | list[str]) -> None:
-    """Write atomically (a reader never sees half a file)."""
-    write_json_atomic(path, to_golden(metrics, names), indent=2, sort_keys=True)
+def read_environment(path: Path) -> environment.Environment | None:
+    """The environment block of a golden or metrics file ([Note: the environment of a golden] in
+    environment.py); None where the file records none. A block that is not one is a GoldenError."""
+    path = Path(path)
+    fix = (f"re-record it with `python -m hfsdp.functional.run_case {quoted(path.parent)} --record` in the "
+           "environment it is for")
+    try:
+        obj = read_json(path)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise GoldenError(f"golden {path} cannot be read as JSON: {exc}", fix) from exc
+    if not isinstance(obj, dict) or environment.KEY not in obj:
+        return None
+    try:
+        return environment.from_json(obj[environment.KEY])
+    except ValueError as exc:
+        raise GoldenError(f"golden {path} has no usable environment block: {exc}", fix) from None
+
+
+def save(path: Path, metrics: Metrics, names: tuple[str, ...] | list[str],
+         env: environment.Environment | None = None) -> None:
+    """Write atomically (a reader never sees half a file), with ``env`` as its environment block."""
+    obj = to_golden(metrics, names)
+    if env is not None:
+        obj[environment.KEY] = env.to_json()
+    write_json_atomic(path, obj, indent=2, sort_keys=True)
 
 
 def incomplete_metrics(metrics: Metrics, names: tuple[str, ...] | list[str]) -> list[str]:

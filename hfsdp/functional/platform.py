@@ -1,7 +1,7 @@
 """The name a machine's goldens go by: ``python -m hfsdp.functional.platform [KIND]``.
 
 [Note: golden names per base]
-A golden is ``golden_values_dev_<platform>.json`` (golden.py). ``<platform>`` is the GPU kind
+A golden is ``golden_values_<label>_<platform>.json`` (golden.py, selection.py). ``<platform>`` is the GPU kind
 (``dgx_h100``, ``dgx_h200``, ...; ``KIND`` forces one), and, when ``megatron/`` was built from a
 base other than the project's default, ``_mcore<version>`` after it (``dgx_h200_mcore0.19.2``):
 each base trains with its own release's code, so it is held to goldens it recorded, never to the
@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hfsdp.patchset.project import Project
 from hfsdp.patchset.stamp import read_stamp
+
+if TYPE_CHECKING:
+    from hfsdp.functional.environment import Environment
 
 GPU_KINDS = ("H100", "H200", "B200", "A100")
 
@@ -24,12 +28,22 @@ def gpu_kind(device_name: str) -> str:
     return next((f"dgx_{k.lower()}" for k in GPU_KINDS if k in device_name), "dgx_" + device_name.split()[-1].lower())
 
 
+def base_version(root: Path | None = None) -> str:
+    """The megatron-core release ``root``'s ``megatron/`` was built from (an unstamped tree: the default base)."""
+    root = root or Project.default().root
+    stamp = read_stamp(root)
+    return stamp.base_version if stamp is not None else Project(root).pin().version
+
+
 def base_suffix(root: Path) -> str:
     """``_mcore<version>`` when ``root``'s ``megatron/`` was built from a base other than the default, else ''."""
-    stamp = read_stamp(root)
-    if stamp is None or stamp.base_version == Project(root).pin().version:
-        return ""
-    return f"_mcore{stamp.base_version}"
+    version = base_version(root)
+    return "" if version == Project(root).pin().version else f"_mcore{version}"
+
+
+def platform_of(env: Environment) -> str:
+    """The platform of a probed environment: its GPU kind, and ``_mcore<version>`` for a base other than the default."""
+    return env.gpu + ("" if env.base == Project.default().pin().version else f"_mcore{env.base}")
 
 
 def platform(kind: str | None = None, root: Path | None = None) -> str:

@@ -16,6 +16,11 @@ Keys kept from Megatron (``tests/functional_tests/test_cases/<model>/<case>/mode
 * ``CHECKS``: ``log_absent`` / ``log_present`` regex lists, ``min_iterations``,
   ``loss_decreases`` (bool);
 * ``REQUIRE_GOLDEN``: false for cases whose numbers are machine-specific (CPU smoke).
+* ``ENVIRONMENT``: what the case needs of its environment, checked before any GPU work
+  ([Note: choosing a golden] in selection.py): ``requires`` and ``excludes``, lists of optional
+  packages (``transformer_engine``, ``causal_conv1d``, ``mamba_ssm``, ``apex``), and ``why``, one
+  phrase the refusal quotes. ``excludes`` names a package whose mere presence takes Megatron off
+  the path the case checks (Transformer Engine's FusedAdam replaces Apex's);
 * ``DETERMINISM: transformer_engine``: the environment and flags of a deterministic TE run, from
   hfsdp/te_determinism.py ([Note: deterministic TE runs]), merged into ``ENV_VARS`` and
   ``MODEL_ARGS``; the recipe must not set any of them itself (one place for them).
@@ -45,13 +50,16 @@ from typing import Any, TypeGuard
 import yaml
 
 from hfsdp import te_determinism
+from hfsdp.functional import environment
 from hfsdp.launch.torchrun import MAX_NPROC
 from hfsdp.usererror import UserError, not_a_regular_file
 
 TEST_TYPES = ("regular", "ckpt-resume", "smoke")
 DEFAULT_METRICS = ("lm loss", "num-zeros")
 KEYS = ("ENV_VARS", "MODEL_ARGS", "MODEL_ARGS_2", "ENV_VARS_2", "TEST_TYPE", "METRICS", "TRAINING_SCRIPT",
-        "NPROC", "COMPARE_TO", "COMPARE_RTOL", "CHECKS", "REQUIRE_GOLDEN", "RESUME_COMPARE", "DETERMINISM")
+        "NPROC", "COMPARE_TO", "COMPARE_RTOL", "CHECKS", "REQUIRE_GOLDEN", "RESUME_COMPARE", "DETERMINISM",
+        "ENVIRONMENT")
+ENVIRONMENT_KEYS = ("requires", "excludes", "why")
 CHECK_KEYS = ("log_absent", "log_present", "min_iterations", "loss_decreases")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPE_FIX = "fix model_config.yaml; docs/functional-tests.md lists every key and its type"
@@ -91,6 +99,15 @@ class ResumeCompare:
 
 
 @dataclass(frozen=True)
+class EnvironmentNeeds:
+    """``ENVIRONMENT``: optional packages the case requires and those it cannot run beside."""
+
+    requires: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    why: str = ""
+
+
+@dataclass(frozen=True)
 class Recipe:
     """One functional-test case."""
 
@@ -111,6 +128,7 @@ class Recipe:
     require_golden: bool = True
     resume_compare: ResumeCompare = field(default_factory=ResumeCompare)
     determinism: str | None = None  # DETERMINISM: already merged into env_vars and model_args
+    environment_needs: EnvironmentNeeds = field(default_factory=EnvironmentNeeds)
 
     @property
     def train_iters(self) -> int:
@@ -122,8 +140,10 @@ class Recipe:
             raise RecipeError(f"{where} --train-iters must be an integer >= 1, got {value!r}")
         return value
 
-    def golden_path(self, environment: str = "dev", platform: str = "dgx_h200") -> Path:
-        return self.case_dir / f"golden_values_{environment}_{platform}.json"
+    def golden_path(self, label: str, platform: str) -> Path:
+        """``golden_values_<label>_<platform>.json``: the environment's label in Megatron's environment
+        slot ([Note: the environment of a golden] in environment.py)."""
+        return self.case_dir / f"golden_values_{label}_{platform}.json"
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
@@ -394,6 +414,7 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
         require_golden=require_golden,
         resume_compare=_resume_compare(raw.get("RESUME_COMPARE"), test_type, f"{path}: RESUME_COMPARE"),
         determinism=raw.get("DETERMINISM"),
+        environment_needs=_environment_needs(raw.get("ENVIRONMENT"), f"{path}: ENVIRONMENT"),
     )
     if "lm loss validation" in recipe.metrics:
         _check_eval_schedule(recipe, path)
@@ -403,6 +424,33 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
             if key not in recipe.model_args:
                 raise RecipeError(f"{path}: ckpt-resume needs {key} in MODEL_ARGS")
     return recipe
+
+
+def _environment_needs(raw: Any, where: str) -> EnvironmentNeeds:
+    """``ENVIRONMENT`` checked: known keys, lists of known packages, none both required and excluded, a reason."""
+    if raw is None:
+        return EnvironmentNeeds()
+    known = environment.PACKAGES
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where} must be a mapping of {', '.join(ENVIRONMENT_KEYS)}, got {raw!r}")
+    if unknown := sorted(set(map(str, raw)) - set(ENVIRONMENT_KEYS)):
+        raise RecipeError(f"{where} has unknown keys {unknown}", f"use only {', '.join(ENVIRONMENT_KEYS)}")
+    lists: dict[str, tuple[str, ...]] = {}
+    for key in ("requires", "excludes"):
+        value = raw.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise RecipeError(f"{where}.{key} must be a list of package names, got {value!r}")
+        if bad := [v for v in value if v not in known]:
+            raise RecipeError(f"{where}.{key} names {bad}, which are not optional packages the driver knows",
+                              f"use only {', '.join(known)}")
+        lists[key] = tuple(value)
+    if both := sorted(set(lists["requires"]) & set(lists["excludes"])):
+        raise RecipeError(f"{where} both requires and excludes {both}", "name each package in one list")
+    why = raw.get("why")
+    if (lists["requires"] or lists["excludes"]) and not (isinstance(why, str) and why.strip()):
+        raise RecipeError(f"{where}.why must say in one phrase why the case needs this, got {why!r}",
+                          "add why: <the path the case checks>")
+    return EnvironmentNeeds(lists["requires"], lists["excludes"], str(why or "").strip())
 
 
 def _check_eval_schedule(recipe: Recipe, path: Path) -> None:

@@ -1,6 +1,6 @@
 """Run one functional-test case, write its metrics, and judge it against goldens.
 
-    python -m hfsdp.functional.run_case <case_dir> [--record] [--nproc N]
+    python -m hfsdp.functional.run_case <case_dir> [--record | --record-missing] [--nproc N]
         [--compare-to <other_case_dir>] [--output-dir DIR] [--platform dgx_h200] [--env KEY=VALUE]
 
 Per case (``TEST_TYPE``):
@@ -16,10 +16,22 @@ Per case (``TEST_TYPE``):
 
 Outputs under ``<output-dir>`` (default ``$HFSDP_FUNCTIONAL_OUT`` or ``<repo>/out/functional``
 ``/<model>/<case>``): ``run1.log`` [``run2.log``], ``metrics.json`` (golden format), and
-``result.json``. The last stdout line is ``HFSDP-FUNCTIONAL RESULT <model>/<case>: PASS|FAIL``;
-the exit status is 0 only on PASS (2 for input it refuses, with a sentence; hfsdp/usererror.py).
-``--record`` writes ``golden_values_<env>_<platform>.json`` into the case directory instead of
-comparing against it, only from a passing run whose metrics are complete and finite.
+``result.json``. The last stdout line is ``HFSDP-FUNCTIONAL RESULT <model>/<case>: <verdict>``:
+
+* ``PASS`` (exit 0);
+* ``FAIL`` (exit 1): different numbers in a matching environment, or a check of the case failed;
+* ``NO GOLDEN FOR THIS ENVIRONMENT`` (exit 3): the case ran and its own checks passed, but no
+  golden was recorded in an environment equal to this one; the reason line names the nearest
+  golden and how its environment differs ([Note: choosing a golden] in selection.py);
+* ``REFUSED`` (exit 4): the environment lacks what the recipe's ``ENVIRONMENT`` requires, or has
+  what it excludes; said before any GPU work.
+
+Input it refuses exits 2 with a sentence (hfsdp/usererror.py). Before the run the driver probes
+the run's environment (hfsdp/functional/environment.py). ``--record`` writes
+``golden_values_<label>_<platform>.json`` (with that environment) into the case directory
+instead of comparing, only from a passing run whose metrics are complete and finite;
+``--record-missing`` does so only where no golden holds for this environment, and never over a
+golden of another one.
 
 The runs get the caller's environment unchanged, plus the case's ``ENV_VARS`` and ``--env``
 ([Note: launch environment] in hfsdp/launch/env.py). The output folder is cleared before a run
@@ -44,7 +56,9 @@ from pathlib import Path
 from hfsdp import proc
 from hfsdp.atomic import write_json_atomic
 from hfsdp.diagnostics import stack_dump_after_s
-from hfsdp.functional import golden, logparse, outdir
+from hfsdp.functional import environment, golden, logparse, outdir, selection
+from hfsdp.functional.environment import Environment
+from hfsdp.functional.platform import platform_of
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
@@ -81,17 +95,24 @@ class RunRecord:
     exit_after_last_step_s: float | None = None  # from the last step's log line to the last rank's exit
 
 
+PASS, FAIL, NO_GOLDEN, REFUSED = "PASS", "FAIL", "NO GOLDEN FOR THIS ENVIRONMENT", "REFUSED"
+EXIT_STATUS = {PASS: 0, FAIL: 1, NO_GOLDEN: 3, REFUSED: 4}
+
+
 @dataclass
 class Result:
     case: str
-    status: str = "PASS"
+    status: str = PASS
     reasons: list[str] = field(default_factory=list)
     runs: list[RunRecord] = field(default_factory=list)
     metrics_path: str | None = None
     world_size: int | None = None  # ranks of the runs: a twin's metrics compare only at the same size
+    golden: str | None = None  # the golden held to or recorded (file name)
+    recorded: bool = False
+    environment: dict | None = None  # the run's environment block (environment.py)
 
     def fail(self, why: str) -> None:
-        self.status = "FAIL"
+        self.status = FAIL
         self.reasons.append(why)
 
 
@@ -312,15 +333,30 @@ def compare_curves(name: str, a: logparse.Metrics, b: logparse.Metrics,
         result.fail(f"{name}: reference curve is empty")
 
 
-def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = False,
-             compare_to: Path | None = None, output_root: Path | None = None,
-             environment: str = "dev", platform: str = "dgx_h200",
-             evaluate_log: Path | None = None, env: Mapping[str, str] | None = None) -> Result:
+GOLDEN_MARK = "run_case: golden"  # the line naming the golden a run was held to (the batch runner reads it)
+
+
+def choose_golden(recipe: Recipe, run: Environment, platform: str | None, shared: bool) -> selection.Selection:
+    """The golden for ``run`` ([Note: choosing a golden] in selection.py). ``platform`` given: that
+    platform's golden, its GPU kind not compared with this machine's."""
+    base = platform or platform_of(run)
+    base = base.removesuffix(golden.SHARED_SUFFIX)
+    platforms = [base + golden.SHARED_SUFFIX, base] if shared else [base]
+    ignore_gpu = platform is not None and selection.kind_of(base) != run.gpu
+    return selection.select(recipe, run, platforms, ignore_gpu=ignore_gpu, any_kind=shared)
+
+
+def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = False, record_missing: bool = False,
+             compare_to: Path | None = None, output_root: Path | None = None, platform: str | None = None,
+             evaluate_log: Path | None = None, env: Mapping[str, str] | None = None,
+             run_environment: Environment | None = None) -> Result:
     """Run and judge one case; see the module docstring.
 
     ``evaluate_log`` judges an existing log instead of launching (the srun-per-GPU SLURM mode
     launches the ranks itself and calls this afterwards; single-run cases only). ``env`` is
     ``--env``: set in the launched runs on top of the caller's environment and ENV_VARS.
+    ``platform``: the golden's platform (default: this machine's GPU kind and the tree's base).
+    ``run_environment``: the environment already probed (a twin's run shares its case's).
     """
     recipe = load_recipe(case_dir)
     launch = launch or Launch(torchrun.Placement(nproc=recipe.nproc))
@@ -330,11 +366,6 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     if record and not at_recipe_size:
         raise UserError(f"{recipe.model}/{recipe.name} records goldens of NPROC={recipe.nproc} ranks, and this "
                         f"launch has {launch.world_size}", f"record it with --nproc {recipe.nproc} on one node")
-    if record and shared and not golden.is_shared_platform(platform):
-        raise UserError(f"--platform {platform} names GPUs of their own, and this run shares each GPU between "
-                        f"{launch.placement.ranks_per_gpu} ranks, whose step times say nothing about that platform",
-                        f"record it under a platform name ending in {golden.SHARED_SUFFIX!r}, e.g. "
-                        f"--platform {platform}{golden.SHARED_SUFFIX} (docs/functional-tests.md)")
     if launch.placement.nnodes > 1 and recipe.test_type == "ckpt-resume":
         raise UserError(f"{recipe.model}/{recipe.name} is a ckpt-resume case, which runs on one node "
                         "(the resume step edits the checkpoint)", "run it with --nnodes 1")
@@ -350,6 +381,23 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     if launch.placement.nnodes > 1:
         out = out / f"node{launch.placement.node_rank}"  # per-node logs; no cross-node file races
     result = Result(case=f"{recipe.model}/{recipe.name}", world_size=launch.world_size)
+    # The environment is compared before any number, and a case's declared needs before any GPU work.
+    measured = run_environment or environment.probe(run_env(recipe.env_vars, env))
+    result.environment = measured.to_json()
+    if (unmet := selection.unmet_needs(recipe, measured)) is not None:
+        result.status, result.reasons = REFUSED, [unmet]
+        return result
+    chosen = choose_golden(recipe, measured, platform, shared)
+    if record_missing and not chosen.matched and os.path.lexists(chosen.path):
+        raise UserError(f"--record-missing would write {chosen.path}, which holds a golden of another environment "
+                        f"({'; '.join(chosen.differences) or 'unreadable'})",
+                        "pass --record to replace it, or record this environment's golden on another platform name")
+    record = record or (record_missing and not chosen.matched)
+    golden_path = chosen.path
+    result.golden = golden_path.name
+    print(f"{GOLDEN_MARK} {golden_path.name} ({'recorded from this run' if record else 'held to' if chosen.matched
+                                              else 'none for this environment'}); environment {measured.label()}: "
+          f"{measured.describe()}", flush=True)
     if evaluate_log is not None:
         if recipe.test_type == "ckpt-resume":
             raise UserError(f"{recipe.model}/{recipe.name} is a ckpt-resume case; --evaluate-log judges "
@@ -409,10 +457,9 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
                                loss_rtol=recipe.resume_compare.rtol)
 
     metrics_path = out / "metrics.json"
-    golden.save(metrics_path, metrics, list(metrics))
+    golden.save(metrics_path, metrics, list(metrics), measured)
     result.metrics_path = str(metrics_path)
 
-    golden_path = recipe.golden_path(environment, platform)
     if not last_node:
         write_json_atomic(out / "result.json", asdict(result), indent=2, sort_keys=False)
         return result
@@ -421,9 +468,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         other_metrics_path = output_dir_for(other_recipe, output_root) / "metrics.json"
         twin_size = _recorded_world_size(other_metrics_path.parent / "result.json")
         if not other_metrics_path.is_file() or twin_size != launch.world_size:
-            sub = run_case(Path(other), launch=launch, output_root=output_root,
-                           environment=environment, platform=platform,
-                           record=False, env=env)
+            sub = run_case(Path(other), launch=launch, output_root=output_root, platform=platform,
+                           record=False, env=env, run_environment=measured)
             if sub.status != "PASS" and not other_metrics_path.is_file():
                 result.fail(f"compare-to case {sub.case} failed: {sub.reasons}")
         crashed = _unclean_runs(other_metrics_path.parent / "result.json")
@@ -446,16 +492,18 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         missing = golden.incomplete_metrics(metrics, recipe.metrics)
         if missing:
             result.fail(f"not recording goldens: the run's metrics are not complete and finite ({'; '.join(missing)})")
-        elif result.status == "PASS":
-            golden.save(golden_path, metrics, list(recipe.metrics))
+        elif result.status == PASS:
+            golden.save(golden_path, metrics, list(recipe.metrics), measured)
+            result.recorded = True
             print(f"recorded {golden_path}")
         else:
             result.fail("not recording goldens from a failing run")
     elif golden_path.is_file() and not at_recipe_size:
         print(f"note: golden {golden_path.name} holds a run of NPROC={recipe.nproc} ranks and this one has "
               f"{launch.world_size}: not compared (the twin, if any, ran at {launch.world_size} too)")
-    elif golden_path.is_file():
-        names, skipped = golden.compared_metrics(recipe.metrics, shared, platform)
+    elif chosen.matched:
+        held_to = selection.parse_name(golden_path.name)
+        names, skipped = golden.compared_metrics(recipe.metrics, shared, held_to[1] if held_to else "")
         if skipped:
             print(f"note: golden {golden_path.name}: {', '.join(skipped)} not compared (several ranks per "
                   "GPU on one side: [Note: goldens of the several-ranks-per-GPU mode] in golden.py)")
@@ -471,7 +519,9 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
             for uncovered in golden.uncovered_steps(expected, metrics, names):
                 result.fail(f"golden {golden_path.name}: {uncovered}; re-record it with --record")
     elif recipe.require_golden and at_recipe_size:
-        result.fail(f"no golden {golden_path.name}; record one with --record on {platform}")
+        if result.status == PASS:
+            result.status = NO_GOLDEN
+        result.reasons.append(f"no golden for this environment: {chosen.verdict_line()}")
 
     write_json_atomic(out / "result.json", asdict(result), indent=2, sort_keys=False)
     return result
@@ -490,7 +540,10 @@ def env_port(environ: Mapping[str, str]) -> int | None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="run_case", description=__doc__.split("\n")[0])
     parser.add_argument("case_dir", type=Path)
-    parser.add_argument("--record", action="store_true", help="write goldens instead of comparing")
+    record = parser.add_mutually_exclusive_group()
+    record.add_argument("--record", action="store_true", help="write this environment's golden instead of comparing")
+    record.add_argument("--record-missing", action="store_true",
+                        help="record this environment's golden only where the case has none for it")
     parser.add_argument("--nproc", type=positive(int), default=None, help="processes per node (default: NPROC)")
     parser.add_argument("--nnodes", type=positive(int), default=1)
     parser.add_argument("--node-rank", type=int, default=0)
@@ -504,8 +557,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-dir", type=Path, default=None,
                         help="root for case outputs (default $HFSDP_FUNCTIONAL_OUT or out/functional); never "
                              "a folder holding test cases")
-    parser.add_argument("--environment", default="dev")
-    parser.add_argument("--platform", default="dgx_h200")
+    parser.add_argument("--platform", default=None,
+                        help="hold the run to this platform's golden, e.g. dgx_h100 (default: this machine's GPU "
+                             "kind and the tree's base; another kind's GPU field is then not compared)")
     parser.add_argument("--timeout-s", type=positive(float), default=None,
                         help="end a run after this long (stacks, then SIGTERM, then SIGKILL; hfsdp/proc.py)")
     parser.add_argument("--exit-duration-in-mins", type=positive(float), default=None,
@@ -532,8 +586,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        master_port=port)
         launch = Launch(placement, timeout_s=ns.timeout_s, exit_duration_in_mins=ns.exit_duration_in_mins)
         try:
-            result = run_case(ns.case_dir, launch=launch, record=ns.record, compare_to=ns.compare_to,
-                              output_root=ns.output_dir, environment=ns.environment,
+            result = run_case(ns.case_dir, launch=launch, record=ns.record, record_missing=ns.record_missing,
+                              compare_to=ns.compare_to, output_root=ns.output_dir,
                               platform=ns.platform, evaluate_log=ns.evaluate_log, env=extra_env)
         except Interrupted as stop:
             # Ctrl-C, a time limit, scancel, or srun ending the step after another node failed:
@@ -547,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for reason in result.reasons:
             print(f"  - {reason}")
         print(f"{RESULT_MARK} {result.case}: {result.status}", flush=True)
-        return 0 if result.status == "PASS" else 1
+        return EXIT_STATUS[result.status]
 
     return run_cli("run_case", run, lambda: "the run's processes were ended, and the case FAILed"
                    if failed_verdict else "no case was run")

@@ -281,8 +281,8 @@ def apex_report(importable_module: Callable[[str], bool] | None = None,
 
 
 def megatron_paths(importable_module: Callable[[str], bool] | None = None) -> dict[str, str]:
-    """Which optimizer, multi-tensor kernels and gradient-accumulation fusion megatron-core 0.18.2
-    takes, given what imports here: Transformer Engine first, then NVIDIA Apex, then torch (read off
+    """Which optimizer, multi-tensor kernels, Mamba convolution and gradient-accumulation fusion
+    megatron-core takes, given what imports here: Transformer Engine first, then NVIDIA Apex, then torch (read off
     ``megatron/core/optimizer/`` and ``tensor_parallel/layers.py`` of the pinned release)."""
     importable_module = importable_module or module_importable
     te = importable_module(TE_OPTIMIZERS)
@@ -315,7 +315,12 @@ def megatron_paths(importable_module: Callable[[str], bool] | None = None) -> di
         norm = "Apex's FusedLayerNorm, whose kernel (fused_layer_norm_cuda) is not importable: the first forward fails"
     else:
         norm = "Apex's FusedLayerNorm"
-    return {"optimizer": optimizer, "multi_tensor": multi_tensor,
+    # mamba_mixer.py calls causal_conv1d_fn on the non-fused path too whenever causal_conv1d imports.
+    if importable_module("causal_conv1d"):
+        conv = "causal-conv1d's causal_conv1d_fn"
+    else:
+        conv = "torch's nn.Conv1d (the fused path needs causal-conv1d)"
+    return {"optimizer": optimizer, "multi_tensor": multi_tensor, "mamba_conv": conv,
             "gradient_accumulation_fusion": f"local layers: {fusion}; Transformer Engine layers: their own",
             "layer_norm": f"local LayerNorm layers: {norm}; RMSNorm, Transformer Engine and the hybrid local specs' "
                           "layers: not Apex's"}

@@ -10,10 +10,10 @@
 #                    cases side by side on a 4-GPU machine)   CASE_TIMEOUT=S (default 170) per run
 #   BUDGET_S=S       end the batch after S seconds (SIGINT: running cases end, none start) and still
 #                    pack what it wrote
-#   PLATFORM=dgx_h200 to force the GPU kind of the goldens (default: this GPU's; a tree built from
-#                    another base than the default adds _mcore<version>)
-# --record writes every case's golden; --record-missing only those of cases that have none to be held
-# to. Either way a golden comes only from a run that passed.
+#   PLATFORM=dgx_h100 to hold the cases to another GPU kind's goldens (default: this GPU's; a tree
+#                    built from another base than the default adds _mcore<version>)
+# --record writes every case's golden for this environment; --record-missing only those of cases that
+# have none for it. Either way a golden comes only from a run that passed.
 # Everything lands in $OUT/functional.tgz (logs, metrics, goldens) plus $OUT/functional_summary.txt.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -27,16 +27,16 @@ if [ ${#cases[@]} -eq 0 ]; then
   mapfile -t cases < <(cd tests/functional_tests/test_cases && ls -d */*/ | sed 's#/$##' | grep -v '^smoke/')
 fi
 paths=(); for c in "${cases[@]}"; do paths+=("tests/functional_tests/test_cases/$c"); done
-# Goldens are per GPU kind, and per base on a tree not built from the default one:
-# golden_values_dev_<platform>.json ([Note: golden names per base] in hfsdp/functional/platform.py).
-platform=$(python -m hfsdp.functional.platform "${PLATFORM:-}") || exit 2
+# Each case probes its run's environment and is held to the golden recorded in an equal one
+# (golden_values_<label>_<platform>.json; [Note: choosing a golden] in hfsdp/functional/selection.py).
+platform=(); [ -n "${PLATFORM:-}" ] && platform=(--platform "$PLATFORM")
 work=${HFSDP_FUNCTIONAL_OUT:-/tmp/hfsdp_functional}
 mkdir -p "$work"
 # $OUT may name a subfolder that does not exist yet (a lost run taught us: mkdir it).
 [ -n "${OUT:-}" ] && mkdir -p "$OUT"
 summary="${OUT:-$work}/functional_summary.txt"
 budget=(); [ -n "${BUDGET_S:-}" ] && budget=(timeout -s INT "$BUDGET_S")
-"${budget[@]}" python -m hfsdp.functional.batch "${paths[@]}" "${mode[@]}" --platform "$platform" \
+"${budget[@]}" python -m hfsdp.functional.batch "${paths[@]}" "${mode[@]}" "${platform[@]}" \
   --ranks-per-gpu "${RANKS_PER_GPU:-1}" --jobs "${JOBS:-1}" ${NPROC:+--nproc "$NPROC"} \
   --timeout-s "${CASE_TIMEOUT:-170}" --output-dir "$work" --summary "$summary"
 rc=$?

@@ -246,8 +246,8 @@ def test_run_report_knows_a_graph_that_teardown_destroyed(monkeypatch):
     assert report["cuda_graph_captured"] is True
     # The optional packages and the optimizer / multi-tensor / gradient-accumulation paths Megatron took.
     assert set(report["optional_packages"]) == {"transformer-engine", "apex", "mamba-ssm", "causal-conv1d"}
-    assert set(report["megatron_paths"]) == {"optimizer", "multi_tensor", "gradient_accumulation_fusion",
-                                                "layer_norm"}
+    assert set(report["megatron_paths"]) == {"optimizer", "multi_tensor", "mamba_conv",
+                                                "gradient_accumulation_fusion", "layer_norm"}
     teardown.release_cuda_graphs(synchronize=False)
     assert FullCudaGraphWrapper.cuda_graph["training"] is None
     assert run_report.collect()["cuda_graph_captured"] is True

@@ -46,6 +46,16 @@ def test_megatron_paths_follow_the_import_order(importable: set[str], expected: 
     assert fsdp_te == (expected["optimizer"].startswith("Transformer Engine") and expected["fusion"] != "none, so")
 
 
+@pytest.mark.parametrize(("importable", "conv"), [
+    (set(), "torch's nn.Conv1d"),
+    ({"causal_conv1d"}, "causal-conv1d's causal_conv1d_fn"),
+    (TE | APEX_ALL | {"causal_conv1d"}, "causal-conv1d's causal_conv1d_fn"),
+])
+def test_mamba_convolution_follows_causal_conv1d(importable: set[str], conv: str) -> None:
+    """mamba_mixer.py calls causal-conv1d on its non-fused path too whenever it imports."""
+    assert R.megatron_paths(only(importable))["mamba_conv"].startswith(conv)
+
+
 @pytest.mark.parametrize(("importable", "norm"), [
     (set(), "torch's"),
     ({"apex"}, "Megatron's FusedLayerNorm, which refuses to build"),  # PyPI's apex
@@ -137,6 +147,7 @@ def test_nvidia_apex_stand_in_on_sys_path(site: Path) -> None:
     assert R.megatron_paths() == {
         "optimizer": "Apex's FusedAdam/FusedSGD",
         "multi_tensor": "Apex's amp_C with apex.multi_tensor_apply",
+        "mamba_conv": "torch's nn.Conv1d (the fused path needs causal-conv1d)",
         "gradient_accumulation_fusion": "local layers: Apex's fused_weight_gradient_mlp_cuda; "
                                         "Transformer Engine layers: their own",
         "layer_norm": "local LayerNorm layers: Megatron's FusedLayerNorm, which refuses to build (this apex has no "
