@@ -606,7 +606,7 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
                   for base, names in bases.loss_groups([r.config for r in runs]).items()}
     for agreement in agreements.values():
         print("\n".join(res.format_loss_agreement(agreement)))
-    print("\n".join(res.format_pool_check(summaries, runs, baseline)))
+    print("\n".join(res.format_pool_check(summaries, runs, baseline, dp_size=opts.nproc)))
     if startup := res.format_startup(runs):
         print("\n".join(startup))
     best = bases.best_per_base(summaries) if not shared else {}

@@ -24,6 +24,7 @@ from hfsdp.main_job.runs import (
     one_logger_flags,
     train,
 )
+from hfsdp.planner.pools import NEVER_GATHERED
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
 from hfsdp.usererror import env_number, run_cli
 
@@ -95,7 +96,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"max-pool, eager: median step {eager_ms:.1f} ms (steps 3-{eager_iters}); "
               f"the graph runs {eager_ms / ms:.2f}x faster")
     if idle:
-        print("at data-parallel size 1 Megatron-FSDP never all-gathers a unit, so nothing passed through "
+        print(f"{NEVER_GATHERED}, so nothing passed through "
               "the double buffer in the runs above" + ("; the DP=2 rehearsal exercised it" if rehearsal else ""))
     if rehearsal is not None:
         print("\n".join(rehearsal.lines()))
