@@ -28,6 +28,7 @@ from hfsdp.atomic import NonFiniteJSON, loads_strict
 from hfsdp.bench import bases, flops, pretrain_launch, run_logs
 from hfsdp.bench import configs as cfgs
 from hfsdp.bench import results as res
+from hfsdp.functional.outdir import refuse_foreign
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments, shared_autotune
 from hfsdp.proc import run_group
@@ -430,6 +431,10 @@ def check_paths(opts: argparse.Namespace, shared: bool) -> None:
                             f"give {option} a file in a folder you can write to") from None
     for option in launch_only:
         output_folder(option, getattr(opts, option[2:].replace("-", "_")))
+    if opts.keep_logs:  # [Note: made by us] in hfsdp/functional/outdir.py; machine.json marks the folders we made
+        refuse_foreign("--keep-logs", Path(opts.keep_logs), "give --keep-logs a new or empty folder",
+                       marker=run_logs.MACHINE_FILE, ours=None, maker="the benchmark",
+                       rule="it writes only into empty folders or those it made")
 
 
 def chart_from(opts: argparse.Namespace) -> int:
