@@ -71,7 +71,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="cProfile tables of the timed steps (host Python time; distorts timings).")
     p.add_argument("--memory-trace-dir", default=None,
                    help="Record the CUDA allocator's history and write what was live at the "
-                        "peak, by allocator (hfsdp/bench/memtrace.py; distorts timings).")
+                        "peak, by allocator (hfsdp/trace/memtrace.py; distorts timings).")
     p.add_argument("--run-timeout", type=positive(int), default=300, help="Seconds per torchrun.")
     p.add_argument("--time-budget", type=positive(int), default=None, metavar="S",
                    help="Launch no run that would end more than S seconds after the runs began, the "
