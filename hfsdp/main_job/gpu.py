@@ -11,12 +11,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from hfsdp.bench.configs import GRAPH_FLAGS
+from hfsdp.flagsets import GRAPH_FLAGS, MAXPOOL_FLAGS
 from hfsdp.launch import fit
 from hfsdp.main_job.logs import IN_PROCESS_LOG, job_folder, shown, stderr_into
 from hfsdp.main_job.rehearsal import REHEARSAL_NPROC, rehearse
 from hfsdp.main_job.runs import (
-    MAXPOOL_FLAGS,
     SETTLE_STEPS,
     TRAIN_FLAGS,
     capture_problems,
