@@ -42,6 +42,7 @@ import shlex
 import signal
 import stat
 import sys
+import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -218,13 +219,29 @@ def output_folder(option: str, path: str | Path) -> None:
 
 def _check_parent(option: str, path: Path, folder: Path, fix: str) -> None:
     """Refuse ``path`` unless ``folder`` (where it is written), or the nearest ancestor of it that is
-    there, is a folder we may write to."""
+    there, is a folder in which a file can be made (:func:`cannot_make_file_in`)."""
     existing = _nearest_existing(folder)
     if not existing.is_dir():
         what = "a symbolic link to nothing" if existing.is_symlink() and not existing.exists() else "a file"
         raise UserError(f"{option} {path} lies under {existing}, which is {what}", fix)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{option} {path}: {existing} is not writable", fix)
+    if why := cannot_make_file_in(existing):
+        raise UserError(f"{option} {path}: no file can be made in {existing} ({why})", fix)
+
+
+def cannot_make_file_in(folder: str | Path) -> str | None:
+    """Why no file can be made in ``folder`` (the system's words), or None where one can: found by
+    making a temporary file there and removing it, as the final write in one step
+    (:func:`hfsdp.atomic.write_text_atomic`) will. ``os.access`` alone says yes to root where
+    nothing can be made (/proc, /sys, a read-only mount)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".hfsdp-probe-", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(probe)
+    return None
 
 
 def rejection(exc: BaseException, what: str, fix: str) -> UserError:

@@ -36,6 +36,10 @@ case "$base" in
       tests/unit_tests/megatron_fsdp/test_one_rank_grad_groups.py  # mfsdp-one-rank-grad-groups
       tests/unit_tests/test_megatron_help.py                # arguments-help-percent
       tests/unit_tests/test_megatron_args.py                # Megatron's own parse, as the tests use it
+      tests/unit_tests/test_import_order.py                 # the hooks keep Megatron Core bound, whatever comes
+                                                            # first, as the release does
+      tests/unit_tests/test_import_cycles.py                # no import cycle through the overlay, no new
+                                                            # import-time loop against the release
       tests/unit_tests/double_buffer/test_maxpool_plan.py   # mfsdp-max-pool-fork-allocator (the overlay's
       tests/unit_tests/double_buffer/test_maxpool_allocator.py  # plan and MaxPool, and 0.19.2's
       tests/unit_tests/double_buffer/test_maxpool_buffer.py     # ParamAndGradBuffer building it)

@@ -346,7 +346,7 @@ def capabilities(base: str, trees: Mapping[str, Path], caller: Mapping[str, str]
 
 def refusal(name: str, model_flags: Sequence[str], offers: Capabilities) -> str | None:
     """Why row ``name`` cannot run on its release (one sentence), or None."""
-    from hfsdp.bench.pretrain_launch import flag_value
+    from hfsdp.launch.pretrain import flag_value
 
     base, _ = split(name)
     if base == FORK:

@@ -1,12 +1,18 @@
 """PNG chart of a benchmark: step time, tokens/s and peak memory per configuration.
 
 matplotlib is optional for the rest of the package; only this writer needs it and it says so.
+The chart is a PNG written at exactly the path given, in one step (missing folders are made):
+matplotlib's own ``savefig(path)`` would append ``.png`` to a path without a suffix and write
+a file no check of the path had looked at.
 """
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Sequence
 
+from hfsdp.atomic import write_bytes_atomic
 from hfsdp.bench.results import MIB, ConfigSummary
 
 
@@ -29,7 +35,8 @@ def _pyplot():
 
 
 def write_chart(path: str, summaries: Sequence[ConfigSummary], title: str) -> None:
-    """Three panels: median step time (with run min..max), tokens/s, peak allocated/reserved."""
+    """Three panels: median step time (with run min..max), tokens/s, peak allocated/reserved; a PNG
+    at exactly ``path`` (see the module's docstring)."""
     if not summaries:
         raise ValueError("no configurations to chart")
     plt = _pyplot()
@@ -59,5 +66,8 @@ def write_chart(path: str, summaries: Sequence[ConfigSummary], title: str) -> No
                              va="bottom", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_bytes_atomic(path, png.getvalue())

@@ -6,10 +6,9 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from hfsdp.flagsets import GRAPH_FLAGS, LANES_FLAG, MAXPOOL_FLAG
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
 
-MAXPOOL_FLAG = "--megatron-fsdp-max-pool-double-buffer"
-LANES_FLAG = "--megatron-fsdp-max-pool-lanes"
 # no_db_d1's --suggested-communication-unit-size (elements); see CONFIGS.
 D1_UNIT_SIZE = 2_000_000
 
@@ -38,9 +37,6 @@ class BenchConfig:
         return int(self.flags[self.flags.index(LANES_FLAG) + 1]) if LANES_FLAG in self.flags else 2
 
 
-# Full-iteration CUDA graph: Megatron's default 3 eager warm-up steps, capture on step 4.
-GRAPH_FLAGS = ("--cuda-graph-impl", "full_iteration")
-GRAPH_WARMUP_STEPS = 3
 # Megatron's default rerun mode, given explicitly so that a graphed run keeps it.
 VALIDATE_FLAGS = ("--rerun-mode", "validate_results")
 # Transformer Engine layer specs (replaces the presets' --transformer-impl local; argparse keeps

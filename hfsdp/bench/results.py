@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hfsdp.atomic import write_json_atomic
+from hfsdp.planner.pools import NO_POOL, pool_allocated
 
 BASELINE = "no_db"
 MIB = 2**20
@@ -190,12 +191,15 @@ def format_loss_agreement(agreement: dict[str, Any]) -> list[str]:
 
 
 def format_pool_check(summaries: Sequence[ConfigSummary], runs: Sequence[RunResult],
-                      baseline: str = BASELINE) -> list[str]:
+                      baseline: str = BASELINE, *, dp_size: int) -> list[str]:
     """Per configuration with a planned pool: does the pool held equal the plan, how many home
     misses did its runs count (the max over runs of the summed allocator stats), and does its
     peak allocated memory exceed the baseline's by at most the planned pool (the pool is the
-    only memory double buffering adds; the rest of a step's memory is the same)."""
+    only memory double buffering adds; the rest of a step's memory is the same). At data-parallel
+    size ``dp_size`` 1 no pool exists ([Note: no pool at DP=1] in hfsdp/planner/pools.py), and the
+    check says so instead of comparing with a plan."""
     base = next((s for s in summaries if s.config == baseline), None)
+    pooled = pool_allocated(dp_size)
     lines = []
     for s in summaries:
         if s.pool_bytes_planned is None:
@@ -203,15 +207,20 @@ def format_pool_check(summaries: Sequence[ConfigSummary], runs: Sequence[RunResu
         misses = [r.maxpool_stats.get("home_misses", 0) for r in runs
                   if r.config == s.config and r.maxpool_stats]
         held = s.pool_bytes_measured
-        verdict = ("not measured" if held is None
-                   else "= plan" if held == s.pool_bytes_planned
-                   else f"!= plan ({_fmt_mib(held)} vs {_fmt_mib(s.pool_bytes_planned)} MiB)")
+        if not pooled:
+            verdict = (f"none ({NO_POOL})" if not held
+                       else f"!= plan ({_fmt_mib(held)} MiB held, though {NO_POOL})")
+        else:
+            verdict = ("not measured" if held is None
+                       else "= plan" if held == s.pool_bytes_planned
+                       else f"!= plan ({_fmt_mib(held)} vs {_fmt_mib(s.pool_bytes_planned)} MiB)")
         memory = ""
         if base is not None and base.peak_allocated_bytes:
             extra = s.peak_allocated_bytes - base.peak_allocated_bytes
             bound = "within" if extra <= s.pool_bytes_planned else "MORE than"
             memory = (f"; peak allocated {extra / MIB:+,.1f} MiB over {baseline} "
-                      f"({s.peak_allocated_bytes / base.peak_allocated_bytes:.3f}x), {bound} the planned pool")
+                      f"({s.peak_allocated_bytes / base.peak_allocated_bytes:.3f}x)"
+                      + (f", {bound} the planned pool" if pooled else ""))
         lines.append(f"  {s.config:<20} pool {verdict}; home misses "
                      f"{max(misses) if misses else 'not reported'}{memory}")
     return ["pool check:", *lines] if lines else []

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,8 +27,11 @@ from hfsdp.atomic import NonFiniteJSON, loads_strict
 from hfsdp.bench import bases, flops, pretrain_launch, run_logs
 from hfsdp.bench import configs as cfgs
 from hfsdp.bench import results as res
-from hfsdp.launch import fit, torchrun
+from hfsdp.flagsets import GRAPH_WARMUP_STEPS
+from hfsdp.functional.outdir import refuse_foreign
+from hfsdp.launch import fit, pretrain, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments, shared_autotune
+from hfsdp.planner import pools
 from hfsdp.proc import run_group
 from hfsdp.training import requirements
 from hfsdp.usererror import UserError, comma_choices, not_a_regular_file, output_file, output_folder, positive, run_cli
@@ -70,7 +72,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="cProfile tables of the timed steps (host Python time; distorts timings).")
     p.add_argument("--memory-trace-dir", default=None,
                    help="Record the CUDA allocator's history and write what was live at the "
-                        "peak, by allocator (hfsdp/bench/memtrace.py; distorts timings).")
+                        "peak, by allocator (hfsdp/trace/memtrace.py; distorts timings).")
     p.add_argument("--run-timeout", type=positive(int), default=300, help="Seconds per torchrun.")
     p.add_argument("--time-budget", type=positive(int), default=None, metavar="S",
                    help="Launch no run that would end more than S seconds after the runs began, the "
@@ -125,9 +127,6 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return opts, argv[split + 1:]
 
 
-PLAN_NICENESS = 10  # the planner yields the CPU to the runs it overlaps
-
-
 class Plans:
     """Planned pool bytes per configuration (weights + grads) from CPU-only planner runs.
 
@@ -139,10 +138,10 @@ class Plans:
     whose own flags change the plan (cfgs.plan_flags: the gradient buffers' dtype) get one planner
     run per distinct set of them.
 
-    The planner processes start at construction and run side by side, at a lower CPU priority,
-    beside the GPU runs (each builds the model on the CPU, which a large preset makes slow);
-    :meth:`result` waits for them, and :meth:`stop` ends any still running, so an interrupted
-    invocation leaves none behind.
+    The planner processes (:class:`hfsdp.planner.pools.PlannerRun`) start at construction and run
+    side by side, at a lower CPU priority, beside the GPU runs (each builds the model on the CPU,
+    which a large preset makes slow); :meth:`result` waits for them, and :meth:`stop` ends any
+    still running, so an interrupted invocation leaves none behind.
     """
 
     def __init__(self, flags: Sequence[str], nproc: int, extra_env: dict[str, str] | None = None,
@@ -151,40 +150,29 @@ class Plans:
         groups: dict[tuple[str, ...], list[str]] = {}
         for name in wanted:
             groups.setdefault(cfgs.plan_flags(name), []).append(name)
-        self._tmp = tempfile.TemporaryDirectory()
-        env = dict(job_env(os.environ, extra_env or {}), CUDA_VISIBLE_DEVICES="")
-        self._jobs: list[tuple[list[str], str, subprocess.Popen[bytes]]] = []
-        for i, (own, members) in enumerate(groups.items()):
+        env = job_env(os.environ, extra_env or {})
+        self._jobs: list[tuple[list[str], pools.PlannerRun]] = []
+        for own, members in groups.items():
             lanes = sorted({cfgs.CONFIGS[n].lanes for n in members if cfgs.CONFIGS[n].plan == "lanes"})
-            out = os.path.join(self._tmp.name, f"plan{i}.json")
-            cmd = [sys.executable, "-m", "hfsdp.planner", *cfgs.override_flags(flags, own), "--plan-dp-size",
-                   str(nproc), *(["--plan-lanes", ",".join(map(str, lanes))] if lanes else []), "--plan-json", out]
-            with open(out + ".err", "w") as err:  # a file, not a pipe: nobody reads until the runs end
-                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
-                                        preexec_fn=lambda: os.nice(PLAN_NICENESS))
-            self._jobs.append((members, out, proc))
+            self._jobs.append((members, pools.PlannerRun(cfgs.override_flags(flags, own), nproc, env, lanes)))
 
     def result(self) -> dict[str, dict[str, int]]:
         """The pools of every configuration; {} (said once) when a planner run failed."""
         out: dict[str, dict[str, int]] = {}
         try:
-            for members, path, proc in self._jobs:
-                if proc.wait() != 0:
-                    err = Path(path + ".err").read_text(errors="replace")
-                    print("planner failed; continuing without planned sizes:\n" + err[-2000:])
+            for members, run in self._jobs:
+                plan, said = run.result()
+                if plan is None:
+                    print("planner failed; continuing without planned sizes:\n" + said)
                     return {}
-                with open(path) as f:
-                    out.update(pools_from_plan(json.load(f), members))
+                out.update(pools_from_plan(plan, members))
             return out
         finally:
             self.stop()
 
     def stop(self) -> None:
-        for _, _, proc in self._jobs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        self._tmp.cleanup()
+        for _, run in self._jobs:
+            run.stop()
 
 
 def planned_pools(flags: Sequence[str], nproc: int, extra_env: dict[str, str] | None = None,
@@ -196,22 +184,16 @@ def planned_pools(flags: Sequence[str], nproc: int, extra_env: dict[str, str] | 
 def pools_from_plan(plan: dict[str, Any], names: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
     """Per configuration with a ``plan`` figure: its planned pool (weights + grads) from the
     planner's JSON, and the analytic minimum of the 2-group pools it is compared with."""
-    alloc = plan["allocators"]
-
-    def total(key: str) -> int:
-        return sum(a[key] for a in alloc.values())
-
-    minimum = total("analytic_minimum_bytes")
+    minimum = pools.total(plan, "analytic_minimum_bytes")
     out: dict[str, dict[str, int]] = {}
     for name in cfgs.CONFIGS if names is None else names:
         config = cfgs.CONFIGS[name]
         if config.plan == "lanes":
             # The analytic minimum counts two groups of the largest unit: not this pool's bound.
-            out[name] = {"pool_bytes": sum(a["lane_plans"][str(config.lanes)]["pool_bytes"]
-                                           for a in alloc.values())}
+            out[name] = {"pool_bytes": pools.lanes_pool_bytes(plan, config.lanes)}
         elif config.plan is not None:
             key = {"fixed_pool": "fixed_pool_pool_bytes", "maxpool": "maxpool_pool_bytes"}[config.plan]
-            out[name] = {"pool_bytes": total(key), "analytic_minimum_bytes": minimum}
+            out[name] = {"pool_bytes": pools.total(plan, key), "analytic_minimum_bytes": minimum}
     return out
 
 
@@ -262,10 +244,10 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     """One timing run through Megatron's own training loop (hfsdp/bench/pretrain_launch.py)."""
     stem = os.path.join(workdir, f"{config.name}-{repeat}")
     steps = opts.warmup_steps + opts.timed_steps
-    cmd = pretrain_launch.command([*flags, *config.flags], opts.nproc, steps, opts.ranks_per_gpu)
+    cmd = pretrain.command([*flags, *config.flags], opts.nproc, steps, opts.ranks_per_gpu)
     caller = job_env(os.environ, opts.env)
     env = job_env(caller, bases.run_env(config.name, opts.trees, caller),
-                  pretrain_launch.report_env(f"{stem}.report.json"))
+                  pretrain.report_env(f"{stem}.report.json"))
     with open(f"{stem}.log", "w") as f:
         f.write(pretrain_launch.launch_line())
         f.flush()
@@ -430,6 +412,10 @@ def check_paths(opts: argparse.Namespace, shared: bool) -> None:
                             f"give {option} a file in a folder you can write to") from None
     for option in launch_only:
         output_folder(option, getattr(opts, option[2:].replace("-", "_")))
+    if opts.keep_logs:  # [Note: made by us] in hfsdp/functional/outdir.py; machine.json marks the folders we made
+        refuse_foreign("--keep-logs", Path(opts.keep_logs), "give --keep-logs a new or empty folder",
+                       marker=run_logs.MACHINE_FILE, ours=None, maker="the benchmark",
+                       rule="it writes only into empty folders or those it made")
 
 
 def chart_from(opts: argparse.Namespace) -> int:
@@ -524,9 +510,9 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
         raise UserError(f"{', '.join(graphed)} run under a CUDA graph inside pretrain, which the profiling "
                         "passes (--profile-dir, --pyprofile-dir, --memory-trace-dir) cannot time: they use "
                         "the bench worker", "drop those configurations or the profiling option")
-    if graphed and opts.warmup_steps < cfgs.GRAPH_WARMUP_STEPS + 2:
+    if graphed and opts.warmup_steps < GRAPH_WARMUP_STEPS + 2:
         raise UserError(f"--warmup-steps {opts.warmup_steps} would time the eager warm-up or the capture step "
-                        f"of {', '.join(graphed)}", f"give --warmup-steps {cfgs.GRAPH_WARMUP_STEPS + 2} or more")
+                        f"of {', '.join(graphed)}", f"give --warmup-steps {GRAPH_WARMUP_STEPS + 2} or more")
     shared = opts.ranks_per_gpu > 1
     check_paths(opts, shared)
     if not opts.from_logs:
@@ -538,7 +524,7 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
     if shared and not opts.from_logs:
         placement = torchrun.Placement(nproc=opts.nproc, ranks_per_gpu=opts.ranks_per_gpu)
         steps = opts.warmup_steps + opts.timed_steps
-        print(fit.preflight(placement, pretrain_launch.training_flags(flags, opts.nproc, steps),
+        print(fit.preflight(placement, pretrain.training_flags(flags, opts.nproc, steps),
                             environ=job_env(os.environ, opts.env)), flush=True)
     if opts.deterministic:
         print(te_determinism.describe(), flush=True)  # what every run of this invocation gets, and why
@@ -606,7 +592,7 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
                   for base, names in bases.loss_groups([r.config for r in runs]).items()}
     for agreement in agreements.values():
         print("\n".join(res.format_loss_agreement(agreement)))
-    print("\n".join(res.format_pool_check(summaries, runs, baseline)))
+    print("\n".join(res.format_pool_check(summaries, runs, baseline, dp_size=opts.nproc)))
     if startup := res.format_startup(runs):
         print("\n".join(startup))
     best = bases.best_per_base(summaries) if not shared else {}

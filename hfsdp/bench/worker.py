@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     pyprof = None
     mem_baseline = None
     if opts.memory_trace_dir:
-        from hfsdp.bench import memtrace
+        from hfsdp.trace import memtrace
 
         mem_baseline = memtrace.start_recording()  # from step 1: pools are allocated lazily
     for it in range(total_steps):
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(opts.profile_dir, exist_ok=True)
         trace_path = os.path.join(opts.profile_dir, stem + ".json.gz")
         prof.export_chrome_trace(trace_path)
-        from hfsdp.bench import idle, timeline, waits
+        from hfsdp.trace import idle, timeline, waits
 
         trace_events = timeline.load_events(trace_path)
         step_timeline = timeline.summarize(trace_events, opts.timed_steps)
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             averages = prof.key_averages()
             f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
             f.write(averages.table(sort_by="self_device_time_total", row_limit=25) + "\n")
-        from hfsdp.bench.kernels import count_nccl_kernels
+        from hfsdp.trace.kernels import count_nccl_kernels
 
         nccl_kernels = count_nccl_kernels(prof.events())
     dp = args.data_parallel_size

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hfsdp.atomic import write_json_atomic
+from hfsdp.flagsets import MAXPOOL_FLAGS
 from hfsdp.functional import logparse
 from hfsdp.main_job.logs import REPO_ROOT, failed_lines, job_folder, shown
-from hfsdp.main_job.runs import MAXPOOL_FLAGS, MIB, capture_problems
+from hfsdp.main_job.runs import MIB, capture_problems
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
 from hfsdp.usererror import run_cli
 

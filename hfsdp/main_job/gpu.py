@@ -11,12 +11,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from hfsdp.bench.configs import GRAPH_FLAGS
+from hfsdp.flagsets import GRAPH_FLAGS, MAXPOOL_FLAGS
 from hfsdp.launch import fit
 from hfsdp.main_job.logs import IN_PROCESS_LOG, job_folder, shown, stderr_into
 from hfsdp.main_job.rehearsal import REHEARSAL_NPROC, rehearse
 from hfsdp.main_job.runs import (
-    MAXPOOL_FLAGS,
     SETTLE_STEPS,
     TRAIN_FLAGS,
     capture_problems,
@@ -24,6 +23,7 @@ from hfsdp.main_job.runs import (
     one_logger_flags,
     train,
 )
+from hfsdp.planner.pools import NEVER_GATHERED
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
 from hfsdp.usererror import env_number, run_cli
 
@@ -95,7 +95,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"max-pool, eager: median step {eager_ms:.1f} ms (steps 3-{eager_iters}); "
               f"the graph runs {eager_ms / ms:.2f}x faster")
     if idle:
-        print("at data-parallel size 1 Megatron-FSDP never all-gathers a unit, so nothing passed through "
+        print(f"{NEVER_GATHERED}, so nothing passed through "
               "the double buffer in the runs above" + ("; the DP=2 rehearsal exercised it" if rehearsal else ""))
     if rehearsal is not None:
         print("\n".join(rehearsal.lines()))

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfsdp import te_determinism
-from hfsdp.bench import pretrain_launch
-from hfsdp.bench.configs import GRAPH_FLAGS
+from hfsdp.flagsets import GRAPH_FLAGS, MAXPOOL_FLAGS
 from hfsdp.functional import logparse
-from hfsdp.launch import fit, torchrun
+from hfsdp.launch import fit, pretrain, torchrun
 from hfsdp.main_job.logs import IN_PROCESS_LOG, shown, stderr_into
-from hfsdp.main_job.runs import MAXPOOL_FLAGS, MIB, train
+from hfsdp.main_job.runs import MIB, train
+from hfsdp.planner import pools
 
 REHEARSAL_NPROC = 2
 # Both rehearsal runs: deterministic kernels and reductions (hfsdp/te_determinism.py; Triton's
@@ -57,7 +57,6 @@ class Rehearsal:
 def rehearse(base: Sequence[str], steps: int, graphed: bool, workdir: str) -> Rehearsal:
     """Data-parallel size 2 on this GPU: the max-pool run (graphed when ``graphed``) and its twin
     without double buffering, with run reports (pool, home misses, peaks) and the planned pool."""
-    from hfsdp.bench.run import planned_pools
     from hfsdp.training import run_report
 
     twin = [f for f in base if f not in MAXPOOL_FLAGS]
@@ -70,7 +69,7 @@ def rehearse(base: Sequence[str], steps: int, graphed: bool, workdir: str) -> Re
     deterministic = te_determinism.env("pin")
     in_process = os.path.join(workdir, IN_PROCESS_LOG)
     with stderr_into(in_process):
-        fits = fit.preflight(placement, pretrain_launch.training_flags(runs["maxpool"], REHEARSAL_NPROC, steps),
+        fits = fit.preflight(placement, pretrain.training_flags(runs["maxpool"], REHEARSAL_NPROC, steps),
                              environ={**deterministic, **os.environ})
     print(fits)
     reports: dict[str, dict] = {}
@@ -94,6 +93,5 @@ def rehearse(base: Sequence[str], steps: int, graphed: bool, workdir: str) -> Re
     out.home_misses = (pooled.get("maxpool_stats") or {}).get("home_misses")
     out.peak_allocated = (reports["twin"]["peak_allocated_bytes"], pooled["peak_allocated_bytes"])
     with stderr_into(in_process):
-        planned = planned_pools(base, REHEARSAL_NPROC, names=["maxpool"])
-    out.planned_pool_bytes = planned.get("maxpool", {}).get("pool_bytes")
+        out.planned_pool_bytes = pools.planned_maxpool_bytes(base, REHEARSAL_NPROC)
     return out

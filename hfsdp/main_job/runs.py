@@ -11,14 +11,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from hfsdp.bench import pretrain_launch
-from hfsdp.bench.configs import GRAPH_FLAGS, GRAPH_WARMUP_STEPS, MAXPOOL_FLAG
+from hfsdp.flagsets import GRAPH_FLAGS, GRAPH_WARMUP_STEPS
 from hfsdp.functional import logparse
+from hfsdp.launch import pretrain
 from hfsdp.launch.env import shared_autotune
 from hfsdp.main_job.logs import FAILED_TAIL_LINES, failed_lines, shown
 from hfsdp.usererror import UserError
 
-MAXPOOL_FLAGS = ("--fsdp-double-buffer", MAXPOOL_FLAG)
 MIB = 2**20
 # Steps before the timed window: the eager warm-up steps, the capture step and one replay.
 SETTLE_STEPS = GRAPH_WARMUP_STEPS + 2
@@ -98,7 +97,7 @@ def train(flags: Sequence[str], nproc: int, steps: int, log_path: str, ranks_per
 
     from hfsdp.proc import run_group
 
-    cmd = pretrain_launch.command(flags, nproc, steps, ranks_per_gpu)
+    cmd = pretrain.command(flags, nproc, steps, ranks_per_gpu)
     env = run_env(os.environ, nproc, flags)
     for key, value in (extra_env or {}).items():
         env.setdefault(key, value)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hfsdp.planner.pools import pool_allocated
+
 GIB = 2**30
 # The largest memory of one GPU we know of: NVIDIA H200, 141 GiB. A plan above it fits no GPU.
 LARGEST_GPU = "H200"
@@ -74,7 +76,8 @@ def planned_memory(args: Any, layout: Any, results: list[dict[str, Any]], lane_c
     """One rank's memory for parsed ``args`` and their plan (``hfsdp.planner.cli.plan_from_args``).
 
     Pools: the ``lane_count``-lane plan (``--megatron-fsdp-max-pool-lanes`` 3 or more), else the
-    max-pool plan (also what two live unsharded units take without double buffering).
+    max-pool plan (also what two live unsharded units take without double buffering); none at
+    data-parallel size 1, where no pool is allocated.
     """
     strategy = layout.strategy
     shard_weights = strategy == "optim_grads_params"
@@ -93,7 +96,7 @@ def planned_memory(args: Any, layout: Any, results: list[dict[str, Any]], lane_c
         memory["main_grads"] += (shard if shard_grads else b.numel) * _itemsize(main_grads_dtype, param_size)
         memory["optimizer"] += shard * 4 * moments
     pools = 0
-    for result in results:
+    for result in results if pool_allocated(layout.dp_size) else ():  # [Note: no pool at DP=1] in pools.py
         plan = result["lanes"].get(lane_count) if lane_count else None
         pools += (plan or result["maxpool"]).pool_bytes()
     return RankMemory(pools=pools, **memory)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hfsdp.planner.layout import MFSDP, Layout, bucket_specs
+from hfsdp.planner.pools import NO_POOL, pool_allocated
 from hfsdp.usererror import UserError
 
 MIB = 2**20
@@ -187,8 +188,24 @@ def format_report(layout: Layout, results: list[dict[str, Any]]) -> list[str]:
         "",
     ]
     for r in results:
+        if not pool_allocated(layout.dp_size):  # [Note: no pool at DP=1] in pools.py
+            lines.append(f"[{r['allocator']}] no pool: {NO_POOL} (0 bytes planned)")
+            continue
         lines += plan_lines(r, layout) + [""]
+    if not pool_allocated(layout.dp_size):
+        lines.append("")
     return lines
+
+
+def no_pool_dict(result: dict[str, Any]) -> dict[str, Any]:
+    """Allocator ``result`` in :func:`report_dict` where no pool is allocated: every pool (each lane
+    count planned included) 0 bytes, no arena."""
+    lanes = {str(n): {"pool_bytes": 0, "arena_numel": {}, "homes": {}} for n in result["lanes"]}
+    return {"pool_allocated": False, "maxpool_pool_bytes": 0, "maxpool_arena_numel": {}, "maxpool_offsets": {},
+            "maxpool_setter": {}, "rank_matched_pool_bytes": 0, "rank_matched_slots": {},
+            "analytic_minimum_bytes": 0, "adjacent_pair_bound_bytes": 0, "lane_plans": lanes,
+            "fixed_pool_pool_bytes": 0, "fixed_pool_pooled_units": [], "fixed_pool_outlier_units": [],
+            "fixed_pool_outlier_bytes": 0}
 
 
 def report_dict(layout: Layout, results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -207,6 +224,10 @@ def report_dict(layout: Layout, results: list[dict[str, Any]]) -> dict[str, Any]
                     for b in layout.buckets],
         "allocators": {},
     }
+    if not pool_allocated(layout.dp_size):  # [Note: no pool at DP=1] in pools.py
+        out["no_pool"] = NO_POOL
+        out["allocators"] = {r["allocator"]: no_pool_dict(r) for r in results}
+        return out
     for r in results:
         mp, rm, fx = r["maxpool"], r["rank_matched"], r["fixed_pool"]
         out["allocators"][r["allocator"]] = {

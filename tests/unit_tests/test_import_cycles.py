@@ -168,6 +168,39 @@ def test_hfsdp_has_no_import_cycles() -> None:
                        + "; ".join(found))
 
 
+# Packages that may not import another, wherever the import stands: the main job shares what it has in
+# common with the benchmark through modules of their own (hfsdp/flagsets.py, hfsdp/launch/pretrain.py,
+# hfsdp/planner/pools.py), never through the benchmark's internals; the trace readers stand alone.
+FORBIDDEN = {"hfsdp.main_job": ("hfsdp.bench",), "hfsdp.trace": ("hfsdp.bench",)}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def forbidden_imports(graph: Graph, forbidden: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """``importer -> imported`` for every edge of ``graph`` that ``forbidden`` rules out."""
+    return [f"{importer} -> {imported}" for importer, targets in sorted(graph.items())
+            for package, banned in forbidden.items() if _within(importer, package)
+            for imported in sorted(targets) if any(_within(imported, b) for b in banned)]
+
+
+def test_the_main_job_and_the_trace_readers_import_nothing_of_the_benchmark() -> None:
+    graph = import_graph(REPO_ROOT / "hfsdp")
+    assert "hfsdp.planner.pools" in graph["hfsdp.main_job.rehearsal"], "the import graph lost an edge"
+    found = forbidden_imports(graph, FORBIDDEN)
+    assert not found, "imports of the benchmark's internals (move what both use into a module of its own): " + (
+        "; ".join(found))
+
+
+def test_forbidden_imports_are_found_wherever_they_stand(tmp_path: Path) -> None:
+    package = _package(tmp_path, {"__init__.py": "", "job/__init__.py": "", "bench/__init__.py": "",
+                                  "bench/run.py": "x = 1\n", "job/a.py": "def f():\n    from pkg.bench.run import x\n",
+                                  "job/b.py": "import pkg.bench\n", "shared.py": "from pkg.bench import run\n"})
+    assert forbidden_imports(import_graph(package), {"pkg.job": ("pkg.bench",)}) == [
+        "pkg.job.a -> pkg.bench.run", "pkg.job.b -> pkg.bench"]
+
+
 def test_the_overlay_makes_no_import_cycle() -> None:
     overlay = overlay_modules(REPO_ROOT / "patches" / "overlay")
     megatron = REPO_ROOT / "megatron"

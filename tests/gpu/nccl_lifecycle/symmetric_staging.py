@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _launch  # noqa: E402
 
 sys.path.insert(0, str(_launch.REPO_ROOT))
-from hfsdp.bench.kernels import count_nccl_kernels  # noqa: E402
+from hfsdp.trace.kernels import count_nccl_kernels  # noqa: E402
 
 CHILD_TIMEOUT_S = {"plain": 60, "ub": 110}  # ub compiles the NCCL allocator extension once
 HIDDEN = 1024  # fc1 + fc2 = 8.4 M params = 16 MiB bf16 per unit

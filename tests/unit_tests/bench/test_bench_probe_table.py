@@ -18,6 +18,7 @@ import pytest
 
 from hfsdp.bench import run as B
 from hfsdp.bench import run_logs
+from hfsdp.usererror import UserError
 
 STEPS = 8  # --warmup-steps 5 --timed-steps 3
 BASE = ["--nproc", "1", "--repeats", "1", "--warmup-steps", "5", "--timed-steps", "3", "--no-plan", "--no-chart"]
@@ -88,6 +89,22 @@ def link(tmp: Path, target: str) -> str:
 def results_file(tmp: Path, text: str) -> str:
     (tmp / "results.json").write_text(text)
     return str(tmp / "results.json")
+
+
+def chart_results(tmp: Path) -> str:
+    """A results JSON --chart-from can draw: one configuration's summary."""
+    summary = {"config": "no_db", "runs": 1, "median_step_s": 0.07, "min_run_median_s": 0.07,
+               "max_run_median_s": 0.07, "tokens_per_s": 1000.0, "peak_allocated_bytes": 100,
+               "peak_reserved_bytes": 200, "pool_bytes_measured": None, "pool_bytes_planned": None,
+               "analytic_minimum_bytes": None}
+    return results_file(tmp, json.dumps({"summary": [summary], "meta": {"preset": "default", "nproc": 1}}))
+
+
+def users_folder(tmp: Path) -> list[str]:
+    """--keep-logs naming a folder the user made, which holds a file of theirs."""
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "notes.txt").write_text("mine\n")
+    return [*BASE, "--configs", "no_db", "--keep-logs", str(tmp / "mine"), "--out-json", str(tmp / "r.json")]
 
 
 ROWS: dict[str, Row] = {
@@ -174,6 +191,15 @@ ROWS: dict[str, Row] = {
                                    "is a named pipe, not a regular file; writing it would put a regular file"),
     "--out-json links to nothing": Row(lambda tmp: from_logs(keep, "--out-json", link(tmp, "nowhere"))(tmp), 2,
                                        "is a symbolic link to nothing; writing it would put"),
+    # Folders where os.access says yes to root, but no file can be made: refused before any run, not after all.
+    "--out-json in /proc": Row(from_logs(keep, "--out-json", "/proc/hfsdp-r.json"), 2,
+                               "--out-json /proc/hfsdp-r.json: "),
+    "--out-json in /sys": Row(from_logs(keep, "--out-json", "/sys/hfsdp-r.json"), 2, "--out-json /sys/hfsdp-r.json: "),
+    "--out-png in /proc": Row(lambda tmp: [a for a in from_logs(keep, "--out-png", "/proc/c.png")(tmp)
+                                           if a != "--no-chart"], 2, "--out-png /proc/c.png: "),
+    # Our tools write only into folders they made or empty ones.
+    "--keep-logs a folder of the user's": Row(users_folder, 2,
+                                              "holds notes.txt, not made by the benchmark (it writes only into"),
     "paths with a space and non-ASCII": Row(lambda tmp: [*BASE, "--configs", "no_db", "--from-logs",
                                                          str(keep(tmp / "ke pt ö")), "--out-json", str(tmp / "r.json")],
                                             0, "1 of 1 runs read"),
@@ -191,6 +217,13 @@ ROWS: dict[str, Row] = {
     "--chart-from /dev/null": Row(plain("--chart-from", "/dev/null"), 2, "is a character device, not a regular file"),
     "--chart-from a key twice": Row(lambda tmp: ["--chart-from", results_file(tmp, '{"summary": [], "summary": []}')],
                                     2, "key 'summary' is given twice"),
+    # Where --chart-from draws: folders are made, and the path given is the one written.
+    "--chart-from into a new folder": Row(lambda tmp: ["--chart-from", chart_results(tmp), "--out-png",
+                                                       f"{tmp}/missing/c.png"], 0, "/missing/c.png"),
+    "--chart-from, --out-png a named pipe": Row(lambda tmp: ["--chart-from", chart_results(tmp), "--out-png",
+                                                             fifo(tmp)], 2, "is a named pipe, not a regular file"),
+    "--chart-from, --out-png in /proc": Row(lambda tmp: ["--chart-from", chart_results(tmp), "--out-png",
+                                                         "/proc/c.png"], 2, "--out-png /proc/c.png: "),
     "--chart-from NaN": Row(lambda tmp: ["--chart-from", results_file(tmp, '{"summary": NaN}')], 2,
                             "NaN is not a JSON number"),
 }
@@ -220,6 +253,33 @@ def test_probe_row(name, tmp_path, monkeypatch, call_cli):
         assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode), "the named pipe was replaced"
     if os.path.lexists(tmp_path / "link"):
         assert os.path.islink(tmp_path / "link"), "the link was replaced"
+
+
+def test_the_chart_is_written_at_the_path_given_and_reported_so(tmp_path, call_cli):
+    """``--out-png DIR/chart`` writes DIR/chart (matplotlib alone would write DIR/chart.png, a path no
+    check looked at: a named pipe there would block the writer) and says so."""
+    rc, said = call_cli(B.main, ["--chart-from", chart_results(tmp_path), "--out-png", str(tmp_path / "chart")])
+    assert rc == 0, said[-2000:]
+    assert f"wrote {tmp_path / 'chart'}\n" in said
+    assert (tmp_path / "chart").read_bytes().startswith(b"\x89PNG") and not (tmp_path / "chart.png").exists()
+
+
+def test_resume_takes_a_keep_logs_folder_the_benchmark_made(tmp_path):
+    """A folder the benchmark made (its machine.json, its runs) is accepted again with --resume; an
+    empty one too; one of the user's is refused."""
+    made = tmp_path / "made"
+    run_logs.claim_machine(str(made), {"host": "h", "gpus": []})  # what a launch into it wrote first
+    keep(made)
+    (made / "no_db-0.failed").write_text("rc=1\n")
+    (tmp_path / "empty").mkdir()
+    for folder in (made, tmp_path / "empty", tmp_path / "new"):
+        opts, _ = B.parse([*BASE, "--keep-logs", str(folder), "--resume", "--out-json", str(tmp_path / "r.json")])
+        B.check_paths(opts, shared=False)
+    users_folder(tmp_path)
+    opts, _ = B.parse([*BASE, "--keep-logs", str(tmp_path / "mine"), "--out-json", str(tmp_path / "r.json")])
+    with pytest.raises(UserError, match="holds notes.txt, not made by the benchmark"):
+        B.check_paths(opts, shared=False)
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
 
 
 def test_the_one_good_run_is_summarized_and_the_nan_one_listed(tmp_path, call_cli):
@@ -257,85 +317,3 @@ def test_a_flag_written_with_equals_replaces_the_presets(tmp_path, call_cli):
     assert doc["runs"][0]["tokens_per_step"] == 4 * 2048  # global batch 2 (mbs) x 1 rank x 2 micro-batches
     flags = doc["meta"]["model_flags"]
     assert "--seq-length=2048" not in flags and flags[flags.index("--seq-length") + 1] == "2048"
-
-
-# --- the trace readers: python -m hfsdp.bench.{timeline,idle,waits,launchers,hostdiff} -------------------------
-
-KERNEL = {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 5, "pid": 0, "tid": 0}
-TRACES = {  # name -> the text of a trace file written under tmp
-    "good.json": json.dumps({"traceEvents": [KERNEL]}),
-    "nan.json": '{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": NaN, "dur": 5}]}',
-    "inf.json": '{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": Infinity}]}',
-    "negative.json": json.dumps({"traceEvents": [{**KERNEL, "dur": -5}]}),
-    "string.json": json.dumps({"traceEvents": [{**KERNEL, "dur": "5"}]}),
-    "bool.json": json.dumps({"traceEvents": [{**KERNEL, "ts": True}]}),
-    "twice.json": '{"traceEvents": [], "traceEvents": 3}',
-    "sp ö/t r.json": json.dumps({"traceEvents": [KERNEL]}),
-}
-
-
-def trace_tool(module: str) -> Callable[[list[str]], int]:
-    import importlib
-
-    return importlib.import_module(f"hfsdp.bench.{module}").main
-
-
-# (tool, arguments with TMP for the folder of TRACES, exit status, fragment of the output)
-TRACE_ROWS = [
-    *[(tool, [name if name.startswith("/") else f"TMP/{name}"], 2, says)
-      for tool in ("timeline", "idle", "waits", "launchers") for name, says in (
-        ("nan.json", "event 0 ('k') has ts nan, not a finite number"),
-        ("inf.json", "has dur inf, not a finite number"),
-        ("negative.json", "has a negative dur (-5)"),
-        ("string.json", "has dur '5', not a finite number"),
-        ("bool.json", "has ts True, not a finite number"),
-        ("twice.json", "holds no list of trace events"),
-        ("fifo", "is a named pipe, not a regular file"),
-        ("broken", "is a symbolic link to nothing"),
-        ("/dev/null", "is a character device, not a regular file"),
-        ("", "does not exist"),
-    )],
-    *[(tool, ["TMP/sp ö/t r.json"], 0, "") for tool in ("timeline", "idle", "waits", "launchers")],
-    *[(tool, ["TMP/good.json", "--steps", bad], 2, "argument --steps: must be > 0")
-      for tool in ("timeline", "idle", "waits", "launchers") for bad in ("0", "-1")],
-    *[(tool, ["TMP/good.json", "--top", "0"], 2, "argument --top: must be > 0")
-      for tool in ("idle", "waits", "launchers")],
-    ("launchers", ["TMP/good.json", "--frames", "a["], 2, "argument --frames: 'a[' is not a valid regular expression"),
-    ("launchers", ["TMP/good.json", "--classes", "gemm,gems"], 2, "--classes names 'gems', not a kernel class"),
-    ("timeline", ["TMP/good.json", "--step-ms", "nan"], 2, "argument --step-ms: must be > 0, got nan"),
-    ("timeline", ["TMP/good.json", "--step-ms", "-1"], 2, "argument --step-ms: must be > 0, got -1"),
-    ("waits", ["TMP/good.json", "--min-us", "nan"], 2, "argument --min-us: must be >= 0, got nan"),
-    ("waits", ["TMP/good.json", "--min-us", "0"], 0, ""),
-    ("hostdiff", ["TMP/good.json", "TMP/sp ö/t r.json"], 0, ""),
-    ("hostdiff", ["TMP/good.json", "TMP/fifo"], 2, "is a named pipe, not a regular file"),
-    ("hostdiff", ["TMP/good.json", "TMP/nan.json"], 2, "has ts nan"),
-    ("hostdiff", ["TMP/good.json", "TMP/good.json", "--top", "-1"], 2, "argument --top: must be > 0"),
-    ("hostdiff", ["TMP/good.json", "TMP/good.json", "--under", "("], 2,
-     "argument --under: '(' is not a valid regular expression"),
-    ("hostdiff", ["TMP/good.json", "TMP/good.json", "--match", "a["], 2,
-     "argument --match: 'a[' is not a valid regular expression"),
-    # memtrace is read by the benchmark's workers: run by hand, it says so instead of passing silently.
-    ("memtrace", ["TMP/good.json"], 2, "hfsdp.bench.memtrace has no command line"),
-]
-
-
-@pytest.fixture
-def traces(tmp_path: Path) -> Path:
-    (tmp_path / "sp ö").mkdir()
-    for name, text in TRACES.items():
-        (tmp_path / name).write_text(text)
-    os.mkfifo(tmp_path / "fifo")
-    (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
-    return tmp_path
-
-
-@pytest.mark.parametrize(("tool", "args", "rc", "says"), TRACE_ROWS,
-                         ids=[f"{t}:{' '.join(a).replace('TMP/', '')}" for t, a, _, _ in TRACE_ROWS])
-def test_trace_reader_row(tool, args, rc, says, traces, call_cli):
-    argv = [a.replace("TMP", str(traces)) for a in args]
-    if argv[0] == f"{traces}/":
-        argv[0] = f"{traces}/absent.json"
-    rc_got, said = call_cli(trace_tool(tool), argv)  # a named pipe would hang here if it were opened
-    assert "Traceback" not in said, said[-3000:]
-    assert rc_got == rc, (rc_got, said[-3000:])
-    assert says in said, said[-3000:]

@@ -191,12 +191,13 @@ def test_pool_check_compares_pool_with_plan_and_counts_home_misses():
     runs = [run("maxpool", 0, [0.1]), pooled("maxpool", 0, 300, 0),
             pooled("maxpool_lanes3", 0, 200, 2), pooled("maxpool_lanes3", 1, 200, 0)]
     planned = {"maxpool": {"pool_bytes": 300 * mib}, "maxpool_lanes3": {"pool_bytes": 100 * mib}}
-    lines = R.format_pool_check(R.summarize(runs, planned=planned), runs)  # no baseline: no memory clause
+    # No baseline: no memory clause.
+    lines = R.format_pool_check(R.summarize(runs, planned=planned), runs, dp_size=2)
     assert lines[0] == "pool check:" and len(lines) == 3
     assert lines[1].split() == ["maxpool", "pool", "=", "plan;", "home", "misses", "0"]
     assert lines[2].split() == ["maxpool_lanes3", "pool", "!=", "plan", "(200.0", "vs", "100.0",
                                 "MiB);", "home", "misses", "2"]
-    assert R.format_pool_check(R.summarize(runs[:1]), runs[:1]) == []
+    assert R.format_pool_check(R.summarize(runs[:1]), runs[:1], dp_size=2) == []
 
 
 def test_pool_check_holds_the_extra_peak_to_the_planned_pool():
@@ -205,9 +206,24 @@ def test_pool_check_holds_the_extra_peak_to_the_planned_pool():
     runs = [run("no_db", 0, [0.2], alloc=4323 * mib), run("maxpool", 0, [0.2], alloc=4518 * mib, pool=384 * mib),
             run("maxpool_lanes3", 0, [0.2], alloc=4600 * mib, pool=264 * mib)]
     planned = {"maxpool": {"pool_bytes": 384 * mib}, "maxpool_lanes3": {"pool_bytes": 264 * mib}}
-    lines = R.format_pool_check(R.summarize(runs, planned=planned), runs)
+    lines = R.format_pool_check(R.summarize(runs, planned=planned), runs, dp_size=2)
     assert lines[1].endswith("peak allocated +195.0 MiB over no_db (1.045x), within the planned pool")
     assert lines[2].endswith("peak allocated +277.0 MiB over no_db (1.064x), MORE than the planned pool")
+
+
+def test_pool_check_at_data_parallel_size_1_says_no_pool_exists():
+    """At DP=1 no pool exists by design: the check says so in the main job's words, not '!= plan'."""
+    from hfsdp.planner.pools import NEVER_GATHERED
+
+    mib = R.MIB
+    runs = [run("no_db", 0, [0.2], alloc=4323 * mib), run("maxpool", 0, [0.2], alloc=4330 * mib, pool=0),
+            run("maxpool_lanes3", 0, [0.2], alloc=4330 * mib, pool=0)]
+    planned = {"maxpool": {"pool_bytes": 0}, "maxpool_lanes3": {"pool_bytes": 0}}
+    lines = R.format_pool_check(R.summarize(runs, planned=planned), runs, dp_size=1)
+    for line in lines[1:]:
+        assert f"pool none ({NEVER_GATHERED}, so no double-buffer pool is allocated)" in line, line
+        assert "!= plan" not in line and "planned pool" not in line, line
+    assert lines[1].endswith("peak allocated +7.0 MiB over no_db (1.002x)")
 
 
 def test_without_speed_keeps_memory_and_drops_every_step_time():

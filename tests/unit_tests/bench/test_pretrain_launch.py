@@ -11,6 +11,7 @@ import pytest
 from hfsdp.bench import pretrain_launch as P
 from hfsdp.bench import run as B
 from hfsdp.bench import run_logs
+from hfsdp.launch import pretrain as L
 from hfsdp.proc import GroupResult
 from hfsdp.training import run_report
 from hfsdp.usererror import UserError
@@ -42,27 +43,27 @@ def _write_run(tmp_path, steps: int, ms: float = 70.0, skip: int | None = None,
 
 
 def test_training_flags_add_two_micro_batches_per_rank():
-    flags = P.training_flags(MODEL, nproc=2, steps=26)
-    assert P.flag_value(flags, "--global-batch-size") == "8"  # 2 (mbs) x 2 ranks x 2
-    assert P.flag_value(flags, "--train-iters") == "26" and P.flag_value(flags, "--log-interval") == "1"
+    flags = L.training_flags(MODEL, nproc=2, steps=26)
+    assert L.flag_value(flags, "--global-batch-size") == "8"  # 2 (mbs) x 2 ranks x 2
+    assert L.flag_value(flags, "--train-iters") == "26" and L.flag_value(flags, "--log-interval") == "1"
     assert "--no-check-for-nan-in-loss-and-grad" in flags
-    mine = P.training_flags(MODEL + ["--global-batch-size", "16"], nproc=2, steps=26)
-    assert P.flag_value(mine, "--global-batch-size") == "16" and mine.count("--global-batch-size") == 1
+    mine = L.training_flags(MODEL + ["--global-batch-size", "16"], nproc=2, steps=26)
+    assert L.flag_value(mine, "--global-batch-size") == "16" and mine.count("--global-batch-size") == 1
 
 
 def test_command_runs_megatrons_training_loop():
-    cmd = P.command(MODEL, nproc=1, steps=8)
+    cmd = L.command(MODEL, nproc=1, steps=8)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     script = next(a for a in cmd if a.endswith("pretrain_gpt.py"))
-    assert script == str(P.TRAINING_SCRIPT) and P.TRAINING_SCRIPT.is_file()
-    assert cmd[cmd.index(script) + 1:] == P.training_flags(MODEL, 1, 8)
+    assert script == str(L.TRAINING_SCRIPT) and L.TRAINING_SCRIPT.is_file()
+    assert cmd[cmd.index(script) + 1:] == L.training_flags(MODEL, 1, 8)
 
 
 def test_command_with_several_ranks_per_gpu():
-    cmd = P.command(MODEL, nproc=4, steps=8, ranks_per_gpu=4)
+    cmd = L.command(MODEL, nproc=4, steps=8, ranks_per_gpu=4)
     assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
-    assert cmd.index("hfsdp.launch.shared_gpu") < cmd.index(str(P.TRAINING_SCRIPT))
-    assert P.flag_value(cmd, "--global-batch-size") == "16"  # 2 (mbs) x 4 ranks x 2, as on 4 GPUs
+    assert cmd.index("hfsdp.launch.shared_gpu") < cmd.index(str(L.TRAINING_SCRIPT))
+    assert L.flag_value(cmd, "--global-batch-size") == "16"  # 2 (mbs) x 4 ranks x 2, as on 4 GPUs
 
 
 def test_result_times_only_the_timed_steps(tmp_path):
@@ -108,7 +109,7 @@ def _fake_pretrain(monkeypatch, tmp_path, captured: bool, returncode: int = 0, s
 
     def fake_run(cmd, *, timeout_s, env, stdout):
         seen.append((cmd, env))
-        steps = int(P.flag_value(cmd, "--train-iters"))
+        steps = int(L.flag_value(cmd, "--train-iters"))
         src_log, src_report = _write_run(tmp_path, steps=steps, captured=captured)
         stdout.write(open(src_log).read() + said)
         with open(env[run_report.ENV], "w") as f:
@@ -127,7 +128,7 @@ def test_timing_runs_go_through_pretrain_with_a_run_report(monkeypatch, tmp_path
     run, info = B.launch(B.cfgs.CONFIGS["maxpool_graph"], 0, MODEL, opts, str(work))
     assert run is not None, info
     cmd, env = seen[0]
-    assert str(P.TRAINING_SCRIPT) in cmd and "--cuda-graph-impl" in cmd
+    assert str(L.TRAINING_SCRIPT) in cmd and "--cuda-graph-impl" in cmd
     assert env[run_report.ENV].endswith("maxpool_graph-0.report.json")
     assert len(run.step_times_s) == 3
     # The launcher stamped the log, so the run knows its start-up (the fake log's steps are

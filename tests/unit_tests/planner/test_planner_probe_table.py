@@ -93,8 +93,12 @@ ROWS: dict[str, Row] = {
     "HFSDP_DEBUG junk": Row(["--plan-dp-size", "0"], 2, "--plan-dp-size: must be > 0", {"HFSDP_DEBUG": "\x01 no"}),
     "HFSDP_FSDP_UNIT_MODULES white space": Row([], 0, "Megatron-FSDP memory plan:",
                                                {"HFSDP_FSDP_UNIT_MODULES": "  "}),
-    # A folder every check calls writable, where no file can be made.
-    "--plan-json in /proc": Row(["--plan-json", "/proc/plan.json"], 2, "/proc/plan.json could not be written"),
+    # Folders os.access calls writable for root, where no file can be made: refused before the planning.
+    "--plan-json in /proc": Row(["--plan-json", "/proc/plan.json"], 2, "--plan-json /proc/plan.json: "),
+    "--plan-json in /sys": Row(["--plan-json", "/sys/plan.json"], 2, "--plan-json /sys/plan.json: "),
+    # At data-parallel size 1 no pool exists: the plan says so, and plans none.
+    "--plan-dp-size 1": Row(["--plan-dp-size", "1"], 0, "[weight] no pool: at data-parallel size 1 Megatron-FSDP "
+                                                     "never all-gathers a unit, so no double-buffer pool is allocated"),
     # Flags that would make training read other flags.
     "--yaml-cfg": Row(["--yaml-cfg", __file__], 2, "--yaml-cfg has training read its flags from a YAML file"),
     "--use-checkpoint-args": Row(["--use-checkpoint-args"], 2, "from a checkpoint, which the planner does not read"),
@@ -128,6 +132,32 @@ def test_probe_row(name, tmp_path, monkeypatch, call_cli):
     if rc != 0:
         assert "wrote the plan" not in said
         assert {p.name: os.lstat(p).st_mode for p in tmp_path.iterdir()} == kept, "a refused row changed files"
+
+
+@pytest.mark.parametrize("path", ["/proc/plan.json", "/sys/plan.json"])
+def test_a_plan_json_no_file_can_be_made_at_is_refused_before_the_planning(path, monkeypatch, call_cli):
+    monkeypatch.delenv("HFSDP_DEBUG", raising=False)
+    monkeypatch.setattr(cli, "plan_from_args", lambda *_a, **_k: pytest.fail("planned before refusing"))
+    rc, said = call_cli(cli.main, ["--plan-json", path])
+    assert rc == 2 and "Traceback" not in said, said[-3000:]
+    assert f"--plan-json {path}: " in said and "Megatron-FSDP memory plan" not in said
+
+
+def test_the_plan_at_data_parallel_size_1_holds_no_pool(tmp_path, call_cli):
+    """No pool at DP=1: 0 bytes in every pool figure of the JSON, none in the rank's memory, and the
+    benchmark's planned pools read from it are 0."""
+    from hfsdp.bench.run import pools_from_plan
+
+    rc, said = call_cli(cli.main, ["--plan-dp-size", "1", "--plan-json", str(tmp_path / "plan.json")])
+    assert rc == 0, said[-2000:]
+    assert "max-pool arena plan" not in said and "(0 bytes planned)" in said
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert "no double-buffer pool is allocated" in plan["no_pool"]
+    for allocator in plan["allocators"].values():
+        assert allocator["pool_allocated"] is False
+        assert all(v == 0 for k, v in allocator.items() if k.endswith("_bytes")), allocator
+        assert [lp["pool_bytes"] for lp in allocator["lane_plans"].values()] == [0]  # the default 3 lanes
+    assert {p["pool_bytes"] for p in pools_from_plan(plan).values()} == {0}
 
 
 def test_a_plan_json_is_strict_json(tmp_path, call_cli):

@@ -28,7 +28,7 @@ SUBMIT, SUMMARY, LAUNCH_CMD = "hfsdp.slurm.submit", "hfsdp.slurm.summary", "hfsd
 ROWS = [
     (SUBMIT, "{case} --dry-run --log-dir {file}", 2, "is a file, not a folder"),
     (SUBMIT, "{case} --dry-run --log-dir {file}/logs", 2, "which is a file"),
-    # "/proc is not writable" before anything runs; as root (os.access says yes) "cannot take the job script".
+    # Refused before anything runs, root or not: no file can be made in /proc.
     (SUBMIT, "{case} --dry-run --log-dir /proc/hfsdp-logs", 2, "--log-dir /proc/hfsdp-logs"),
     (SUBMIT, "{case} --dry-run --log-dir {tmp}/a\tb", 2, "holds white space"),
     (SUBMIT, "{case} --dry-run --log-dir {tmp}/logs --partition a\nb", 2, "is not a Slurm name"),

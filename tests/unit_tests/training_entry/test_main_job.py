@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from hfsdp import flagsets
 from hfsdp import main_job as M
 from hfsdp.main_job import cpu, gpu, logs, rehearsal, runs
 from hfsdp.usererror import UserError
@@ -43,7 +44,7 @@ def test_default_model_trains_graphed_then_eager(fake_train, capsys):
     assert M.main([]) == 0
     graphed, eager = fake_train
     assert graphed["graphed"] and graphed["steps"] == 30
-    assert runs.MAXPOOL_FLAG in graphed["flags"] and runs.MAXPOOL_FLAG in eager["flags"]
+    assert flagsets.MAXPOOL_FLAG in graphed["flags"] and flagsets.MAXPOOL_FLAG in eager["flags"]
     assert not eager["graphed"] and eager["steps"] == 10
     out = capsys.readouterr().out
     assert "max-pool + full-iteration CUDA graph: median step 70.0 ms" in out
@@ -112,7 +113,7 @@ def test_train_logs_everything_and_shows_the_steps(monkeypatch, tmp_path, capsys
 
     step = _line(1, 70.0).strip()
     script = f"import sys; print({step!r}); print('> arguments dump'); sys.exit(int(sys.argv[1]))"
-    monkeypatch.setattr(runs.pretrain_launch, "command",
+    monkeypatch.setattr(runs.pretrain, "command",
                         lambda flags, nproc, steps, rpg=1: [sys.executable, "-c", script, str(flags[0])])
     log = tmp_path / "main.log"
     assert runs.train(["0"], 1, 2, str(log)) == 0
@@ -134,7 +135,7 @@ def test_runs_share_triton_autotuning_unless_the_caller_chose(monkeypatch, tmp_p
 
     names = ("TRITON_CACHE_AUTOTUNING", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_NVLS_ENABLE")
     script = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
-    monkeypatch.setattr(runs.pretrain_launch, "command",
+    monkeypatch.setattr(runs.pretrain, "command",
                         lambda flags, nproc, steps, rpg=1: [sys.executable, "-c", script])
     log = tmp_path / "main.log"
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
@@ -169,7 +170,7 @@ def test_capture_check_sees_the_runs_allocator(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
-    flags = [*gpu.DEFAULT_MODEL_FLAGS, *runs.MAXPOOL_FLAGS]
+    flags = [*gpu.DEFAULT_MODEL_FLAGS, *flagsets.MAXPOOL_FLAGS]
     (problem,) = runs.capture_problems(flags, 2)
     assert "NCCL_GRAPH_REGISTER=0" in problem
     assert runs.capture_problems(flags, 1) == []
@@ -182,7 +183,7 @@ def test_capture_check_leaves_the_environment_as_it_found_it(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     before = dict(os.environ)
-    runs.capture_problems([*gpu.DEFAULT_MODEL_FLAGS, *runs.MAXPOOL_FLAGS], 2)
+    runs.capture_problems([*gpu.DEFAULT_MODEL_FLAGS, *flagsets.MAXPOOL_FLAGS], 2)
     assert dict(os.environ) == before
 
 
@@ -228,7 +229,7 @@ def test_rehearse_compares_twin_and_maxpool(monkeypatch, tmp_path):
 
     def train(flags, nproc, steps, log_path, ranks_per_gpu=1, extra_env=None):
         calls.append((list(flags), nproc, ranks_per_gpu, dict(extra_env or {})))
-        maxpool = runs.MAXPOOL_FLAG in flags
+        maxpool = flagsets.MAXPOOL_FLAG in flags
         with open(log_path, "w") as f:
             f.writelines(_line(s, 80.0) for s in range(1, steps + 1))
         for rank in range(nproc):
@@ -240,14 +241,12 @@ def test_rehearse_compares_twin_and_maxpool(monkeypatch, tmp_path):
 
     monkeypatch.setattr(rehearsal, "train", train)
     monkeypatch.setattr(rehearsal.fit, "preflight", lambda placement, flags, environ=None: "fits")
-    import hfsdp.bench.run as bench_run
-
-    monkeypatch.setattr(bench_run, "planned_pools", lambda flags, nproc, names=None: {"maxpool": {"pool_bytes": 64}})
-    base = [*gpu.DEFAULT_MODEL_FLAGS, *runs.MAXPOOL_FLAGS]
+    monkeypatch.setattr(rehearsal.pools, "planned_maxpool_bytes", lambda flags, dp_size, env=None: 64)
+    base = [*gpu.DEFAULT_MODEL_FLAGS, *flagsets.MAXPOOL_FLAGS]
     result = rehearsal.rehearse(base, 8, True, str(tmp_path))
     (twin, _, twin_rpg, twin_env), (pooled, _, rpg, env) = calls
-    assert runs.MAXPOOL_FLAG not in twin and "--fsdp-double-buffer" not in twin and "--cuda-graph-impl" not in twin
-    assert runs.MAXPOOL_FLAG in pooled and "--cuda-graph-impl" in pooled
+    assert flagsets.MAXPOOL_FLAG not in twin and "--fsdp-double-buffer" not in twin and "--cuda-graph-impl" not in twin
+    assert flagsets.MAXPOOL_FLAG in pooled and "--cuda-graph-impl" in pooled
     assert "--deterministic-mode" in twin and "--deterministic-mode" in pooled and twin_rpg == rpg == 2
     assert env["NCCL_ALGO"] == "Ring" and env["HFSDP_TRITON_PIN_AUTOTUNE"] == "1"
     assert (result.identical_steps, result.pool_bytes, result.planned_pool_bytes, result.home_misses) == (8, 64, 64, 0)

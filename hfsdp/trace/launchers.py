@@ -15,7 +15,7 @@ row ``(no launch)``). Time is summed over streams, as ``timeline --top`` sums it
 the innermost one matching the pattern, not merely the innermost: the innermost frame of an
 ``aten::copy_`` is usually ``torch/nn/modules/module.py``, which says nothing.
 
-Standard library only; CLI: ``python -m hfsdp.bench.launchers TRACE.json[.gz] [--steps N]
+Standard library only; CLI: ``python -m hfsdp.trace.launchers TRACE.json[.gz] [--steps N]
 [--classes C,...] [--frames RE] [--top K]``.
 """
 
@@ -26,9 +26,9 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from hfsdp.bench.idle import HOST_CATEGORIES, LAUNCH_CATEGORIES, innermost, nested
-from hfsdp.bench.kernels import KERNEL_CLASSES, kernel_class
-from hfsdp.bench.timeline import read_trace, regex, well_formed_events
+from hfsdp.trace.idle import HOST_CATEGORIES, LAUNCH_CATEGORIES, innermost, nested
+from hfsdp.trace.kernels import KERNEL_CLASSES, kernel_class
+from hfsdp.trace.timeline import read_trace, regex, well_formed_events
 from hfsdp.usererror import UserError, positive, run_cli
 
 # Our code and the libraries whose calls a user can change or report: the default --frames.

@@ -1,4 +1,4 @@
-"""GPU-idle gap attribution (hfsdp.bench.idle) on a hand-built Chrome trace."""
+"""GPU-idle gap attribution (hfsdp.trace.idle) on a hand-built Chrome trace."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from chrome_trace import X  # noqa: E402  (sibling helper; tests dir is on sys.path)
 
-from hfsdp.bench import idle
+from hfsdp.trace import idle
 
 TRACE = [
     # Host thread 1.

@@ -1,8 +1,8 @@
-"""CPU tests of the NCCL kernel counter (hfsdp/bench/kernels.py)."""
+"""CPU tests of the NCCL kernel counter (hfsdp/trace/kernels.py)."""
 
 from types import SimpleNamespace as E
 
-from hfsdp.bench.kernels import count_nccl_kernels
+from hfsdp.trace.kernels import count_nccl_kernels
 
 
 def test_counts_symmetric_and_other_nccl_kernels_on_the_device_only():

@@ -15,7 +15,7 @@ it. Then it classifies the gap:
 * ``launch_latency``: within a host-late gap, the time from the launch call to the kernel start.
 * ``unknown``: the ending event has no correlated launch in the trace.
 
-Standard library only; CLI: ``python -m hfsdp.bench.idle TRACE.json[.gz] [--steps N] [--top K]``.
+Standard library only; CLI: ``python -m hfsdp.trace.idle TRACE.json[.gz] [--steps N] [--top K]``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from hfsdp.bench.timeline import DEVICE_CATEGORIES, read_trace, span, union, well_formed_events
+from hfsdp.trace.timeline import DEVICE_CATEGORIES, read_trace, span, union, well_formed_events
 from hfsdp.usererror import positive, run_cli
 
 HOST_CATEGORIES = ("cpu_op", "python_function", "user_annotation", "cuda_runtime", "cuda_driver")

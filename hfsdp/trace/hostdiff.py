@@ -7,7 +7,7 @@ counted again. Addresses (``... at 0x7f..``) are stripped so the two traces' nam
 ``_pre_forward_param_unshard`` got slower". Rows are sorted by B - A.
 
 Standard library only; CLI:
-``python -m hfsdp.bench.hostdiff A.json.gz B.json.gz [--steps N] [--under RE] [--match RE]``.
+``python -m hfsdp.trace.hostdiff A.json.gz B.json.gz [--steps N] [--under RE] [--match RE]``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
-from hfsdp.bench.idle import HOST_CATEGORIES
-from hfsdp.bench.timeline import read_trace, regex, span, well_formed_events
+from hfsdp.trace.idle import HOST_CATEGORIES
+from hfsdp.trace.timeline import read_trace, regex, span, well_formed_events
 from hfsdp.usererror import positive, run_cli
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

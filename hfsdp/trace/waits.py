@@ -10,7 +10,7 @@ wait. Time over an all-gather kernel includes the transfer and any wait for othe
 the same collective. Each wait is also charged to the code that issued it: the innermost Python
 frame (with ``with_stack``), else the innermost ``cpu_op``.
 
-Standard library only; CLI: ``python -m hfsdp.bench.waits TRACE.json[.gz] [--steps N]``.
+Standard library only; CLI: ``python -m hfsdp.trace.waits TRACE.json[.gz] [--steps N]``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hfsdp.bench.idle import ThreadSegments
-from hfsdp.bench.kernels import is_nccl_kernel
-from hfsdp.bench.timeline import (
+from hfsdp.trace.idle import ThreadSegments
+from hfsdp.trace.kernels import is_nccl_kernel
+from hfsdp.trace.timeline import (
     DEVICE_CATEGORIES,
     SYNC_CALLS,
     intersection_length,

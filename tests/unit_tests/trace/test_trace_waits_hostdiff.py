@@ -1,4 +1,4 @@
-"""Blocking-call attribution (hfsdp.bench.waits) and host-time diffs (hfsdp.bench.hostdiff)."""
+"""Blocking-call attribution (hfsdp.trace.waits) and host-time diffs (hfsdp.trace.hostdiff)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from chrome_trace import X  # noqa: E402  (sibling helper; tests dir is on sys.path)
 
-from hfsdp.bench import hostdiff, waits
+from hfsdp.trace import hostdiff, waits
 
 WAIT_TRACE = [
     X("python_function", "token_dispatcher.py(284): dispatch_postprocess", 0, 3000),

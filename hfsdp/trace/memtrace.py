@@ -135,11 +135,11 @@ def stop_and_summarize(baseline_bytes: int, max_entries: int = MAX_ENTRIES,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hfsdp.bench.memtrace``: there is nothing to run here, which is said, not passed over."""
+    """``python -m hfsdp.trace.memtrace``: there is nothing to run here, which is said, not passed over."""
     from hfsdp.usererror import UserError, run_cli
 
     def refuse() -> int:
-        raise UserError("hfsdp.bench.memtrace has no command line: the benchmark's workers call it",
+        raise UserError("hfsdp.trace.memtrace has no command line: the benchmark's workers call it",
                         "give scripts/benchmark_double_buffer.py --memory-trace-dir DIR; each rank's peak live set "
                         "is then in DIR/*.memtrace.txt")
 

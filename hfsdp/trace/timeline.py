@@ -9,7 +9,7 @@ it to a few numbers that decide between the explanations in docs/benchmark.md:
 * ``gpu_busy_ms``: the union of device intervals on all streams, the least a step can take.
 
 Per profiled step when ``steps`` is given. Standard library only; CLI:
-``python -m hfsdp.bench.timeline TRACE.json[.gz] [TRACE ...] [--steps N] [--step-ms MS]``: one
+``python -m hfsdp.trace.timeline TRACE.json[.gz] [TRACE ...] [--steps N] [--step-ms MS]``: one
 line per trace (one per rank); with several, rank 0's and the busiest rank's GPU-busy time, and
 with ``--step-ms`` (the measured step) the step against the busiest rank's GPU-busy time.
 """
@@ -24,7 +24,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
 
-from hfsdp.bench.kernels import is_nccl_kernel, kernel_time
+from hfsdp.trace.kernels import is_nccl_kernel, kernel_time
 from hfsdp.usererror import UserError, not_a_regular_file, positive, run_cli
 
 # Host calls that block until the device catches up.

@@ -1,4 +1,4 @@
-"""CPU tests of the step-timeline reduction (hfsdp/bench/timeline.py)."""
+"""CPU tests of the step-timeline reduction (hfsdp/trace/timeline.py)."""
 
 import gzip
 import importlib
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hfsdp.bench import timeline
+from hfsdp.trace import timeline
 
 
 def k(name, ts, dur, cat="kernel"):
@@ -60,7 +60,7 @@ def test_busy_report_names_rank_0_and_the_busiest_rank(tmp_path, capsys):
 
 
 def test_kernel_classes_and_the_longest_kernels(tmp_path, capsys):
-    from hfsdp.bench.kernels import kernel_class, kernel_time
+    from hfsdp.trace.kernels import kernel_class, kernel_time
 
     assert [kernel_class(n) for n in (
         "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT",
@@ -104,7 +104,7 @@ def test_a_file_that_is_no_trace_is_one_sentence(tmp_path, capsys, content, word
 
 @pytest.mark.parametrize("tool", ["timeline", "idle", "waits", "hostdiff"])
 def test_every_trace_reader_says_what_is_wrong_with_its_file(tmp_path, capsys, tool):
-    module = importlib.import_module(f"hfsdp.bench.{tool}")
+    module = importlib.import_module(f"hfsdp.trace.{tool}")
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps({"traceEvents": EVENTS}))
     bad.write_text("{broken")

@@ -1,4 +1,4 @@
-"""Device time by launching code (hfsdp.bench.launchers) on a hand-built Chrome trace."""
+"""Device time by launching code (hfsdp.trace.launchers) on a hand-built Chrome trace."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from chrome_trace import X  # noqa: E402  (sibling helper; tests dir is on sys.path)
 
-from hfsdp.bench import launchers
+from hfsdp.trace import launchers
 
 COPY = "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>"
 TRACE = [

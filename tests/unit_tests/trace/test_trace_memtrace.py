@@ -1,6 +1,6 @@
-"""CPU tests of the peak live-set replay (hfsdp/bench/memtrace.py)."""
+"""CPU tests of the peak live-set replay (hfsdp/trace/memtrace.py)."""
 
-from hfsdp.bench.memtrace import MIB, categorize, format_summary, peak_live_set
+from hfsdp.trace.memtrace import MIB, categorize, format_summary, peak_live_set
 
 POOL = [{"filename": "/x/megatron_fsdp/double_buffer/allocator.py", "name": "_arena"},
         {"filename": "/x/megatron_fsdp/param_and_grad_buffer.py", "name": "fetch_bucket"}]
@@ -62,7 +62,7 @@ def test_snapshot_pickle_opens_in_torchs_memory_viz(tmp_path):
 
     from torch.cuda import _memory_viz
 
-    from hfsdp.bench.memtrace import write_snapshot
+    from hfsdp.trace.memtrace import write_snapshot
 
     entry = {"action": "alloc", "addr": 4096, "size": 2 * MIB, "stream": 0,
              "frames": [{"filename": "/x/megatron_fsdp/double_buffer/allocator.py", "name": "_arena",
