@@ -50,7 +50,8 @@ DEPTH_FLAGS = ("--num-layers", "--hybrid-layer-pattern")
 # Largest world the planner builds (fake process group, every Megatron group of it, in one
 # process): 16,384 ranks plan in about 14 s, 262,144 in 80 s.
 MAX_PLAN_WORLD = 65536
-FIX = "fix the flags (scripts/fsdp_memory_planner.py --help lists them); docs/memory-planner.md has examples"
+FIX = ("fix the flags (scripts/fsdp_memory_planner.py --help lists the planner's, --help-megatron every one); "
+       "docs/memory-planner.md has examples")
 _ESSENTIAL = ("hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
 
 
