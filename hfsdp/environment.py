@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import sys
 
 MIN_PYTHON = (3, 12)
@@ -39,14 +40,16 @@ def environment_problem() -> str | None:
 
 
 def way_in() -> str:
-    """How to enter the project's environment, with this checkout's paths."""
+    """How to enter the project's environment, with this checkout's paths (quoted for a shell)."""
     venv = os.path.relpath(VENV)
     venv = VENV if venv.startswith("..") else venv  # a short path from inside the checkout only
-    activate = os.path.join(venv, "bin", "activate")
-    python = os.path.join(venv, "bin", "python")
-    made = "" if os.path.isdir(VENV) else " (`bash scripts/run_tests.sh` makes it first)"
-    return (f"run it in the project's environment{made}: `. {activate}` first, or start it with `{python}`; "
-            "in your own environment, install torch and then `pip install -e .` (README, Set-up)")
+    activate = shlex.quote(os.path.join(venv, "bin", "activate"))
+    python = shlex.quote(os.path.join(venv, "bin", "python"))
+    if not os.path.isfile(os.path.join(VENV, "bin", "python")):
+        return (f"make it with the README's set-up commands (scripts/run_tests.sh makes {venv}), then enter it with "
+                f"`. {activate}` or start the command with `{python}`")
+    return (f"run it in the project's environment: `. {activate}` first, or start it with `{python}`; in an "
+            "environment of your own, install torch and then this checkout (README, Set-up)")
 
 
 def require_environment(prog: str) -> None:

@@ -6,6 +6,8 @@ sitecustomize on PYTHONPATH), so the test does not depend on what else the machi
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -60,14 +62,44 @@ def test_an_entry_point_without_torch_names_the_environment(argv, prog, tmp_path
     cause, fix = proc.stderr.rstrip("\n").split("\n")
     assert cause == (f"{prog}: error: this Python ({sys.executable}) cannot import torch, so it is not the "
                      "project's environment")
-    assert fix.startswith("  -> run it in the project's environment") and "bin/activate" in fix, fix
+    assert fix.startswith("  -> ") and "bin/activate" in fix and "bin/python" in fix, fix
 
 
-def test_the_way_in_names_this_checkout_s_venv(tmp_path, monkeypatch):
+def test_the_way_in_runs_as_printed(tmp_path):
+    """The commands the error suggests run as printed, from a folder outside a checkout whose path holds
+    a space and a non-ASCII character: after the first, or with the second, Python imports torch."""
+    checkout = tmp_path / "check out ö"
+    checkout.symlink_to(REPO_ROOT, target_is_directory=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = without_torch(tmp_path)
+    env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(REPO_ROOT), str(checkout))
+    proc = subprocess.run([sys.executable, "-m", "hfsdp.main_job"], cwd=elsewhere, env=env,  # hfsdp via the path
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    suggested = re.findall(r"`([^`]+)`", proc.stderr.split("\n  -> ", 1)[1])
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    if not (REPO_ROOT / ".venv" / "bin" / "python").is_file():  # a checkout set up elsewhere (VENV=...)
+        assert "README's set-up commands" in proc.stderr
+        return
+    activate, python = suggested
+    assert shlex.split(activate)[0] == "." and str(checkout) in activate
+    check = "import sys, torch; print(sys.prefix)"
+    entered = subprocess.run(["bash", "-c", f"{activate} && python -c {shlex.quote(check)}"], cwd=elsewhere,
+                             env=clean, capture_output=True, text=True, timeout=300)
+    started = subprocess.run([*shlex.split(python), "-c", check], cwd=elsewhere, env=clean, capture_output=True,
+                             text=True, timeout=300)
+    for done in (entered, started):
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert Path(done.stdout.strip()).resolve() == (REPO_ROOT / ".venv").resolve()
+
+
+def test_the_way_in_is_short_inside_the_checkout(monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
-    assert "`. .venv/bin/activate` first, or start it with `.venv/bin/python`" in environment.way_in()
-    monkeypatch.chdir(tmp_path)
-    assert f"`. {REPO_ROOT / '.venv/bin/activate'}` first" in environment.way_in()
+    if (REPO_ROOT / ".venv" / "bin" / "python").is_file():
+        assert "`. .venv/bin/activate` first, or start it with `.venv/bin/python`" in environment.way_in()
+    else:
+        assert "`. .venv/bin/activate` or start the command with `.venv/bin/python`" in environment.way_in()
 
 
 def test_this_python_is_the_environment():
