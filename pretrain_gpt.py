@@ -9,7 +9,12 @@ Launch with torchrun, e.g.::
         --tokenizer-type NullTokenizer --vocab-size 8192 ...
 """
 
-from hfsdp.training.entry import main
+from hfsdp.environment import require_environment
+
+if __name__ == "__main__":
+    require_environment("pretrain_gpt.py")
+
+from hfsdp.training.entry import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

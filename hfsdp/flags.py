@@ -1,26 +1,32 @@
-"""``python -m hfsdp.flags``: the fork's own training flags, one line each (what, default).
+"""``python -m hfsdp.flags``: every option the fork adds, one line each (what it takes, default, meaning).
 
-``python pretrain_gpt.py --help`` lists every Megatron flag, thousands of lines. This lists only
-the flags the fork adds to Megatron's parser.
+``python pretrain_gpt.py --help`` lists every Megatron flag, thousands of lines. This lists what the
+fork adds: its flags on Megatron's parser (``pretrain_gpt.py``, ``pretrain_hybrid.py``, the planner),
+the upstream flag value it makes work (``--cuda-graph-impl full_iteration``), and the options our
+launchers share that are the fork's (``--ranks-per-gpu``, ``--env``, the benchmark's ``--base``).
 
-[Note: the fork's flags] The fork declares its flags in an argument group of its own,
+[Note: the fork's flags] The fork declares its Megatron flags in an argument group of its own,
 ``hfsdp (fork)`` (``megatron/training/fork_args.py``, added to Megatron's parser by a one-line hook in
-``add_megatron_arguments``): a flag is the fork's when it is in that group of Megatron's real parser
-(the one ``--help`` prints), which also says what each flag does and its default, so the listing
-cannot drift from the flags; a test holds it to the flags the materialized parser has and the
-pristine release's parser lacks. The training entry (hfsdp/training/entry.py) uses
-:func:`fork_flag_names` to point a bad value of one of these flags here.
+``add_megatron_arguments``): a flag is the fork's when it is in that group of Megatron's real parser.
+The listing itself is the table :data:`PRETRAIN` + :data:`LAUNCHERS`, printed without importing
+Megatron or torch (importing ``megatron.training`` alone takes seconds); a CPU test
+(tests/unit_tests/training_entry/test_flags.py) holds the table to the real parsers, so the two cannot
+drift: on the materialized base, the rows of :data:`PRETRAIN` are exactly the fork group plus the
+upstream values the fork makes work, with the parser's default and the first words of its help,
+and every launcher a row names has that option, with that default and help. The training entry
+(hfsdp/training/entry.py) uses :func:`fork_flag_names` to point a bad value of one of these flags here.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import re
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from hfsdp.usererror import UserError, run_cli
 
@@ -70,6 +76,8 @@ def metavar(action: argparse.Action) -> str:
 
 
 def default_text(action: argparse.Action) -> str:
+    if action.default == []:  # a repeatable option given no times
+        return "none"
     if isinstance(action, argparse._StoreTrueAction):
         return "off"
     if isinstance(action, argparse._StoreFalseAction):
@@ -82,19 +90,6 @@ def what_it_does(parser: argparse.ArgumentParser, action: argparse.Action) -> st
     text = " ".join(parser._get_formatter()._expand_help(action).split()) if action.help else ""
     first = re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
     return first or "(no help text)"
-
-
-def listing(parser: argparse.ArgumentParser, names: set[str]) -> list[str]:
-    """One line per fork flag: its option strings (and metavar), its default, what it does."""
-    rows = []
-    for action in fork_actions(parser, names):
-        takes = "" if action.nargs == 0 else f" {metavar(action)}"
-        rows.append((", ".join(action.option_strings) + takes, default_text(action), what_it_does(parser, action)))
-    if not rows:
-        return []
-    width = max(len(r[0]) for r in rows)
-    dwidth = max(len(r[1]) for r in rows)
-    return [f"{flag:<{width}}  {default:<{dwidth}}  {does}" for flag, default, does in rows]
 
 
 @contextlib.contextmanager
@@ -110,20 +105,87 @@ def quiet() -> Iterator[None]:
         raise
 
 
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One option as the listing prints it; the test holds each field to the real parser (see the note)."""
+
+    option: str  # the option string, e.g. --nccl-comm-warmup
+    takes: str  # its metavar ("" for a switch), or the one value the row is about
+    default: str  # as :func:`default_text` writes the parser's default
+    meaning: str  # the first words of the parser's help (a prefix of its first sentence; "…": cut short)
+    where: tuple[str, ...]  # PRETRAIN: the bases whose fork group has it; LAUNCHERS: the launchers that take it
+
+
+BASES = ("0.18.2", "0.19.2")
+UPSTREAM_VALUES = {"--cuda-graph-impl": "full_iteration"}  # upstream flags whose value the fork makes work
+
+PRETRAIN = (
+    Row("--megatron-fsdp-max-pool-double-buffer", "", "off",
+        "Size Megatron-FSDP double buffers by the largest FSDP unit so that every unit is pooled "
+        "(implies --fsdp-double-buffer).", ("0.18.2",)),
+    Row("--megatron-fsdp-max-pool-lanes", "N", "2",
+        "Lanes of the max-pool double buffer = FSDP units live at once.", BASES),
+    Row("--fsdp-db-use-persist-buf-on-alloc-fail", "", "off",
+        "Give buckets that the FSDP double buffer does not pool (non-unit modules, FixedPool outliers) a "
+        "persistent buffer instead of dynamic memory.", ("0.18.2",)),
+    Row("--nccl-comm-warmup", "", "off",
+        "Before the training loop, run one inert collective on every NCCL group this rank belongs to …", BASES),
+    Row("--cuda-graph-impl", "full_iteration", "none",
+        "upstream's flag; the fork makes full_iteration work on every torch: capture on the capture stream, "
+        "capture checks, capture memory report, rerun mode off, evaluation graphs (docs/cuda-graphs.md)", BASES),
+)
+
+LAUNCHER_NAMES = {
+    "run_case": "python -m hfsdp.functional.run_case",
+    "batch": "python -m hfsdp.functional.batch",
+    "benchmark": "scripts/benchmark_double_buffer.py",
+    "submit": "python -m hfsdp.slurm.submit",
+    "launch": "python -m hfsdp.launch",
+}
+COUNT_LAUNCHERS = ("run_case", "batch", "benchmark", "submit")
+
+LAUNCHERS = (
+    Row("--ranks-per-gpu", "N", "1", "start N ranks on each GPU (one host only): data-parallel runs on fewer GPUs, "
+        "for numerics, memory and exit-path checks, never for speed", COUNT_LAUNCHERS),
+    Row("--ranks-per-gpu", "N|auto", "1", "ranks on each GPU (default 1); auto: as many as N ranks need on this "
+        "machine", ("launch",)),
+    Row("--env", "KEY=VALUE", "none", "set this variable in the launched job (repeatable); everything else in the "
+        "caller's environment is passed through unchanged", COUNT_LAUNCHERS),
+    Row("--base", "NAMES", "fork",
+        "Megatron trees to run each configuration on, comma-separated or repeated: fork, upstream-0.19.2, "
+        "upstream-0.18.2 (default fork)", ("benchmark",)),
+)
+
+
+def table(rows: Sequence[Row], where: Callable[[Row], str]) -> list[str]:
+    """The rows as aligned lines: option and what it takes, default, meaning, where it applies."""
+    cells = [(f"{r.option} {r.takes}".rstrip(), r.default, f"{r.meaning} [{where(r)}]") for r in rows]
+    width = max(len(c[0]) for c in cells)
+    dwidth = max(len(c[1]) for c in cells)
+    return [f"  {flag:<{width}}  {default:<{dwidth}}  {does}" for flag, default, does in cells]
+
+
+def lines() -> list[str]:
+    """What ``python -m hfsdp.flags`` prints (no Megatron, no torch)."""
+    def bases(r: Row) -> str:
+        return "both bases" if r.where == BASES else f"{', '.join(r.where)} base only"
+
+    return [
+        "The fork's options: option, default, meaning [where]. Every Megatron flag: python pretrain_gpt.py --help.",
+        f"pretrain_gpt.py, pretrain_hybrid.py and scripts/fsdp_memory_planner.py (group {GROUP_TITLE!r}):",
+        *table(PRETRAIN, bases),
+        "Our launchers (" + "; ".join(f"{k}: {v}" for k, v in LAUNCHER_NAMES.items())
+        + "; each one's --help lists its other options):",
+        *table(LAUNCHERS, lambda r: ", ".join(r.where)),
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cli = argparse.ArgumentParser(prog="python -m hfsdp.flags", description=__doc__.split("\n")[0])
-    cli.parse_args(argv)
 
     def run() -> int:
-        from hfsdp.patchset.guard import ensure_fork
-
-        ensure_fork()
-        with quiet():
-            parser = megatron_parser()  # what --help lists
-            names = fork_flag_names(parser)
-        lines = listing(parser, names)
-        print("The fork's flags (on top of every Megatron flag; `python pretrain_gpt.py --help` lists all):")
-        print("\n".join(lines))
+        cli.parse_args(argv)
+        print("\n".join(lines()))
         return 0
 
     return run_cli("hfsdp.flags", run)

@@ -608,4 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from hfsdp.environment import require_environment
+
+    require_environment("run_case")
     sys.exit(main())

@@ -85,4 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from hfsdp.environment import require_environment
+
+    require_environment("python -m hfsdp.launch")
     sys.exit(main())

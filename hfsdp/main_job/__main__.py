@@ -2,6 +2,10 @@
 
 import sys
 
-from hfsdp.main_job.gpu import main
+from hfsdp.environment import require_environment
+
+require_environment("python -m hfsdp.main_job")
+
+from hfsdp.main_job.gpu import main  # noqa: E402
 
 sys.exit(main())

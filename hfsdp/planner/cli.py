@@ -165,6 +165,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli("fsdp_memory_planner", lambda: _main(list(sys.argv[1:] if argv is None else argv)))
 
 
+def help_asked(argv: Sequence[str]) -> int | None:
+    """``--help``: the planner's own options and where Megatron's flags are, nothing imported from
+    Megatron (so no upstream warnings); ``--help-megatron``: every flag the planner takes, the
+    planner's first, Megatron's import warnings held back. None: no help asked for."""
+    if setup.HELP_MEGATRON in argv:
+        from hfsdp.flags import quiet
+
+        with quiet():
+            text = setup.full_parser().format_help()
+        print(text, end="")
+        return 0
+    if "-h" in argv or "--help" in argv:
+        setup.planner_parser().print_help()
+        return 0
+    return None
+
+
 @contextlib.contextmanager
 def logs_to_stderr() -> Iterator[None]:
     """Megatron's training module logs to stdout (``log_handler.CustomHandler``); the planner's
@@ -184,6 +201,8 @@ def logs_to_stderr() -> Iterator[None]:
 
 
 def _main(argv: list[str]) -> int:
+    if (rc := help_asked(argv)) is not None:
+        return rc
     with logs_to_stderr():
         return _plan(argv)
 

@@ -50,7 +50,8 @@ DEPTH_FLAGS = ("--num-layers", "--hybrid-layer-pattern")
 # Largest world the planner builds (fake process group, every Megatron group of it, in one
 # process): 16,384 ranks plan in about 14 s, 262,144 in 80 s.
 MAX_PLAN_WORLD = 65536
-FIX = "fix the flags (scripts/fsdp_memory_planner.py --help lists them); docs/memory-planner.md has examples"
+FIX = ("fix the flags (scripts/fsdp_memory_planner.py --help lists the planner's, --help-megatron every one); "
+       "docs/memory-planner.md has examples")
 _ESSENTIAL = ("hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
 
 
@@ -156,24 +157,43 @@ def lane_counts(text: str) -> tuple[int, ...]:
 
 def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("memory planner")
-    g.add_argument("--plan-dp-size", type=positive(), default=2,
+    g.add_argument("--plan-dp-size", type=positive(), default=2, metavar="N",
                    help="Data-parallel size to plan for (world = dp x tp x pp x cp, at most "
                         f"{MAX_PLAN_WORLD:,} ranks).")
-    g.add_argument("--fsdp-unit-modules", type=str, default=None,
+    g.add_argument("--fsdp-unit-modules", type=str, default=None, metavar="LIST",
                    help="Comma-separated unit classes (dotted paths or TransformerLayer, "
                         "MoETransformerLayer, MambaLayer); 'megatron-0.18.2' for 0.18.2's "
                         "[TransformerLayer]; 'none' for no units. Default: the fork's "
                         "TransformerLayer,MoETransformerLayer,MambaLayer.")
-    g.add_argument("--plan-align-bytes", type=positive(), default=256,
+    g.add_argument("--plan-align-bytes", type=positive(), default=256, metavar="N",
                    help="Arena offset alignment used by the max-pool plan.")
     g.add_argument("--plan-lanes", type=lane_counts, default=None, metavar="N[,N...]",
                    help="Lane counts of the max-pool double buffer to plan, as "
                         "--megatron-fsdp-max-pool-lanes N would hold them (default: 3, when "
                         "the model has at least 3 FSDP units).")
-    g.add_argument("--plan-device-arch", type=positive(), default=ASSUMED_ARCH,
+    g.add_argument("--plan-device-arch", type=positive(), default=ASSUMED_ARCH, metavar="N",
                    help="GPU major arch assumed by validate_args on a CPU box.")
-    g.add_argument("--plan-json", type=str, default=None, help="Also write the plan as JSON.")
+    g.add_argument("--plan-json", type=str, default=None, metavar="FILE", help="Also write the plan as JSON.")
     return parser
+
+
+HELP_MEGATRON = "--help-megatron"
+USAGE = ("%(prog)s [--plan-dp-size N] [--plan-lanes N[,N...]] [--plan-json FILE] [--fsdp-unit-modules LIST] "
+         "[--plan-align-bytes N] [--plan-device-arch N] [pretrain flags ...]")
+MEGATRON_FLAGS = ("Every flag of pretrain_gpt.py / pretrain_hybrid.py is taken too (the model to plan; without "
+                  "--num-layers or --hybrid-layer-pattern they change the default model): "
+                  f"`scripts/fsdp_memory_planner.py {HELP_MEGATRON}` lists them, as does "
+                  "`python pretrain_gpt.py --help`. The fork's own: `python -m hfsdp.flags`.")
+
+
+def planner_parser() -> argparse.ArgumentParser:
+    """The planner's own options alone: what ``--help`` prints, without Megatron's thousands of flags."""
+    parser = argparse.ArgumentParser(prog="fsdp_memory_planner", usage=USAGE, epilog=MEGATRON_FLAGS,
+                                     description="Plan Megatron-FSDP double-buffer memory for a model, no GPU "
+                                                 "needed (docs/memory-planner.md).", allow_abbrev=False)
+    parser.add_argument(HELP_MEGATRON, action="store_true",
+                        help="List every Megatron flag the planner also takes (thousands of lines) and exit.")
+    return add_planner_args(parser)
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -186,15 +206,18 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def parse_flags(argv: Sequence[str]) -> argparse.Namespace:
     """Megatron's parser plus ``--plan-*``, without validation (argparse's own errors exit 2)."""
+    return full_parser().parse_args(list(argv))
+
+
+def full_parser() -> argparse.ArgumentParser:
+    """The planner's options, then Megatron's: every flag the planner takes."""
     import megatron.training.arguments as margs
 
     # Megatron's parser has hundreds of flags: a usage line listing them all would bury the error.
     parser = argparse.ArgumentParser(prog="fsdp_memory_planner", description="Megatron-FSDP memory planner",
-                                     usage="%(prog)s [pretrain flags ...] [--plan-dp-size N] [--plan-json FILE] "
-                                           "[--fsdp-unit-modules LIST] (--help lists all)", allow_abbrev=False)
-    parser = margs.add_megatron_arguments(parser)
-    parser = add_planner_args(parser)
-    return parser.parse_args(list(argv))
+                                     usage=USAGE + " (--help: the planner's options)", allow_abbrev=False)
+    parser = add_planner_args(parser)  # listed first by --help-megatron
+    return margs.add_megatron_arguments(parser)
 
 
 def check_planner_flags(args: argparse.Namespace) -> None:

@@ -171,4 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from hfsdp.environment import require_environment
+
+    require_environment("submit")
     sys.exit(main())

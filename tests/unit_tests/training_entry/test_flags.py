@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -58,18 +59,114 @@ def test_every_flag_the_patches_add_is_listed(pristine_options):
     assert listed == ours - pristine_options
 
 
-def test_the_cli_prints_one_line_per_flag_and_no_warnings():
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "hfsdp.flags"], cwd="/", env=env, capture_output=True,
-                          text=True, timeout=600)
+def rows_on(base: str) -> list[flags.Row]:
+    return [r for r in flags.PRETRAIN if base in r.where]
+
+
+def holds(parser: argparse.ArgumentParser, action: argparse.Action, row: flags.Row) -> None:
+    """The row says what the parser says: what the option takes, its default, its help's first words."""
+    help_text = " ".join(parser._get_formatter()._expand_help(action).split())
+    assert ("" if action.nargs == 0 else flags.metavar(action)) == row.takes, (row, action)
+    assert flags.default_text(action) == row.default or f"(default {row.default})" in help_text, (row, action)
+    assert flags.what_it_does(parser, action).startswith(row.meaning.removesuffix(" …")), (row, help_text)
+
+
+def test_the_listing_is_the_fork_group_of_the_real_parser():
+    """PRETRAIN's rows for the materialized base are the fork group's flags, each with the parser's
+    metavar, default and first words of help; the upstream values it names are among the flag's choices."""
+    parser = flags.megatron_parser()
+    rows = rows_on(tree_base())
+    own = [r for r in rows if r.option not in flags.UPSTREAM_VALUES]
+    assert {r.option for r in own} == flags.fork_flag_names(parser) == FORK_FLAGS[tree_base()]
+    by_option = {s: a for a in parser._actions for s in a.option_strings}
+    for row in own:
+        holds(parser, by_option[row.option], row)
+    for option, value in flags.UPSTREAM_VALUES.items():
+        row = next(r for r in rows if r.option == option)
+        action = by_option[option]
+        assert row.takes == value and value in action.choices and flags.default_text(action) == row.default
+    assert {b for r in flags.PRETRAIN for b in r.where} <= set(flags.BASES)
+
+
+class Captured(BaseException):
+    """Raised by a patched ``parse_args`` to hand a launcher's parser to the test (not an Exception:
+    run_cli lets it through)."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__()
+        self.parser = parser
+
+
+def launcher_parser(name: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+    """The argparse parser the launcher ``name`` (flags.LAUNCHER_NAMES) parses its command line with."""
+    def capture(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        raise Captured(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    if name == "run_case":
+        from hfsdp.functional.run_case import main as run
+    elif name == "batch":
+        from hfsdp.functional.batch import main as run
+    elif name == "benchmark":
+        from hfsdp.bench.run import parse as run
+    elif name == "submit":
+        from hfsdp.slurm.submit import main as run
+    else:
+        from hfsdp.launch.__main__ import parse as run
+    with pytest.raises(Captured) as caught:
+        run(["--help"])
+    monkeypatch.undo()
+    return caught.value.parser
+
+
+@pytest.mark.parametrize("name", sorted(flags.LAUNCHER_NAMES))
+def test_every_launcher_takes_the_options_listed_for_it(name, monkeypatch):
+    parser = launcher_parser(name, monkeypatch)
+    by_option = {s: a for a in parser._actions for s in a.option_strings}
+    rows = [r for r in flags.LAUNCHERS if name in r.where]
+    assert rows
+    for row in rows:
+        assert row.option in by_option, f"{flags.LAUNCHER_NAMES[name]} has no {row.option}"
+        holds(parser, by_option[row.option], row)
+    # And what a launcher takes that the listing names is listed for it, not only for the others.
+    listed = {r.option for r in flags.LAUNCHERS}
+    assert listed & set(by_option) == {r.option for r in rows}
+
+
+def test_the_cli_lists_every_row_without_megatron_or_torch(tmp_path):
+    """The listing imports neither Megatron nor torch: it runs with torch unimportable, quickly."""
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text(BLOCK_TORCH)
+    check = ("import sys; from hfsdp import flags; rc = flags.main([]); "
+             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')); "
+             "sys.exit(rc or (f'imported {heavy}' if heavy else 0))")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"}
+    proc = subprocess.run([sys.executable, "-c", check], cwd="/", env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert len(lines) == 1 + len(flags.fork_flag_names()) == 1 + len(FORK_FLAGS[tree_base()])  # a header, a line a flag
-    warmup = next(line for line in lines if line.startswith("--nccl-comm-warmup"))
+    assert len(lines) == 3 + len(flags.PRETRAIN) + len(flags.LAUNCHERS)  # three headers, a line a row
+    for row in (*flags.PRETRAIN, *flags.LAUNCHERS):
+        assert any(line.split()[:1] == [row.option] and row.meaning in line for line in lines), row
+    warmup = next(line for line in lines if line.split()[0] == "--nccl-comm-warmup")
     assert warmup.split()[1:3] == ["off", "Before"]  # the default, then what it does
-    if "--megatron-fsdp-max-pool-lanes" in FORK_FLAGS[tree_base()]:
-        lanes = next(line for line in lines if line.startswith("--megatron-fsdp-max-pool-lanes N"))
-        assert lanes.split()[2:4] == ["2", "Lanes"]
+    assert any(line.split()[:3] == ["--cuda-graph-impl", "full_iteration", "none"] for line in lines)
+    assert any(line.split()[:3] == ["--ranks-per-gpu", "N", "1"] for line in lines)
+
+
+# Makes torch unimportable in a subprocess (a sitecustomize on its PYTHONPATH): a Python without torch.
+BLOCK_TORCH = """
+import sys
+
+
+class _BlockTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _BlockTorch())
+"""
 
 
 def test_the_fork_group_holds_the_flags_and_help_shows_it():
