@@ -277,3 +277,28 @@ def test_run_case_cli_exit_status_names_the_verdict(tmp_path: Path, log: Path) -
     assert recorded.returncode == 0, recorded.stdout + recorded.stderr
     (name,) = [p.name for p in case.glob("golden_values_*.json")]
     assert json.loads((case / name).read_text())[environment.KEY]["torch"]
+
+
+def test_the_goldens_table_in_the_docs_is_current() -> None:
+    """docs/functional-tests.md carries the generated case x environment x GPU kind table; it must match the tree."""
+    from hfsdp.functional import goldens_table
+
+    page = REPO_ROOT / "docs" / "functional-tests.md"
+    text = page.read_text(encoding="utf-8")
+    fix = "run `python -m hfsdp.functional.goldens_table --write docs/functional-tests.md`"
+    assert goldens_table.replaced(text, goldens_table.table(), page) == text, fix
+
+
+def test_the_goldens_table_says_refused_and_lists_platforms(tmp_path: Path) -> None:
+    from hfsdp.functional import goldens_table
+
+    case = _case(tmp_path / "cases", "apex_case",
+                 "ENVIRONMENT:\n  requires: [apex]\n  excludes: [transformer_engine]\n  why: x\n")
+    recipe = load_recipe(case)
+    golden.save(recipe.golden_path("apex", "dgx_h200_mcore0.19.2"), {"lm loss": {1: 1.0}}, ["lm loss"],
+                _with(replace(ENV_A, base="0.19.2"), "apex", "NVIDIA Apex 0.1: amp_C"))
+    rows = goldens_table.table(tmp_path / "cases").splitlines()
+    assert rows[-1] == ("| hybrid/apex_case | refused: needs apex | refused: needs apex; excludes te | "
+                        "refused: excludes te | h200 0.19.2 |")
+    with pytest.raises(UserError, match="does not hold one"):
+        goldens_table.replaced("no markers here", "x", tmp_path / "page.md")
