@@ -550,3 +550,24 @@ def test_a_killed_queue_continue_goes_on(fake: Env, tmp_path: Path, capsys) -> N
     assert main(["--root", str(fake.project.root), "export", "--queue", str(queue)]) == 0
     assert "+maxpool = True" in (fake.project.patches_dir / "alloc.patch").read_text()
     assert "+    return 'fork'" in (fake.project.patches_dir / "train.patch").read_text()
+
+
+def test_stray_files_in_the_tree(overlaid: Env, capsys) -> None:
+    """A .rej and an .orig beside the file a `git apply --reject` changed: named, never folded into the
+    overlay; the command given deletes them, and refresh then folds the real edit alone."""
+    root = overlaid.project.root
+    assert main(["--root", str(root), "materialize"]) == 0
+    init = root / "megatron" / "core" / "__init__.py"
+    init.write_text("VALUE = 5\n")
+    for name in ("__init__.py.rej", "__init__.py.orig"):
+        (root / "megatron" / "core" / name).write_text("x\n")
+    for verb in ("status", "refresh", "materialize", "diff"):
+        err = error_of(overlaid, capsys, verb)
+        assert "megatron/core/__init__.py.orig is a leftover of a failed or partial patch apply" in err, (verb, err)
+        assert "megatron/core/__init__.py.rej is a leftover" in err, err
+    assert not [p for p in overlaid.project.overlay_dir.rglob("*") if p.suffix in (".rej", ".orig")]
+    (step,) = commands(err.split("-> ", 1)[1])
+    assert step.startswith("rm ") and run_advice(overlaid, step, capsys) == 0
+    assert main(["--root", str(root), "refresh", "--patch", "alloc"]) == 0
+    assert "+VALUE = 5" in (overlaid.project.patches_dir / "alloc.patch").read_text()
+    assert main(["--root", str(root), "status"]) == 0

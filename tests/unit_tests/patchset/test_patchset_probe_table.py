@@ -177,6 +177,9 @@ def crlf(env: Env, tmp: Path) -> None:
     patch.write_bytes(patch.read_bytes().replace(b"\n", b"\r\n"))
 
 
+APPLY, EDITOR = "a leftover of a failed or partial patch apply", "an editor's backup, swap or lock file"
+STRAYS = (("enums.py.rej", APPLY), ("enums.py.orig", APPLY), (".enums.py.swp", EDITOR), (".enums.py.swo", EDITOR),
+          ("enums.py~", EDITOR), ("#enums.py#", EDITOR), ("enums.py.bak", EDITOR))
 OFFLINE: dict[str, str | None] = {"MEGATRON_PATCHSET_OFFLINE": "1"}
 NO_SDIST: dict[str, str | None] = {"MEGATRON_PATCHSET_SDIST": None}
 OVERLAY = "patches/overlay/megatron/core"
@@ -317,6 +320,20 @@ PROBES = [
       for verb in ("status", "lint", "materialize")],
     Probe("overlay-pycache", ("materialize",), 0, "+ 2 overlay files",
           write(f"{OVERLAY}/__pycache__/x.cpython-312.pyc", b"\0")),
+    # Editor backups and swap files, and what a failed apply leaves, are never overlay files ([Note: stray files]
+    # in scan.py), in patches/overlay/ as in megatron/ (where refresh would fold them into the overlay).
+    *[Probe(f"overlay-stray-{i}-{verb}", (verb,), 1 if verb == "lint" else 2,
+            f"{name} is {kind}, never an overlay file", write(f"{OVERLAY}/{name}", "x\n"))
+      for i, (name, kind) in enumerate(STRAYS) for verb in ("status", "lint", "materialize")],
+    Probe("overlay-stray-refresh", ("refresh",), 2, f"enums.py.rej is {APPLY}, never an overlay file",
+          then(materialized, write("megatron/core/__init__.py", "V = 5\n"), write(f"{OVERLAY}/enums.py.rej", "x\n"))),
+    *[Probe(f"tree-stray-{i}-{verb[0]}", verb, 2, f"megatron/core/{name} is {kind}: not a file of the fork",
+            then(materialized, write(f"megatron/core/{name}", "x\n")))
+      for i, (name, kind) in enumerate(STRAYS)
+      for verb in ((("status",), ("refresh",), ("materialize",), ("diff",)) if i < 2 else (("status",),))],
+    Probe("tree-stray-stale-materialize", ("materialize",), 2, f"megatron/core/enums.py.orig is {APPLY}",
+          then(materialized, write("megatron/core/enums.py.orig", "x\n"),
+               edit("patches/alloc.patch", "maxpool", "pool"))),
     Probe("overlay-space-lint", ("lint",), 1, "has a character a shell splits", write(f"{OVERLAY}/a b.py", "x = 1\n")),
     # 9. Wrong file types, missing or empty folders where a path is expected.
     Probe("tree-a-file-status", ("status",), 1, "megatron is a file, not a folder", write("megatron", "x")),
