@@ -168,6 +168,14 @@ def queue_with_a_changed_patch(name: str) -> Setup:
     return setup
 
 
+def bom(path: str) -> Setup:
+    """Put a UTF-8 byte-order mark before the file at ``path`` (as some editors save)."""
+    def setup(env: Env, tmp: Path) -> None:
+        target = env.project.root / path
+        target.write_bytes(b"\xef\xbb\xbf" + target.read_bytes())
+    return setup
+
+
 def wrong_pin(env: Env, tmp: Path) -> None:
     set_pin(env, "0" * 64)
 
@@ -297,6 +305,14 @@ PROBES = [
             env={"SOURCE_DATE_EPOCH": value})
       for i, (value, says) in enumerate((("soon", "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number"),
                                          ("99999999999999", "is past the last date a patch header can carry")))],
+    # A patch saved with a byte-order mark: refused by every verb that reads it, naming the BOM.
+    *[Probe(f"bom-{verb[0]}", verb, 1 if verb == ("lint",) else 2,
+            "alloc.patch starts with a UTF-8 byte-order mark (BOM)", then(*before, bom("patches/alloc.patch")))
+      for verb, before in ((("status",), (materialized,)), (("materialize",), ()), (("check",), ()), (("lint",), ()),
+                           (("queue", "--dir", "{tmp}/q"), ()), (("export", "--queue", "{tmp}/q"), (queue_at("q"),)),
+                           (("diff", "--series"), ()))],
+    Probe("bom-advice", ("materialize",), 2, "remove the BOM: `sed -i '1s/^\\xEF\\xBB\\xBF//' ",
+          bom("patches/alloc.patch")),
     # A series that lost patches patches/ still holds: no tree stamped as the fork without them.
     *[Probe(f"series-lost-{when}", ("materialize",), 2,
             "patches/ holds 2 more it does not list (alloc.patch, train.patch)",
