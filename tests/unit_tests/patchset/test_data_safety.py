@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from patchset_fake import ALLOC_PATCH, Env, patch_text, save_during_build, tree_digest
+from patchset_fake import ALLOC_PATCH, HEADER, Env, patch_text, save_during_build, tree_digest
 
 from hfsdp.patchset.cli import main
 
@@ -341,7 +341,8 @@ def test_a_subject_with_or_without_its_suffix_names_one_patch(fake: Env, tmp_pat
     queue = tmp_path / "q"
     assert cli(fake, "queue", "--dir", str(queue)) == 0
     git = ["git", "-C", str(queue), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run([*git, "commit", "-q", "--amend", "-m", f"{subject}\n\nDescription: renamed\n"], check=True)
+    header = HEADER.format(desc="Renamed")  # export writes a patch only with a valid DEP-3 header
+    subprocess.run([*git, "commit", "-q", "--amend", "-m", f"{subject}\n\n{header}"], check=True)
     assert cli(fake, "export", "--queue", str(queue), "--drop", "train.patch") == 0
     names = (fake.project.patches_dir / "series").read_text().split()
     assert "added-thing.patch" in names and not any(n.endswith(".patch.patch") for n in names), names
@@ -652,3 +653,4 @@ def test_a_backup_that_cannot_be_named_leaves_the_old_tree_whole_and_says_where(
     subprocess.run(shlex.split(command), check=True)
     (kept,) = list(fake.project.root.glob("megatron.bak-*"))
     assert tree_digest(kept) == before and not parked.exists()
+

@@ -168,6 +168,25 @@ def queue_with_a_changed_patch(name: str) -> Setup:
     return setup
 
 
+def canonical(env: Env, tmp: Path) -> None:
+    """Rewrite the fake's patches as export writes them (full index lines), as the real series is: an export or
+    refresh then dates no patch of it (their diffs are unchanged)."""
+    assert main(["--root", str(env.project.root), "queue", "--dir", str(tmp / "canonical")]) == 0
+    assert main(["--root", str(env.project.root), "export", "--queue", str(tmp / "canonical")]) == 0
+
+
+def queue_with_a_headerless_commit(name: str) -> Setup:
+    """A queue at ``{tmp}/name`` with a new patch commit whose message is its subject alone (no DEP-3 header)."""
+    def setup(env: Env, tmp: Path) -> None:
+        queue_at(name)(env, tmp)
+        repo = tmp / name
+        init = repo / "megatron" / "core" / "__init__.py"
+        init.write_text(init.read_text() + "EXTRA = 1\n")
+        subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-a",
+                        "-m", "extra"], check=True)
+    return setup
+
+
 def bom(path: str) -> Setup:
     """Put a UTF-8 byte-order mark before the file at ``path`` (as some editors save)."""
     def setup(env: Env, tmp: Path) -> None:
@@ -305,6 +324,17 @@ PROBES = [
             env={"SOURCE_DATE_EPOCH": value})
       for i, (value, says) in enumerate((("soon", "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number"),
                                          ("99999999999999", "is past the last date a patch header can carry")))],
+    # ... and where no date is written: an overlay-only refresh, an export that refuses a headerless commit.
+    Probe("source-date-overlay-refresh", ("refresh",), 2, "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number",
+          then(canonical, materialized, write("megatron/core/maxpool_allocator.py", "POOL_LANES = 3\n")),
+          env={"SOURCE_DATE_EPOCH": "soon"}),
+    Probe("source-date-headerless-export", ("export", "--queue", "{tmp}/q"), 2,
+          "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number",
+          then(canonical, queue_with_a_headerless_commit("q")), env={"SOURCE_DATE_EPOCH": "soon"}),
+    # A queue commit with no DEP-3 header is refused, not written as a patch lint then flags.
+    Probe("headerless-export", ("export", "--queue", "{tmp}/q"), 2,
+          "(extra.patch) has no valid DEP-3 header in its message (missing Description (or Subject)",
+          queue_with_a_headerless_commit("q")),
     # A patch saved with a byte-order mark: refused by every verb that reads it, naming the BOM.
     *[Probe(f"bom-{verb[0]}", verb, 1 if verb == ("lint",) else 2,
             "alloc.patch starts with a UTF-8 byte-order mark (BOM)", then(*before, bom("patches/alloc.patch")))
