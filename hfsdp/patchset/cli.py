@@ -134,7 +134,7 @@ def _cmd_refresh(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_lint(project: Project, args: argparse.Namespace) -> int:
-    problems = lint(project, args.sdist)
+    problems = lint(project, args.sdist, chains=args.chains)
     for problem in problems:
         print(f"lint: {problem}")
     verdict = f"found {len(problems)} problem(s)" if problems else f"clean ({len(project.series())} patches)"
@@ -204,8 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--new", default=None, metavar="NAME", help="add the edits as a new patch at the end")
     p.add_argument("--description", default=None, help="Description line for --new")
     p.set_defaults(func=_cmd_refresh)
-    verb("lint", "DEP-3 headers valid; patches change only sdist files; the overlay only adds files"
-         ).set_defaults(func=_cmd_lint)
+    p = verb("lint", "DEP-3 headers valid; patches change only sdist files; the overlay only adds files")
+    p.add_argument("--chains", action="store_true",
+                   help="also flag a patch that rewrites lines an earlier patch added (builds the series)")
+    p.set_defaults(func=_cmd_lint)
     verb("overlay", "the overlay's files as megatron/ paths (where they are materialized), one a line",
          uses_sdist=False).set_defaults(func=_cmd_overlay)
     p = verb("diff", "local edits in megatron/ as a patch (--series: the overlay, then the series)")

@@ -13,6 +13,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .chains import rewrite_chains
 from .errors import PatchsetError
 from .overlay import Overlay, scan_overlay, source_name
 from .pin import BasePin
@@ -144,8 +145,9 @@ def lint_line_endings(patch: Patch) -> list[LintProblem]:
                                                               "with LF endings")]
 
 
-def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:
-    """All problems in the series and the overlay; an empty list means clean."""
+def lint(project: Project, sdist: Path | None = None, chains: bool = False) -> list[LintProblem]:
+    """All problems in the series and the overlay; an empty list means clean. ``chains``: also the rewrite
+    chains ([Note: rewrite chains] in chains.py), which builds the series."""
     pin = project.pin()
     where = project.base_label
     names = read_series_names(project.base_dir / "series")
@@ -164,7 +166,13 @@ def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:
         problems.extend(lint_line_endings(patch))
     overlay, overlay_problems = scan_overlay(project.overlay_dir, pin.members)
     problems.extend(LintProblem("overlay", message) for message in overlay_problems)
-    base_files = sdist_paths(pin, locate_sdist(pin, sdist))
+    source = locate_sdist(pin, sdist)
+    base_files = sdist_paths(pin, source)
     problems.extend(lint_overlay(pin, overlay, base_files))
     problems.extend(lint_paths(pin, patches, base_files, overlay))
+    if chains and (len(patches) < len(names) or overlay_problems):
+        problems.append(LintProblem("series", "rewrite chains were not checked: the series cannot be built until "
+                                              "the problems above are fixed"))
+    elif chains:
+        problems.extend(LintProblem(name, message) for name, message in rewrite_chains(pin, source, patches, overlay))
     return problems
