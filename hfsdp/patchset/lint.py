@@ -17,6 +17,7 @@ from .chains import rewrite_chains
 from .errors import PatchsetError
 from .overlay import Overlay, scan_overlay, source_name
 from .pin import BasePin
+from .prefixes import SMOKE_FIELD, parse_smoke
 from .project import Project
 from .series import Patch, crlf_line, patch_path, read_patch, read_series_names
 from .source import locate_sdist
@@ -79,6 +80,11 @@ def lint_header(patch: Patch) -> list[LintProblem]:
             _dt.date.fromisoformat(f["Last-Update"])
         except ValueError:
             bad(f"Last-Update {f['Last-Update']!r}: expected YYYY-MM-DD")
+    if SMOKE_FIELD in f:
+        try:
+            parse_smoke(f[SMOKE_FIELD])
+        except ValueError as exc:
+            bad(f"{SMOKE_FIELD} {f[SMOKE_FIELD]!r} is not a smoke command: {exc}")
     return out
 
 
