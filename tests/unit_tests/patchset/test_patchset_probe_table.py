@@ -447,6 +447,20 @@ PROBES = [
           ({"PIP_NO_INDEX": "y"}, "offline (MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX set)"),
           ({"MEGATRON_PATCHSET_OFFLINE": "Off", "PIP_NO_INDEX": "T"},
            "offline (MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX")))],
+    # The review verbs: a smoke command of another form, a job count that is no count, a rewrite chain.
+    *[Probe(f"smoke-malformed-{verb[0]}", verb, 1 if verb == ("lint",) else 2,
+            "alloc.patch: X-Smoke 'make check' is not a smoke command: it is none of",
+            edit("patches/alloc.patch", "Last-Update:", "X-Smoke: make check\nLast-Update:"))
+      for verb in (("lint",), ("prefixes",), ("prefixes", "--smoke"))],
+    Probe("prefixes-jobs-zero", ("prefixes", "--jobs", "0"), 2, "argument --jobs: must be > 0, got 0"),
+    Probe("prefixes-jobs-word", ("prefixes", "--jobs", "two"), 2, "argument --jobs: 'two' is not a whole number"),
+    Probe("lint-chains", ("lint", "--chains"), 1, "lint: twice.patch: rewrites 1 line(s) that the earlier alloc.patch",
+          then(write("patches/twice.patch", "Description: Maxpool off\nOrigin: vendor, hfsdp\nBug: none\n"
+                     "Forwarded: no\nApplied-Upstream: no\nLast-Update: 2026-11-21\n---\n"
+                     "diff --git a/megatron/core/alloc.py b/megatron/core/alloc.py\n--- a/megatron/core/alloc.py\n"
+                     "+++ b/megatron/core/alloc.py\n@@ -21,3 +21,3 @@\n line_20 = 20\n-maxpool = True\n"
+                     "+maxpool = False\n line_21 = 21\n"),
+               edit("patches/series", "train.patch\n", "train.patch\ntwice.patch\n"))),
     # 9. Names and options.
     Probe("new-bad-name", ("refresh", "--new", "Bad Name"), 2, "--new 'Bad Name' is not a patch name", materialized),
     Probe("drop-bad-name", ("export", "--queue", "{tmp}", "--drop", "../x"), 2, "--drop '../x' is not a patch name"),
