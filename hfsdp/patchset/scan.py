@@ -10,10 +10,13 @@
   and lock files (``.so``, ``.o``, ``.lock``), symlinks, empty folders. A rebuild copies them
   into the new tree, or refuses and names them when the new tree has something at that path;
 * **cache**: Python's bytecode caches (``__pycache__``, ``.pyc``), which Python rewrites on
-  import. They are neither edits nor kept, and a rebuild drops them.
+  import. They are neither edits nor kept, and a rebuild drops them;
+* **stray**: an editor's backup or swap file, or a ``.rej``/``.orig`` of an apply, under a member
+  ([Note: stray files] below): never an edit, so never folded into the overlay; every verb that
+  reads the edits refuses the tree while one is there, and ``--backup`` keeps it with the old tree.
 
-Nothing a user made is ever in the fourth group, so a rebuild loses nothing: edits make it
-refuse (or go to a backup with ``--backup``) and kept entries move with the tree.
+Nothing a user made is ever in the fourth group, so a rebuild loses nothing: edits and stray files
+make it refuse (or go to a backup with ``--backup``) and kept entries move with the tree.
 """
 
 from __future__ import annotations
