@@ -1,7 +1,7 @@
 """``scripts/patchset`` / ``python -m hfsdp.patchset``: quilt/gbp-pq style verbs for the series.
 
 Verbs that write (materialize, refresh, export) hold the checkout's lock and write all or
-nothing; the read-only verbs (status, check, diff, lint, overlay) write nothing in the checkout, so
+nothing; the read-only verbs (status, check, diff, lint, overlay, prefixes) write nothing in the checkout, so
 they work on a read-only one. Errors are two lines, cause and way out, exit status 2; set
 ``HFSDP_DEBUG=1`` for a traceback (hfsdp/usererror.py). README, "What the tools guarantee".
 
@@ -15,9 +15,10 @@ import argparse
 import errno
 import os
 import sys
+import time
 from pathlib import Path
 
-from hfsdp.usererror import kind_of, quoted, run_cli
+from hfsdp.usererror import kind_of, positive, quoted, run_cli
 
 from .check import check_against, check_base
 from .diff import local_diff, series_diff
@@ -27,6 +28,7 @@ from .leftovers import parked_originals
 from .lint import lint
 from .lock import writing
 from .materialize import kept_summary, materialize, tree_status
+from .prefixes import check_prefixes, first_breaking
 from .project import BASE_ENV, Project
 from .queue import continue_queue, make_queue
 from .refresh import refresh
@@ -134,12 +136,35 @@ def _cmd_refresh(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_lint(project: Project, args: argparse.Namespace) -> int:
-    problems = lint(project, args.sdist)
+    problems = lint(project, args.sdist, chains=args.chains)
     for problem in problems:
         print(f"lint: {problem}")
     verdict = f"found {len(problems)} problem(s)" if problems else f"clean ({len(project.series())} patches)"
     print(f"patchset: lint {verdict}")
     return 1 if problems else 0
+
+
+def _cmd_prefixes(project: Project, args: argparse.Namespace) -> int:
+    count = len(project.series())
+    what = "the imports and each patch's X-Smoke command" if args.smoke else "the imports"
+    print(f"patchset: prefixes: {count} prefixes of {project.base_label}series, {what}, {args.jobs} at a time")
+    started = time.monotonic()
+    results = check_prefixes(project, args.sdist, smoke=args.smoke, jobs=args.jobs)
+    took = time.monotonic() - started
+    failed = [r for r in results if not r.ok]
+    if not failed:
+        print(f"patchset: prefixes: all {len(results)} prefixes import megatron.core and megatron.training"
+              f"{' and pass their smoke commands' if args.smoke else ''} ({took:.0f}s)")
+        return 0
+    culprit = first_breaking(results)
+    if culprit is not None:
+        print(f"patchset: prefixes: patch {culprit.k} ({culprit.patch}) breaks the tree: patches 1..{culprit.k} "
+              f"fail ({culprit.detail})" + ("" if culprit.k == 1 else f", patches 1..{culprit.k - 1} pass")
+              + f"; {len(failed)} of {len(results)} prefixes fail ({took:.0f}s)")
+    queue, export = project.command("queue --dir DIR"), project.command("export --queue DIR")
+    print(f"  -> fix {failed[0].patch if culprit is None else culprit.patch} so that the tree up to it works (in a "
+          f"queue: `{queue}`, amend its commit, `{export}`)")
+    return 1
 
 
 def _cmd_diff(project: Project, args: argparse.Namespace) -> int:
@@ -204,10 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--new", default=None, metavar="NAME", help="add the edits as a new patch at the end")
     p.add_argument("--description", default=None, help="Description line for --new")
     p.set_defaults(func=_cmd_refresh)
-    verb("lint", "DEP-3 headers valid; patches change only sdist files; the overlay only adds files"
-         ).set_defaults(func=_cmd_lint)
+    p = verb("lint", "DEP-3 headers valid; patches change only sdist files; the overlay only adds files")
+    p.add_argument("--chains", action="store_true",
+                   help="also flag a patch that rewrites lines an earlier patch added (builds the series)")
+    p.set_defaults(func=_cmd_lint)
     verb("overlay", "the overlay's files as megatron/ paths (where they are materialized), one a line",
          uses_sdist=False).set_defaults(func=_cmd_overlay)
+    p = verb("prefixes", "build each prefix of the series (the overlay + patches 1..k) in a temporary folder and "
+                         "import megatron.core and megatron.training from it (--smoke: and run patch k's X-Smoke)")
+    p.add_argument("--smoke", action="store_true", help="also run each patch's X-Smoke command on its prefix")
+    p.add_argument("--jobs", type=positive(int), default=min(2, os.cpu_count() or 1), metavar="N",
+                   help="prefixes checked at once (default: 2, or 1 on one core)")
+    p.set_defaults(func=_cmd_prefixes)
     p = verb("diff", "local edits in megatron/ as a patch (--series: the overlay, then the series)")
     p.add_argument("--series", action="store_true")
     p.set_defaults(func=_cmd_diff)

@@ -40,6 +40,7 @@ from hfsdp.usererror import UserError, env_number, not_a_regular_file, quoted
 from . import gitops
 from .errors import PatchsetError, SeriesError
 from .guarded_swap import TMP_PREFIX, swap_in
+from .lint import SUMMARY_MAX, lint_header
 from .overlay import OVERLAY_DIR_NAME, OVERLAY_SUBJECT, Overlay, path_problem, read_overlay, source_name, write_files
 from .project import Project
 from .queue import BASE_TAG, read_state, require_queue_folder
@@ -130,6 +131,24 @@ def _patch_from_commit(repo: Path, commit: str, parent: str, previous: Patch | N
                           f"drop the commit (`git -C {quoted(repo)} rebase -i {BASE_TAG}`) and pass "
                           f"`--drop {name}.patch` if the patch is to go")
     return f"{name}.patch", render_patch(header, diff)
+
+
+def _refuse_invalid_header(repo: Path, commit: str, name: str, text: str, refresh: bool) -> None:
+    """A patch is written only with a valid DEP-3 header (what ``lint`` checks): a queue commit with no header, or
+    one that lacks a field, is refused, not written for lint to flag afterwards."""
+    if not (problems := lint_header(parse_patch(name, text, repo / name))):
+        return
+    listing = "; ".join(problem.message for problem in problems)
+    if refresh:
+        raise SeriesError(f"the header refresh would write for {name} is not a valid DEP-3 header ({listing}); "
+                          "nothing was written", "give --description a one-line summary of at most "
+                          f"{SUMMARY_MAX} characters, then run the refresh again")
+    raise SeriesError(
+        f"queue commit {commit[:12]} ({name}) has no valid DEP-3 header in its message ({listing}); nothing was "
+        "written",
+        f"reword it (`git -C {quoted(repo)} rebase -i {BASE_TAG}`, then `reword`): the subject line, a blank line, "
+        "then the header, one field a line: 'Description: what and why', 'Origin: vendor, hfsdp', 'Bug: none', "
+        "'Forwarded: no', 'Applied-Upstream: no', 'Last-Update: YYYY-MM-DD'; then export again")
 
 
 def _same_change(project: Project, repo: Path, parent: str, commit: str, previous: Patch) -> bool:
@@ -248,6 +267,7 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
     name -> its diff as the queue was built; a patch whose diff is still that keeps its file byte for byte,
     and ``series`` is kept when it lists the same patches."""
     drop = tuple(patch_name(name, "--drop") for name in drop)
+    today()  # SOURCE_DATE_EPOCH is checked on every path that writes patches/, whether it dates a patch or not
     repo = repo.absolute()
     base = _queue_base(repo)
     state = read_state(repo) if check_state else None
@@ -301,6 +321,8 @@ def plan_export(project: Project, repo: Path, drop: tuple[str, ...] = (), sdist:
         else:
             unchanged = not changed and _same_but_date(text, previous.text)
         texts[name] = previous.text if unchanged and previous is not None else text
+        if texts[name] is text:
+            _refuse_invalid_header(repo, commit, name, text, refresh=keep is not None)
         parent = commit
     unknown = sorted(set(drop) - set(old))
     if unknown:

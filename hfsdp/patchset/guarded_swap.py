@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,7 +101,7 @@ def swap_in(target: Path, built: Path, snapshot: dict, rescan: Callable[[Path], 
                 "rebuilt") from None
         return keep_old_as
     try:
-        shutil.rmtree(parked)
+        remove_tree(parked)
     except OSError as exc:  # the new folder is in place: say so, and keep what is left as a backup
         kept = backup_name(root, target.name)
         os.rename(parked, kept)
@@ -113,6 +114,26 @@ def swap_in(target: Path, built: Path, snapshot: dict, rescan: Callable[[Path], 
             f"look inside {kept}, make what is left deletable, then remove it yourself "
             f"(`rm -rf {quoted(kept)}`); nothing needs to be rebuilt") from None
     return None
+
+
+def remove_tree(folder: Path) -> None:
+    """``shutil.rmtree(folder)``, deleting all it can; the first entry it cannot delete is raised as an OSError
+    whose ``filename`` is that entry's full path (rmtree's own error names it relative to the folder it was in:
+    ``enums.py`` of an immutable ``megatron/core/enums.py``)."""
+    failed: list[OSError] = []
+
+    def note(function: object, path: str, exc: BaseException) -> None:
+        if isinstance(exc, OSError) and not failed:
+            failed.append(OSError(exc.errno, exc.strerror, path))
+        elif not isinstance(exc, OSError):
+            raise exc
+
+    if sys.version_info >= (3, 12):  # noqa: UP036 (scripts/patchset runs on 3.11 too)
+        shutil.rmtree(folder, onexc=note)
+    else:  # onexc is new in 3.12
+        shutil.rmtree(folder, onerror=lambda function, path, info: note(function, path, info[1]))
+    if failed:
+        raise failed[0]
 
 
 def _not_swapped(target: Path, exc: OSError, why: str, rerun: str) -> NotSwapped:

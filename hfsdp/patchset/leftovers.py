@@ -82,7 +82,7 @@ def _parked_megatron_is_redundant(parked: Path, current: Path, members: tuple[st
     if stamp is None:
         return False
     old = census(scan(parked), stamp.files, members)
-    if old.edits:
+    if old.edits or old.strays:  # a stray file is no edit, but it is the user's: never deleted
         return False
     now = scan(current)
     return all(now.get(path) == entry for path, entry in old.kept.items())

@@ -13,9 +13,11 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .chains import rewrite_chains
 from .errors import PatchsetError
 from .overlay import Overlay, scan_overlay, source_name
 from .pin import BasePin
+from .prefixes import SMOKE_FIELD, parse_smoke
 from .project import Project
 from .series import Patch, crlf_line, patch_path, read_patch, read_series_names
 from .source import locate_sdist
@@ -78,6 +80,11 @@ def lint_header(patch: Patch) -> list[LintProblem]:
             _dt.date.fromisoformat(f["Last-Update"])
         except ValueError:
             bad(f"Last-Update {f['Last-Update']!r}: expected YYYY-MM-DD")
+    if SMOKE_FIELD in f:
+        try:
+            parse_smoke(f[SMOKE_FIELD])
+        except ValueError as exc:
+            bad(f"{SMOKE_FIELD} {f[SMOKE_FIELD]!r} is not a smoke command: {exc}")
     return out
 
 
@@ -144,8 +151,9 @@ def lint_line_endings(patch: Patch) -> list[LintProblem]:
                                                               "with LF endings")]
 
 
-def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:
-    """All problems in the series and the overlay; an empty list means clean."""
+def lint(project: Project, sdist: Path | None = None, chains: bool = False) -> list[LintProblem]:
+    """All problems in the series and the overlay; an empty list means clean. ``chains``: also the rewrite
+    chains ([Note: rewrite chains] in chains.py), which builds the series."""
     pin = project.pin()
     where = project.base_label
     names = read_series_names(project.base_dir / "series")
@@ -164,7 +172,13 @@ def lint(project: Project, sdist: Path | None = None) -> list[LintProblem]:
         problems.extend(lint_line_endings(patch))
     overlay, overlay_problems = scan_overlay(project.overlay_dir, pin.members)
     problems.extend(LintProblem("overlay", message) for message in overlay_problems)
-    base_files = sdist_paths(pin, locate_sdist(pin, sdist))
+    source = locate_sdist(pin, sdist)
+    base_files = sdist_paths(pin, source)
     problems.extend(lint_overlay(pin, overlay, base_files))
     problems.extend(lint_paths(pin, patches, base_files, overlay))
+    if chains and (len(patches) < len(names) or overlay_problems):
+        problems.append(LintProblem("series", "rewrite chains were not checked: the series cannot be built until "
+                                              "the problems above are fixed"))
+    elif chains:
+        problems.extend(LintProblem(name, message) for name, message in rewrite_chains(pin, source, patches, overlay))
     return problems

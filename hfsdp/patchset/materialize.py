@@ -34,7 +34,19 @@ from .guarded_swap import TMP_PREFIX, backup_name, swap_in
 from .leftovers import Leftover, any_leftovers, find_leftovers
 from .lock import is_free, writing
 from .project import Project
-from .scan import STAMP_NAME, Census, Entry, carry, census, conflicts, describe, hash_files, linked_folders, scan
+from .scan import (
+    STAMP_NAME,
+    Census,
+    Entry,
+    carry,
+    census,
+    conflicts,
+    describe,
+    hash_files,
+    linked_folders,
+    scan,
+    stray_kind,
+)
 from .source import locate_sdist
 from .stamp import CorruptStamp, Stamp, make_stamp, read_stamp, with_inputs, write_stamp_file
 from .tree import build_queue
@@ -94,7 +106,22 @@ def live_census(project: Project, stamp: Stamp, entries: dict[str, Entry] | None
     entries = scan(project.megatron_dir) if entries is None else entries
     if links := linked_folders(entries, stamp.files):
         raise _linked(project.root / links[0], project.megatron_dir)
-    return census(entries, stamp.files, project.pin().members)
+    found = census(entries, stamp.files, project.pin().members)
+    if found.strays:
+        raise stray_files(project, found.strays)
+    return found
+
+
+def stray_files(project: Project, strays: list[str]) -> SeriesError:
+    """The refusal for stray files in the tree ([Note: stray files] in scan.py): never an edit, so never folded."""
+    listing = "; ".join(f"{path} is {stray_kind(path)}" for path in strays[:5])
+    more = f" (and {len(strays) - 5} more such files)" if len(strays) > 5 else ""
+    paths = " ".join(quoted(project.root / path) for path in strays)
+    return SeriesError(f"{listing}{more}: not a file of the fork, so never an edit or an overlay file; nothing was "
+                       "changed",
+                       f"apply by hand what a .rej holds if it still matters, then delete "
+                       f"{'it' if len(strays) == 1 else 'them'} (`rm {paths}`) or move "
+                       f"{'it' if len(strays) == 1 else 'them'} out of megatron/, and run the command again")
 
 
 def guard_current(project: Project, stamp: Stamp) -> bool:

@@ -29,7 +29,7 @@ from pathlib import Path, PurePosixPath
 
 from .errors import SeriesError
 from .pin import is_relative_path
-from .scan import CACHE_DIRS, KEPT_SUFFIXES, is_cache
+from .scan import CACHE_DIRS, KEPT_SUFFIXES, is_cache, stray_kind
 
 OVERLAY_DIR_NAME = "overlay"  # patches/overlay
 OVERLAY_SUBJECT = "overlay"  # subject of the overlay commit in every queue (a reserved patch name)
@@ -76,6 +76,8 @@ def path_problem(path: str, members: tuple[str, ...]) -> str | None:
         return f"is outside {', '.join(members)}; the overlay holds files of those folders only"
     if is_cache(PurePosixPath(path)) or path.endswith(KEPT_SUFFIXES):
         return "is a cache, a built object or a lock file, never an overlay file"
+    if (kind := stray_kind(path)) is not None:
+        return f"is {kind}, never an overlay file"
     return None
 
 
@@ -132,8 +134,8 @@ def read_overlay(folder: Path, members: tuple[str, ...]) -> Overlay:
         listing = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise SeriesError(f"patches/{OVERLAY_DIR_NAME}/ holds what cannot be an overlay file: {listing}",
                           "move each such entry out of patches/overlay/ (or into megatron/core or "
-                          "megatron/training below it), then run the command again; `scripts/patchset lint` "
-                          "lists them all")
+                          "megatron/training below it; delete a backup, or a .rej or .orig left by an apply), "
+                          "then run the command again; `scripts/patchset lint` lists them all")
     return overlay
 
 

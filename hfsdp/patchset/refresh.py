@@ -63,6 +63,7 @@ def refresh(
     in series.py) or a tree read through a symbolic link is refused before anything is touched."""
     patch = None if patch is None else patch_name(patch, "--patch")
     new = None if new is None else patch_name(new, "--new")
+    today()  # SOURCE_DATE_EPOCH is checked before anything, whichever edits there are (export.plan_export too)
     require_real_tree(project)
     with writing(project, "refresh", log):
         return _refresh(project, patch, new, description, sdist, log)

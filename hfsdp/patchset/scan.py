@@ -10,17 +10,20 @@
   and lock files (``.so``, ``.o``, ``.lock``), symlinks, empty folders. A rebuild copies them
   into the new tree, or refuses and names them when the new tree has something at that path;
 * **cache**: Python's bytecode caches (``__pycache__``, ``.pyc``), which Python rewrites on
-  import. They are neither edits nor kept, and a rebuild drops them.
+  import. They are neither edits nor kept, and a rebuild drops them;
+* **stray**: an editor's backup or swap file, or a ``.rej``/``.orig`` of an apply, under a member
+  ([Note: stray files] below): never an edit, so never folded into the overlay; every verb that
+  reads the edits refuses the tree while one is there, and ``--backup`` keeps it with the old tree.
 
-Nothing a user made is ever in the fourth group, so a rebuild loses nothing: edits make it
-refuse (or go to a backup with ``--backup``) and kept entries move with the tree.
+Nothing a user made is ever in the fourth group, so a rebuild loses nothing: edits and stray files
+make it refuse (or go to a backup with ``--backup``) and kept entries move with the tree.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from .source import sha256_file
@@ -30,6 +33,27 @@ CACHE_SUFFIXES = (".pyc", ".pyo")
 KEPT_SUFFIXES = (".so", ".o", ".lock")  # built objects and locks: never folded into a patch
 STAMP_NAME = ".patchset-stamp.json"
 NEXT_STAMP_NAME = ".patchset-stamp.next.json"  # refresh's new stamp until its patches/ is in place (refresh.py)
+
+
+# [Note: stray files] Editor backups and swap files, and what a failed or partial apply leaves beside a file
+# (``patch``, ``git apply --reject``, a merge tool): never a file of the fork, wherever they lie. One predicate
+# for every place that decides what a file of the fork is: the overlay (overlay.py's ``path_problem``: status,
+# lint, materialize, refresh and export refuse one in ``patches/overlay/``) and the tree (``census``: one in
+# ``megatron/core`` or ``megatron/training`` is no edit, and every verb that reads the tree's edits refuses it,
+# naming it, before ``refresh`` could fold it into the overlay).
+_APPLY_LEFTOVERS = (".rej", ".orig", ".porig")
+_EDITOR_BACKUPS = (".bak", ".swp", ".swo", ".swn", "~")
+
+
+def stray_kind(path: str) -> str | None:
+    """What the file at ``path`` is if it is a stray file (see the note): a phrase for messages, else None."""
+    name = PurePosixPath(path).name
+    if name.endswith(_APPLY_LEFTOVERS):
+        return "a leftover of a failed or partial patch apply"
+    if name.endswith(_EDITOR_BACKUPS) or (len(name) > 1 and name.startswith("#") and name.endswith("#")) \
+            or name.startswith(".#"):
+        return "an editor's backup, swap or lock file"
+    return None
 
 
 def is_stamp_file(name: str) -> bool:
@@ -95,16 +119,20 @@ class Census:
 
     edits: dict[str, str]
     kept: dict[str, Entry]
+    strays: list[str] = field(default_factory=list)  # stray files under the members (see the note): no edits
 
 
 def census(entries: dict[str, Entry], stamp_files: dict[str, str], members: tuple[str, ...]) -> Census:
     """Sort ``scan`` output against the stamp's files (see the note)."""
     edits: dict[str, str] = {}
     kept: dict[str, Entry] = {}
+    strays: list[str] = []
     for path, entry in entries.items():
         if path in stamp_files:
             if entry.kind != "file" or entry.digest != stamp_files[path]:
                 edits[path] = "modified"
+        elif entry.kind == "file" and is_source(path, members) and stray_kind(path) is not None:
+            strays.append(path)
         elif entry.kind == "file" and is_source(path, members):
             edits[path] = "added"
         else:
@@ -112,7 +140,7 @@ def census(entries: dict[str, Entry], stamp_files: dict[str, str], members: tupl
     for path in stamp_files:
         if path not in entries:
             edits[path] = "deleted"
-    return Census(dict(sorted(edits.items())), dict(sorted(kept.items())))
+    return Census(dict(sorted(edits.items())), dict(sorted(kept.items())), sorted(strays))
 
 
 def linked_folders(entries: dict[str, Entry], stamp_files: dict[str, str]) -> list[str]:

@@ -7,13 +7,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hfsdp.usererror import not_a_regular_file
+from hfsdp.usererror import not_a_regular_file, quoted
 
 from .errors import SeriesError
 
 _FIELD = re.compile(r"^(?P<key>[A-Za-z][A-Za-z0-9-]*):(?P<value>.*)$")
 _DIFF_PATH = re.compile(r"^diff --git a/(?P<a>\S+) b/(?P<b>\S+)$")
 HEADER_END = "---"
+BOM = "\ufeff"  # a byte-order mark some editors put first; refused at the start of a patch (read_patch)
 
 # [Note: patch names] One rule for every patch name, wherever one is taken or read: a series line,
 # `refresh --new`/`--patch`, `export --drop`, a queue commit's subject (each given with or without
@@ -137,6 +138,10 @@ def read_patch(path: Path, name: str | None = None) -> Patch:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SeriesError(f"patch {path} is not UTF-8 text ({exc})", "restore it from git") from exc
+    if text.startswith(BOM):  # one answer for every verb: status, materialize, check, lint, queue, export
+        raise SeriesError(f"patch {path} starts with a UTF-8 byte-order mark (BOM), which would hide the first "
+                          "line of its header; nothing was changed", "remove the BOM: "
+                          f"`sed -i '1s/^\\xEF\\xBB\\xBF//' {quoted(path)}` (or save it without one)")
     return parse_patch(name or path.name, text, path)
 
 

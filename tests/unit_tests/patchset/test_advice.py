@@ -550,3 +550,37 @@ def test_a_killed_queue_continue_goes_on(fake: Env, tmp_path: Path, capsys) -> N
     assert main(["--root", str(fake.project.root), "export", "--queue", str(queue)]) == 0
     assert "+maxpool = True" in (fake.project.patches_dir / "alloc.patch").read_text()
     assert "+    return 'fork'" in (fake.project.patches_dir / "train.patch").read_text()
+
+
+def test_a_patch_saved_with_a_byte_order_mark(fake: Env, capsys) -> None:
+    """A BOM before a patch's header: refused by name, and the command given removes it and nothing else."""
+    alloc = fake.project.patches_dir / "alloc.patch"
+    before = alloc.read_bytes()
+    alloc.write_bytes(b"\xef\xbb\xbf" + before)
+    err = error_of(fake, capsys, "materialize")
+    assert "alloc.patch starts with a UTF-8 byte-order mark (BOM)" in err and not fake.project.megatron_dir.exists()
+    (step,) = commands(err.split("-> ", 1)[1])
+    assert run_advice(fake, step, capsys) == 0
+    assert alloc.read_bytes() == before
+    assert main(["--root", str(fake.project.root), "materialize"]) == 0
+
+
+def test_stray_files_in_the_tree(overlaid: Env, capsys) -> None:
+    """A .rej and an .orig beside the file a `git apply --reject` changed: named, never folded into the
+    overlay; the command given deletes them, and refresh then folds the real edit alone."""
+    root = overlaid.project.root
+    assert main(["--root", str(root), "materialize"]) == 0
+    init = root / "megatron" / "core" / "__init__.py"
+    init.write_text("VALUE = 5\n")
+    for name in ("__init__.py.rej", "__init__.py.orig"):
+        (root / "megatron" / "core" / name).write_text("x\n")
+    for verb in ("status", "refresh", "materialize", "diff"):
+        err = error_of(overlaid, capsys, verb)
+        assert "megatron/core/__init__.py.orig is a leftover of a failed or partial patch apply" in err, (verb, err)
+        assert "megatron/core/__init__.py.rej is a leftover" in err, err
+    assert not [p for p in overlaid.project.overlay_dir.rglob("*") if p.suffix in (".rej", ".orig")]
+    (step,) = commands(err.split("-> ", 1)[1])
+    assert step.startswith("rm ") and run_advice(overlaid, step, capsys) == 0
+    assert main(["--root", str(root), "refresh", "--patch", "alloc"]) == 0
+    assert "+VALUE = 5" in (overlaid.project.patches_dir / "alloc.patch").read_text()
+    assert main(["--root", str(root), "status"]) == 0

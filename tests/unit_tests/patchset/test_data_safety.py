@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from patchset_fake import ALLOC_PATCH, Env, patch_text, save_during_build, tree_digest
+from patchset_fake import ALLOC_PATCH, HEADER, Env, patch_text, save_during_build, tree_digest
 
 from hfsdp.patchset.cli import main
 
@@ -341,7 +341,8 @@ def test_a_subject_with_or_without_its_suffix_names_one_patch(fake: Env, tmp_pat
     queue = tmp_path / "q"
     assert cli(fake, "queue", "--dir", str(queue)) == 0
     git = ["git", "-C", str(queue), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run([*git, "commit", "-q", "--amend", "-m", f"{subject}\n\nDescription: renamed\n"], check=True)
+    header = HEADER.format(desc="Renamed")  # export writes a patch only with a valid DEP-3 header
+    subprocess.run([*git, "commit", "-q", "--amend", "-m", f"{subject}\n\n{header}"], check=True)
     assert cli(fake, "export", "--queue", str(queue), "--drop", "train.patch") == 0
     names = (fake.project.patches_dir / "series").read_text().split()
     assert "added-thing.patch" in names and not any(n.endswith(".patch.patch") for n in names), names
@@ -652,3 +653,59 @@ def test_a_backup_that_cannot_be_named_leaves_the_old_tree_whole_and_says_where(
     subprocess.run(shlex.split(command), check=True)
     (kept,) = list(fake.project.root.glob("megatron.bak-*"))
     assert tree_digest(kept) == before and not parked.exists()
+
+
+def _refused_deletion(fake: Env, capsys) -> tuple[str, Path]:
+    """materialize over a stale tree whose old copy keeps megatron/core/alloc.py: (stderr, the backup folder)."""
+    capsys.readouterr()
+    assert cli(fake, "materialize") == 2
+    err = capsys.readouterr().err
+    (kept,) = fake.project.root.glob("megatron.bak-*")
+    assert "is the new one; the old one could not be deleted (Operation not permitted" in err, err
+    return err, kept
+
+
+def test_an_old_file_that_cannot_be_deleted_is_named_by_its_path_in_the_backup(fake: Env, monkeypatch,
+                                                                               capsys) -> None:
+    """rmtree's own error names the file relative to its folder (``alloc.py``), as an immutable file makes it do;
+    the message names it where it is left: inside the backup folder."""
+    import errno
+
+    from hfsdp.patchset import guarded_swap
+
+    assert cli(fake, "materialize") == 0
+    fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))
+    unlink = os.unlink
+
+    def immutable(path, *args, dir_fd=None, **kwargs):
+        folder = os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else os.path.dirname(str(path))
+        if os.path.basename(str(path)) == "alloc.py" and guarded_swap.OLD_PREFIX in folder:
+            raise PermissionError(errno.EPERM, "Operation not permitted", os.path.basename(str(path)))
+        return unlink(path, *args, dir_fd=dir_fd, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", immutable)
+    err, kept = _refused_deletion(fake, capsys)
+    monkeypatch.setattr(os, "unlink", unlink)
+    assert f"Operation not permitted: {kept / 'core' / 'alloc.py'}), and what is left" in err, err
+    assert (kept / "core" / "alloc.py").is_file() and not (kept / "training").exists()  # the rest was deleted
+
+
+def test_an_immutable_old_file_is_named_by_its_path_in_the_backup(fake: Env, capsys) -> None:
+    """The same with a real immutable file (``chattr +i``: root with CAP_LINUX_IMMUTABLE, on a filesystem
+    that has the flag)."""
+    import shutil
+    import subprocess
+
+    assert cli(fake, "materialize") == 0
+    alloc = fake.project.megatron_dir / "core" / "alloc.py"
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(alloc)],
+                                                        capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is refused here: it needs root's CAP_LINUX_IMMUTABLE and a filesystem with the flag")
+    kept = None
+    try:
+        fake.series_with(ALLOC_PATCH.replace("+maxpool = True", "+maxpool = 'pulled'"))
+        err, kept = _refused_deletion(fake, capsys)
+        assert f"Operation not permitted: {kept / 'core' / 'alloc.py'}), and what is left" in err, err
+    finally:
+        for path in (alloc, *([] if kept is None else [kept / "core" / "alloc.py"])):
+            subprocess.run(["chattr", "-i", str(path)], capture_output=True)

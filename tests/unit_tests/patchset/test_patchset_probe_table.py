@@ -168,6 +168,33 @@ def queue_with_a_changed_patch(name: str) -> Setup:
     return setup
 
 
+def canonical(env: Env, tmp: Path) -> None:
+    """Rewrite the fake's patches as export writes them (full index lines), as the real series is: an export or
+    refresh then dates no patch of it (their diffs are unchanged)."""
+    assert main(["--root", str(env.project.root), "queue", "--dir", str(tmp / "canonical")]) == 0
+    assert main(["--root", str(env.project.root), "export", "--queue", str(tmp / "canonical")]) == 0
+
+
+def queue_with_a_headerless_commit(name: str) -> Setup:
+    """A queue at ``{tmp}/name`` with a new patch commit whose message is its subject alone (no DEP-3 header)."""
+    def setup(env: Env, tmp: Path) -> None:
+        queue_at(name)(env, tmp)
+        repo = tmp / name
+        init = repo / "megatron" / "core" / "__init__.py"
+        init.write_text(init.read_text() + "EXTRA = 1\n")
+        subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-a",
+                        "-m", "extra"], check=True)
+    return setup
+
+
+def bom(path: str) -> Setup:
+    """Put a UTF-8 byte-order mark before the file at ``path`` (as some editors save)."""
+    def setup(env: Env, tmp: Path) -> None:
+        target = env.project.root / path
+        target.write_bytes(b"\xef\xbb\xbf" + target.read_bytes())
+    return setup
+
+
 def wrong_pin(env: Env, tmp: Path) -> None:
     set_pin(env, "0" * 64)
 
@@ -177,6 +204,9 @@ def crlf(env: Env, tmp: Path) -> None:
     patch.write_bytes(patch.read_bytes().replace(b"\n", b"\r\n"))
 
 
+APPLY, EDITOR = "a leftover of a failed or partial patch apply", "an editor's backup, swap or lock file"
+STRAYS = (("enums.py.rej", APPLY), ("enums.py.orig", APPLY), (".enums.py.swp", EDITOR), (".enums.py.swo", EDITOR),
+          ("enums.py~", EDITOR), ("#enums.py#", EDITOR), ("enums.py.bak", EDITOR))
 OFFLINE: dict[str, str | None] = {"MEGATRON_PATCHSET_OFFLINE": "1"}
 NO_SDIST: dict[str, str | None] = {"MEGATRON_PATCHSET_SDIST": None}
 OVERLAY = "patches/overlay/megatron/core"
@@ -294,6 +324,25 @@ PROBES = [
             env={"SOURCE_DATE_EPOCH": value})
       for i, (value, says) in enumerate((("soon", "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number"),
                                          ("99999999999999", "is past the last date a patch header can carry")))],
+    # ... and where no date is written: an overlay-only refresh, an export that refuses a headerless commit.
+    Probe("source-date-overlay-refresh", ("refresh",), 2, "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number",
+          then(canonical, materialized, write("megatron/core/maxpool_allocator.py", "POOL_LANES = 3\n")),
+          env={"SOURCE_DATE_EPOCH": "soon"}),
+    Probe("source-date-headerless-export", ("export", "--queue", "{tmp}/q"), 2,
+          "SOURCE_DATE_EPOCH='soon': 'soon' is not a whole number",
+          then(canonical, queue_with_a_headerless_commit("q")), env={"SOURCE_DATE_EPOCH": "soon"}),
+    # A queue commit with no DEP-3 header is refused, not written as a patch lint then flags.
+    Probe("headerless-export", ("export", "--queue", "{tmp}/q"), 2,
+          "(extra.patch) has no valid DEP-3 header in its message (missing Description (or Subject)",
+          queue_with_a_headerless_commit("q")),
+    # A patch saved with a byte-order mark: refused by every verb that reads it, naming the BOM.
+    *[Probe(f"bom-{verb[0]}", verb, 1 if verb == ("lint",) else 2,
+            "alloc.patch starts with a UTF-8 byte-order mark (BOM)", then(*before, bom("patches/alloc.patch")))
+      for verb, before in ((("status",), (materialized,)), (("materialize",), ()), (("check",), ()), (("lint",), ()),
+                           (("queue", "--dir", "{tmp}/q"), ()), (("export", "--queue", "{tmp}/q"), (queue_at("q"),)),
+                           (("diff", "--series"), ()))],
+    Probe("bom-advice", ("materialize",), 2, "remove the BOM: `sed -i '1s/^\\xEF\\xBB\\xBF//' ",
+          bom("patches/alloc.patch")),
     # A series that lost patches patches/ still holds: no tree stamped as the fork without them.
     *[Probe(f"series-lost-{when}", ("materialize",), 2,
             "patches/ holds 2 more it does not list (alloc.patch, train.patch)",
@@ -317,6 +366,20 @@ PROBES = [
       for verb in ("status", "lint", "materialize")],
     Probe("overlay-pycache", ("materialize",), 0, "+ 2 overlay files",
           write(f"{OVERLAY}/__pycache__/x.cpython-312.pyc", b"\0")),
+    # Editor backups and swap files, and what a failed apply leaves, are never overlay files ([Note: stray files]
+    # in scan.py), in patches/overlay/ as in megatron/ (where refresh would fold them into the overlay).
+    *[Probe(f"overlay-stray-{i}-{verb}", (verb,), 1 if verb == "lint" else 2,
+            f"{name} is {kind}, never an overlay file", write(f"{OVERLAY}/{name}", "x\n"))
+      for i, (name, kind) in enumerate(STRAYS) for verb in ("status", "lint", "materialize")],
+    Probe("overlay-stray-refresh", ("refresh",), 2, f"enums.py.rej is {APPLY}, never an overlay file",
+          then(materialized, write("megatron/core/__init__.py", "V = 5\n"), write(f"{OVERLAY}/enums.py.rej", "x\n"))),
+    *[Probe(f"tree-stray-{i}-{verb[0]}", verb, 2, f"megatron/core/{name} is {kind}: not a file of the fork",
+            then(materialized, write(f"megatron/core/{name}", "x\n")))
+      for i, (name, kind) in enumerate(STRAYS)
+      for verb in ((("status",), ("refresh",), ("materialize",), ("diff",)) if i < 2 else (("status",),))],
+    Probe("tree-stray-stale-materialize", ("materialize",), 2, f"megatron/core/enums.py.orig is {APPLY}",
+          then(materialized, write("megatron/core/enums.py.orig", "x\n"),
+               edit("patches/alloc.patch", "maxpool", "pool"))),
     Probe("overlay-space-lint", ("lint",), 1, "has a character a shell splits", write(f"{OVERLAY}/a b.py", "x = 1\n")),
     # 9. Wrong file types, missing or empty folders where a path is expected.
     Probe("tree-a-file-status", ("status",), 1, "megatron is a file, not a folder", write("megatron", "x")),
@@ -384,6 +447,20 @@ PROBES = [
           ({"PIP_NO_INDEX": "y"}, "offline (MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX set)"),
           ({"MEGATRON_PATCHSET_OFFLINE": "Off", "PIP_NO_INDEX": "T"},
            "offline (MEGATRON_PATCHSET_OFFLINE/PIP_NO_INDEX")))],
+    # The review verbs: a smoke command of another form, a job count that is no count, a rewrite chain.
+    *[Probe(f"smoke-malformed-{verb[0]}", verb, 1 if verb == ("lint",) else 2,
+            "alloc.patch: X-Smoke 'make check' is not a smoke command: it is none of",
+            edit("patches/alloc.patch", "Last-Update:", "X-Smoke: make check\nLast-Update:"))
+      for verb in (("lint",), ("prefixes",), ("prefixes", "--smoke"))],
+    Probe("prefixes-jobs-zero", ("prefixes", "--jobs", "0"), 2, "argument --jobs: must be > 0, got 0"),
+    Probe("prefixes-jobs-word", ("prefixes", "--jobs", "two"), 2, "argument --jobs: 'two' is not a whole number"),
+    Probe("lint-chains", ("lint", "--chains"), 1, "lint: twice.patch: rewrites 1 line(s) that the earlier alloc.patch",
+          then(write("patches/twice.patch", "Description: Maxpool off\nOrigin: vendor, hfsdp\nBug: none\n"
+                     "Forwarded: no\nApplied-Upstream: no\nLast-Update: 2026-11-21\n---\n"
+                     "diff --git a/megatron/core/alloc.py b/megatron/core/alloc.py\n--- a/megatron/core/alloc.py\n"
+                     "+++ b/megatron/core/alloc.py\n@@ -21,3 +21,3 @@\n line_20 = 20\n-maxpool = True\n"
+                     "+maxpool = False\n line_21 = 21\n"),
+               edit("patches/series", "train.patch\n", "train.patch\ntwice.patch\n"))),
     # 9. Names and options.
     Probe("new-bad-name", ("refresh", "--new", "Bad Name"), 2, "--new 'Bad Name' is not a patch name", materialized),
     Probe("drop-bad-name", ("export", "--queue", "{tmp}", "--drop", "../x"), 2, "--drop '../x' is not a patch name"),
