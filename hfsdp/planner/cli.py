@@ -70,9 +70,9 @@ def resolve_unit_classes(value: str | None, strategy: str = "optim_grads_params"
 
 def training_lanes_setting() -> str:
     """The lane count in every spelling, as LaneMaxPool names it (the double-buffer policy's table)."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import SPELLINGS
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import FIELDS, FLAGS, KEYWORDS
 
-    return SPELLINGS["lanes"].everywhere()
+    return f"{FIELDS.lanes} ({FLAGS.lanes}, fully_shard: {KEYWORDS.lanes})"
 
 
 def lanes_to_plan(args: Any) -> tuple[int, ...] | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from hfsdp.planner import compare
 from hfsdp.planner.layout import MFSDP, Layout, bucket_specs
 from hfsdp.planner.pools import NO_POOL, pool_allocated
 from hfsdp.usererror import UserError
@@ -89,15 +90,15 @@ def plan_allocator(layout: Layout, allocator: str, *, align_bytes: int | None = 
     specs = bucket_specs(layout, allocator, main_grads_dtype=main_grads_dtype,
                          grad_comm_dtype=grad_comm_dtype)
     maxpool = pm.plan_max_pool(specs, align_bytes=align_bytes)
-    ranked = pm.plan_rank_matched(specs)
-    fixed = pm.fixed_pool_outliers(specs)
+    ranked = compare.plan_rank_matched(specs)
+    fixed = compare.fixed_pool_outliers(specs)
     return {
         "allocator": allocator,
         "specs": specs,
         "maxpool": maxpool,
         "lanes": lane_plans(specs, lanes, align_bytes),
         "rank_matched": ranked,
-        "analytic_minimum_bytes": pm.analytic_minimum_bytes(specs),
+        "analytic_minimum_bytes": compare.analytic_minimum_bytes(specs),
         "fixed_pool": fixed,
     }
 

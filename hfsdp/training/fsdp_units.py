@@ -99,7 +99,7 @@ def training_lanes(args: Any) -> int | None:
     policy of the flags ([Note: double-buffer policy]), for the planner and the several-ranks-per-GPU
     memory check. Whether a model chunk has that many FSDP units is for the allocator that counts
     them (LaneMaxPool) to say."""
-    from megatron.training.double_buffer_args import cli_policy
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import policy_from_args
 
-    policy = cli_policy(args)
+    policy = policy_from_args(args)
     return policy.lanes if policy.round_robin else None

@@ -1,5 +1,6 @@
 """The double-buffer policy ([Note: double-buffer policy] in megatron_fsdp/double_buffer/policy.py):
-frozen, built once by one builder, the same from every route, errors in the route's spelling (CPU)."""
+frozen, built once per entry route and handed down, the same from every route, errors in the route's
+spelling with the offending value, no module-level state (CPU)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from test_maxpool_flags import BASE, FSDP, FsdpDDPConfig, MCoreDDPConfig, fs
 
 import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy as dbp
 from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import (
-    Allocator,
+    FIELDS,
+    FLAGS,
+    KEYWORDS,
     DoubleBufferPolicy,
-    Route,
-    policy_of,
+    policy_from_args,
+    policy_from_keywords,
 )
 from megatron.training.training import get_megatron_ddp_config
 
@@ -25,34 +28,12 @@ FLAGS_3 = ["--megatron-fsdp-max-pool-double-buffer", "--megatron-fsdp-max-pool-l
            "--fsdp-db-use-persist-buf-on-alloc-fail"]
 KEYWORDS_3 = {"zero_dp_strategy": "optim_grads_params", "maxpool_double_buffer": True, "maxpool_lanes": 3,
               "fsdp_db_use_persist_buf_on_alloc_fail": True}
-EXPECTED_3 = DoubleBufferPolicy(allocator=Allocator.MAX_POOL, lanes=3, persistent_fallback=True)
-
-
-@pytest.fixture(autouse=True)
-def fresh_cache():
-    dbp.clear_policy_cache()
-    yield
-    dbp.clear_policy_cache()
+EXPECTED_3 = DoubleBufferPolicy(double_buffer=True, max_pool=True, lanes=3, persistent_fallback=True)
 
 
 @pytest.fixture
 def validated(megatron_validator):
     return megatron_validator(BASE, world_size=2)
-
-
-@pytest.fixture
-def rule_runs(monkeypatch):
-    """How often the builder ran the policy's rules (the command line's own not counted)."""
-    runs = []
-    first_problem = dbp._first_problem
-
-    def counting(s, names, rules):
-        if rules is dbp.RULES:
-            runs.append(names.route)
-        return first_problem(s, names, rules)
-
-    monkeypatch.setattr(dbp, "_first_problem", counting)
-    return runs
 
 
 def fully_shard_keywords_checked(**keywords):
@@ -71,65 +52,57 @@ def fully_shard_keywords_checked(**keywords):
 
 
 def test_the_policy_is_frozen_and_says_what_runs():
-    policy = dbp.policy_for_fully_shard(**KEYWORDS_3)
+    policy = policy_from_keywords(**KEYWORDS_3)
     assert policy == EXPECTED_3 and policy.round_robin and policy.live_units == 3
     with pytest.raises(dataclasses.FrozenInstanceError):
         policy.lanes = 4  # type: ignore[misc]
     assert policy.pick("fixed", "max_pool", "lanes") == "lanes"
-    shared = dbp.policy_for_fully_shard(zero_dp_strategy="optim_grads_params", maxpool_double_buffer=True)
+    shared = policy_from_keywords(zero_dp_strategy="optim_grads_params", maxpool_double_buffer=True)
     assert shared.pick("fixed", "max_pool", "lanes") == "max_pool" and shared.live_units == 2
-    fixed = dbp.policy_for_fully_shard(zero_dp_strategy="optim_grads_params", nccl_ub=True)
-    assert fixed.allocator is Allocator.FIXED and fixed.nccl_ub and not fixed.stage_symmetric
-    none = dbp.policy_for_fully_shard()
+    fixed = policy_from_keywords(zero_dp_strategy="optim_grads_params", nccl_ub=True)
+    assert fixed.double_buffer and not fixed.max_pool and fixed.nccl_ub and not fixed.stage_symmetric
+    assert fixed.pick("fixed", "max_pool", "lanes") == "fixed"
+    none = policy_from_keywords()
     assert not none.double_buffer
     with pytest.raises(ValueError, match="has no double-buffer allocator"):
         none.pick("fixed", "max_pool", "lanes")
 
 
-def test_every_route_gives_the_same_policy_built_once(validated, rule_runs):
+def test_max_pool_and_user_buffers_imply_double_buffering_in_one_function():
+    assert [dbp.double_buffering(d, m, u) for d, m, u in
+            [(False, False, False), (True, False, False), (False, True, False), (False, False, True)]] == [
+        False, True, True, True]
+
+
+def test_every_route_gives_the_same_policy(validated):
     args = validated(FSDP + FLAGS_3)
-    cli = dbp.build_double_buffer_policy(Route.CLI, args)
-    core = get_megatron_ddp_config(args).double_buffer_policy  # the flags' config finds it built
-    assert rule_runs == [Route.CLI]
+    assert args.fsdp_double_buffer  # validate_args mirrors the policy's answer for upstream readers
+    cli = policy_from_args(args)
+    core = get_megatron_ddp_config(args).double_buffer_policy
     mcore = MCoreDDPConfig(use_megatron_fsdp=True, **STRATEGY, **MAXPOOL_3).double_buffer_policy
     fsdp = FsdpDDPConfig(**STRATEGY, **MAXPOOL_3).double_buffer_policy
     fully_shard_keywords_checked(**KEYWORDS_3)
-    keywords = dbp.policy_for_fully_shard(**KEYWORDS_3)
-    assert cli == core == mcore == fsdp == keywords == EXPECTED_3
-    assert cli is core is mcore is fsdp is keywords  # one object: the rules ran once
-    assert rule_runs == [Route.CLI]
+    assert cli == core == mcore == fsdp == policy_from_keywords(**KEYWORDS_3) == EXPECTED_3
 
 
-def test_a_config_builds_its_policy_once_and_keeps_it(rule_runs):
+def test_a_config_builds_its_policy_once_and_keeps_it():
     cfg = FsdpDDPConfig(**STRATEGY, megatron_fsdp_max_pool_double_buffer=True)
-    assert rule_runs == [Route.CONFIG] and cfg.fsdp_double_buffer  # the implication, applied once
-    assert policy_of(cfg) is cfg.double_buffer_policy and rule_runs == [Route.CONFIG]
-    FsdpDDPConfig(**STRATEGY, megatron_fsdp_max_pool_double_buffer=True)
-    assert rule_runs == [Route.CONFIG]
+    assert cfg.fsdp_double_buffer and cfg.double_buffer_policy.max_pool  # the implication, mirrored
     assert "double_buffer_policy" not in {f.name for f in dataclasses.fields(FsdpDDPConfig)}  # never copied
-
-
-def test_a_config_changed_after_post_init_gets_the_policy_of_its_fields():
-    cfg = MCoreDDPConfig(use_megatron_fsdp=True, **STRATEGY, megatron_fsdp_max_pool_double_buffer=True)
-    assert policy_of(cfg).live_units == 2
-    cfg.megatron_fsdp_max_pool_lanes = 4
-    assert policy_of(cfg).lanes == 4 and cfg.double_buffer_policy.lanes == 4
-    cfg.megatron_fsdp_max_pool_double_buffer = False
-    with pytest.raises(ValueError, match="^megatron_fsdp_max_pool_lanes 4 needs megatron_fsdp_max_pool_double_buffer"):
-        policy_of(cfg)
+    assert not [name for name in vars(dbp) if not name.startswith("__") and isinstance(getattr(dbp, name), dict | set)]
 
 
 LANES_WITHOUT_MAXPOOL = "{lanes} 3 needs {max_pool}: lanes are arenas of the max-pool double buffer"
 STRATEGY_PROBLEM = "{max_pool} requires {strategy} optim_grads_params (the only strategy with FSDP units), got 'optim'"
 PERSISTENT_PROBLEM = "{persistent} requires {double_buffer} or {max_pool}."
 SPELLED = {
-    Route.CLI: {"lanes": "--megatron-fsdp-max-pool-lanes", "max_pool": "--megatron-fsdp-max-pool-double-buffer",
+    FLAGS: {"lanes": "--megatron-fsdp-max-pool-lanes", "max_pool": "--megatron-fsdp-max-pool-double-buffer",
                 "strategy": "--data-parallel-sharding-strategy", "double_buffer": "--fsdp-double-buffer",
                 "persistent": "--fsdp-db-use-persist-buf-on-alloc-fail"},
-    Route.CONFIG: {"lanes": "megatron_fsdp_max_pool_lanes", "max_pool": "megatron_fsdp_max_pool_double_buffer",
+    FIELDS: {"lanes": "megatron_fsdp_max_pool_lanes", "max_pool": "megatron_fsdp_max_pool_double_buffer",
                    "strategy": "data_parallel_sharding_strategy", "double_buffer": "fsdp_double_buffer",
                    "persistent": "fsdp_db_use_persist_buf_on_alloc_fail"},
-    Route.FULLY_SHARD: {"lanes": "maxpool_lanes", "max_pool": "maxpool_double_buffer", "strategy": "zero_dp_strategy",
+    KEYWORDS: {"lanes": "maxpool_lanes", "max_pool": "maxpool_double_buffer", "strategy": "zero_dp_strategy",
                         "double_buffer": "fsdp_double_buffer", "persistent": "fsdp_db_use_persist_buf_on_alloc_fail"},
 }
 CASES = [  # (message, flags, config fields, fully_shard keywords)
@@ -150,35 +123,32 @@ def test_each_error_names_the_users_spelling(validated, message, flags, fields, 
     def expected(route):
         return "^" + message.format(**SPELLED[route]).replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")
 
-    with pytest.raises(ValueError, match=expected(Route.CLI)):
+    with pytest.raises(ValueError, match=expected(FLAGS)):
         validated(flags)
     for cfg_cls in (MCoreDDPConfig, FsdpDDPConfig):
-        with pytest.raises(ValueError, match=expected(Route.CONFIG)):
+        with pytest.raises(ValueError, match=expected(FIELDS)):
             cfg_cls(**fields)
-    with pytest.raises(ValueError, match=expected(Route.FULLY_SHARD)):
+    with pytest.raises(ValueError, match=expected(KEYWORDS)):
         fully_shard_keywords_checked(**keywords)
 
 
-def test_one_table_spells_every_setting():
-    """Every spelling a message uses comes from SPELLINGS; each config field is a field of both
-    configs (or of Megatron-Core's only, for the command line's own), each keyword fully_shard's."""
+def test_each_spelling_names_real_settings():
+    """Each config field is a field of both configs, each keyword fully_shard's, each flag the field's."""
     import inspect
 
     keywords = set(inspect.signature(fs.fully_shard_model).parameters)
-    core = {f.name for f in dataclasses.fields(MCoreDDPConfig)}
-    own = {f.name for f in dataclasses.fields(FsdpDDPConfig)}
-    for name, spelling in dbp.SPELLINGS.items():
-        if name in dbp.INPUTS:
-            assert spelling.field in core and spelling.field in own, name
-        assert spelling.keyword is None or spelling.keyword in keywords, name
-        assert spelling.flag == "--" + spelling.field.replace("_", "-") or name == "nccl_ub", name
-    assert dbp.SPELLINGS["nccl_ub"].flag == "--use-nccl-ub"
+    for name in ("max_pool", "lanes", "double_buffer", "persistent_fallback", "strategy"):
+        field = getattr(FIELDS, name)
+        assert field in {f.name for f in dataclasses.fields(MCoreDDPConfig)}, name
+        assert field in {f.name for f in dataclasses.fields(FsdpDDPConfig)}, name
+        assert getattr(KEYWORDS, name) in keywords, name
+        assert getattr(FLAGS, name) == "--" + field.replace("_", "-"), name
 
 
-def test_lanes_are_range_checked_once_and_a_float_is_never_taken_from_the_cache():
-    assert dbp.policy_for_fully_shard(zero_dp_strategy="optim_grads_params", maxpool_double_buffer=True,
+def test_lanes_are_range_checked():
+    assert policy_from_keywords(zero_dp_strategy="optim_grads_params", maxpool_double_buffer=True,
                                       maxpool_lanes=3).lanes == 3
     for bad in (3.0, True, "3", [3]):
         with pytest.raises(ValueError, match=re.escape(f"maxpool_lanes must be an integer >= 2, got {bad!r}")):
-            dbp.policy_for_fully_shard(zero_dp_strategy="optim_grads_params", maxpool_double_buffer=True,
+            policy_from_keywords(zero_dp_strategy="optim_grads_params", maxpool_double_buffer=True,
                                        maxpool_lanes=bad)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import DoubleBufferPolicy
 from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
     BucketStatus,
     GradReducePipeline,
@@ -18,7 +19,10 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer impo
 
 def pipeline(double_buffer=True, buckets=(0, 1)):
     pipe = object.__new__(GradReducePipeline)
-    pipe.buffer = SimpleNamespace(ddp_config=SimpleNamespace(fsdp_double_buffer=double_buffer))
+    pipe.buffer = SimpleNamespace(
+        ddp_config=SimpleNamespace(fsdp_double_buffer=double_buffer),
+        double_buffer_policy=DoubleBufferPolicy(double_buffer=double_buffer),
+    )
     pipe.bucket_status = {b: BucketStatus.EMPTY for b in buckets}
     pipe.enforced = []
     pipe._enforce_double_buffer_limit = lambda add: pipe.enforced.append(list(add))
@@ -100,6 +104,7 @@ def drain_pipeline(units_in_queue, fake_cuda, bucket_units, live_unit_limit=2):
     pipe = object.__new__(GradReducePipeline)
     pipe.buffer = SimpleNamespace(
         ddp_config=SimpleNamespace(fsdp_double_buffer=True),
+        double_buffer_policy=DoubleBufferPolicy(double_buffer=True),
         parameter_groups=[SimpleNamespace(fsdp_unit_id=u) for u in bucket_units],
         double_buf_units=set(bucket_units),
         num_buckets=len(bucket_units),

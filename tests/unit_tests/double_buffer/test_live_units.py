@@ -18,6 +18,7 @@ import torch
 import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.dtypes as bd
 import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.plan as mp
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
+from hfsdp.planner import compare
 from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import MaxPoolAllocator
 
 UNITS = 5
@@ -69,15 +70,15 @@ def specs():
 
 def test_plans_count_bytes_with_the_constant(three_groups):
     two = {"maxpool": mp.plan_max_pool(specs(), num_groups=2).pool_bytes(),
-           "ranked": mp.plan_rank_matched(specs(), num_groups=2).pool_bytes(),
-           "minimum": mp.analytic_minimum_bytes(specs(), num_groups=2),
-           "fixed": mp.fixed_pool_outliers(specs(), num_groups=2).pool_bytes}
+           "ranked": compare.plan_rank_matched(specs(), num_groups=2).pool_bytes(),
+           "minimum": compare.analytic_minimum_bytes(specs(), num_groups=2),
+           "fixed": compare.fixed_pool_outliers(specs(), num_groups=2).pool_bytes}
     plan = mp.plan_max_pool(specs())
     assert plan.num_groups == 3
     three = {"maxpool": plan.pool_bytes(),
-             "ranked": mp.plan_rank_matched(specs()).pool_bytes(),
-             "minimum": mp.analytic_minimum_bytes(specs()),
-             "fixed": mp.fixed_pool_outliers(specs()).pool_bytes}
+             "ranked": compare.plan_rank_matched(specs()).pool_bytes(),
+             "minimum": compare.analytic_minimum_bytes(specs()),
+             "fixed": compare.fixed_pool_outliers(specs()).pool_bytes}
     assert all(three[k] * 2 == two[k] * 3 for k in two), (two, three)
     assert three["maxpool"] == 3 * 3000 * 2  # three groups of the largest unit (bf16)
     assert "(3 groups)" in mp.format_plan(plan)[0]

@@ -10,7 +10,7 @@ from test_maxpool_allocator import install_cpu_memory_buffer
 
 import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.allocator as mpa
 import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.dtypes as bd
-import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.plan as mp
+from hfsdp.planner import compare
 
 
 class Layer(torch.nn.Module):
@@ -38,7 +38,7 @@ def test_max_pool_is_the_forks_at_the_analytic_minimum(cpu_fsdp_buffer, monkeypa
     alloc = buffer.weight_alloc
     specs = alloc.bucket_specs()
     assert len({s.unit_id for s in specs if s.unit_id is not None}) == 5
-    assert alloc.plan.pool_bytes() == mp.analytic_minimum_bytes(specs, num_groups=2) > 0
+    assert alloc.plan.pool_bytes() == compare.analytic_minimum_bytes(specs, num_groups=2) > 0
 
     units: dict[int, list[int]] = {}
     for bucket_id, group in enumerate(buffer.parameter_groups):

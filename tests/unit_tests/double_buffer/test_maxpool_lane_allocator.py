@@ -160,7 +160,7 @@ def test_init_fetch_falls_back_without_counting_and_too_small_lanes_are_named(gm
 
 def test_more_lanes_than_units_are_refused_in_every_spelling():
     """The allocator counts the units it serves (the one count); it cannot tell how the lane count
-    was given, so the message names every spelling of it (double_buffer.policy.SPELLINGS)."""
+    was given, so the message names every spelling of it (double_buffer.policy: FIELDS, FLAGS, KEYWORDS)."""
     with pytest.raises(MaxPoolLanesError, match=r"megatron_fsdp_max_pool_lanes \(--megatron-fsdp-max-pool-lanes, "
                                          r"fully_shard: maxpool_lanes\) asks for 4 lanes, more than the 3 FSDP "
                                          r"units of this model chunk, so 1 lane\(s\) would hold no unit; use at "

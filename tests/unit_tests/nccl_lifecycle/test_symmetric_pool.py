@@ -21,6 +21,7 @@ from nccl_harness import run_ranks
 import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.allocator as mpa
 import megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.symmetric as sym
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import policy_from_config
 from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import MaxPoolAllocator, ParameterGroup
 
 CPU = torch.device("cpu")
@@ -89,7 +90,7 @@ def make_buffer(events, groups=None, manual=False, ubr_groups=("dp", "dp_outer")
     grads = MaxPoolAllocator(
         "fsdp_grads", groups, numel_fn=padded, dtype_fn=lambda g: torch.float32
     )
-    cfg = SimpleNamespace(  # the fields the double-buffer policy reads (policy_of builds it from them)
+    cfg = SimpleNamespace(  # the fields a DDP config builds its double-buffer policy from
         nccl_ub=True,
         megatron_fsdp_max_pool_double_buffer=True,
         megatron_fsdp_max_pool_lanes=2,
@@ -160,7 +161,7 @@ def iterate(alloc, groups, n_iter=3):
 
 def test_presize_creates_each_arena_once_at_planned_size_and_never_grows(events):
     buf = make_buffer(events.log)
-    record = sym.stage_symmetric_max_pool(buf)
+    record = sym.stage_symmetric_max_pool(buf, policy_from_config(buf.ddp_config))
     created = list(events.gmb.creations)
     # weights: bf16 + fp32 strata x 2 groups; grads (all fp32): 1 stratum x 2 groups.
     assert len(created) == 6 == len(record.arenas)
@@ -184,18 +185,18 @@ def test_presize_creates_each_arena_once_at_planned_size_and_never_grows(events)
 
 def test_presize_refuses_to_grow_a_smaller_shared_arena(events):
     small = make_buffer(events.log, groups=hybrid_groups(attention_numel=700))
-    sym.stage_symmetric_max_pool(small)
+    sym.stage_symmetric_max_pool(small, policy_from_config(small.ddp_config))
     # A second model chunk whose largest bf16 unit is bigger shares the arena names.
     big = make_buffer(events.log, groups=hybrid_groups(attention_numel=5000))
     with pytest.raises(RuntimeError, match=r"fsdp_params_maxpool_g0_bfloat16 already exists"):
-        sym.stage_symmetric_max_pool(big)
+        sym.stage_symmetric_max_pool(big, policy_from_config(big.ddp_config))
 
 
 def test_staging_is_a_noop_without_nccl_ub_or_max_pool(events):
     for field in ("nccl_ub", "megatron_fsdp_max_pool_double_buffer"):
         buf = make_buffer(events.log)
         setattr(buf.ddp_config, field, False)
-        assert sym.stage_symmetric_max_pool(buf) is None
+        assert sym.stage_symmetric_max_pool(buf, policy_from_config(buf.ddp_config)) is None
     assert events.log == [] and events.gmb.creations == []
 
 
@@ -216,7 +217,7 @@ def test_hybrid_fsdp_grad_comm_arenas_are_staged_only_when_a_group_uses_them(eve
     for g in groups:
         g.main_grad_buffer = SimpleNamespace(dtype=torch.float32)
         g.hsdp_comm_gbuf = SimpleNamespace()
-    record = sym.stage_symmetric_max_pool(buf)
+    record = sym.stage_symmetric_max_pool(buf, policy_from_config(buf.ddp_config))
     staged_names = {name for name, *_ in record.arenas}
     assert staged_names == {"fsdp_params", "fsdp_grads", *(["hsdp_grad_comm"] if staged else [])}
     made = {name.split("_maxpool")[0] for name, *_ in events.gmb.creations}
@@ -228,7 +229,7 @@ def test_hybrid_fsdp_grad_comm_arenas_are_staged_only_when_a_group_uses_them(eve
 
 def test_plan_check_and_rendezvous_precede_registration_and_first_use(events):
     buf = make_buffer(events.log)
-    sym.stage_symmetric_max_pool(buf)
+    sym.stage_symmetric_max_pool(buf, policy_from_config(buf.ddp_config))
     log = events.log
     allocs = [i for i, e in enumerate(log) if e.startswith("alloc:")]
     assert log[:4] == [
@@ -249,7 +250,8 @@ def test_plan_check_and_rendezvous_precede_registration_and_first_use(events):
 
 def test_manual_registration_rendezvous_follows_registration(events, monkeypatch):
     buf = make_buffer(events.log, manual=True)
-    buf.maxpool_staging = sym.stage_symmetric_max_pool(buf)  # as ParamAndGradBuffer keeps it
+    # The record is kept as ParamAndGradBuffer keeps it.
+    buf.maxpool_staging = sym.stage_symmetric_max_pool(buf, policy_from_config(buf.ddp_config))
     # Staging only allocates in manual mode: no rendezvous after the context yet.
     assert events.log[-1] == "pool:exit-register"
     del events.log[:]
@@ -273,7 +275,7 @@ def test_manual_registration_rendezvous_follows_registration(events, monkeypatch
 def test_manual_registration_without_staging_adds_no_rendezvous(events, monkeypatch):
     buf = make_buffer(events.log, manual=True)
     buf.ddp_config.megatron_fsdp_max_pool_double_buffer = False  # FixedPool-style buffer
-    buf.maxpool_staging = sym.stage_symmetric_max_pool(buf)
+    buf.maxpool_staging = sym.stage_symmetric_max_pool(buf, policy_from_config(buf.ddp_config))
     assert buf.maxpool_staging is None
     monkeypatch.setattr(pgb.nccl_allocator, "register_mem_pool", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -418,7 +420,7 @@ def _worker(scenario: str, rank: int, world: int, out_dir: str, port: int) -> No
         mpa.get_global_memory_buffer = lambda: gmb
         buf = make_buffer([], ubr_groups=())
         buf.ubr_groups = [sub]
-        record = sym.stage_symmetric_max_pool(buf)
+        record = sym.stage_symmetric_max_pool(buf, policy_from_config(buf.ddp_config))
         res["staged_fingerprint"] = record.fingerprint
         res["arenas"] = [list(a) for a in record.arenas]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))

@@ -87,11 +87,12 @@ def test_too_many_lanes_found_while_building_is_one_sentence():
 import sys
 import hfsdp.training.entry as entry
 import megatron.training.training as training
-from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import lanes_units_problem
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.plan import lanes_units_problem
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import LANES_EVERYWHERE
 from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.lanes import MaxPoolLanesError
 
 def pretrain(*args, **kwargs):  # what LaneMaxPoolAllocator raises while the buffer is built
-    raise MaxPoolLanesError("[fsdp_params] " + lanes_units_problem(6, 5))
+    raise MaxPoolLanesError("[fsdp_params] " + lanes_units_problem(6, 5, setting=LANES_EVERYWHERE))
 
 training.pretrain = pretrain
 entry.require_cuda = lambda: None

@@ -32,8 +32,7 @@ so inside the context it orders itself against the capture stream.
 Memory: the activations a warm-up step frees stay cached for the capture stream, where the
 caller's stream cannot reuse them; the optimizer step that follows on the caller's stream would
 then reserve its own memory beside that cache, a peak eager training never has (the capture
-memory report showed it: default stream 2.7 GiB next to a 2.5 GiB capture-stream cache on the
-236M hybrid). So after each warm-up step the context empties the allocator's cache: a
+memory report shows both). So after each warm-up step the context empties the allocator's cache: a
 device-wide synchronisation and a cudaFree per cached segment, in the few eager steps only.
 ``torch.cuda.graph`` empties it again right before capture.
 """

@@ -21,7 +21,7 @@ the checks the first three fail after the process groups are up, while the model
   ``moe_grouped_gemm=False``), so the flag would silently do nothing.
 * The max-pool double buffer with blockwise-FP8 parameters (``--fp8-param-gather --fp8-recipe
   blockwise``): after each optimizer step ``copy_main_weights_to_model_weights`` fetches the
-  weight bucket of every blockwise-FP8 unit (up to 5 GB of them) before it frees any, more units
+  weight bucket of every blockwise-FP8 unit before it frees any, more units
   than the pool has groups ([Note: max-pool failure modes], too many live units).
 
 Not checked because nothing in the code says they fail (open questions for a GPU run): TE with
@@ -33,7 +33,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from megatron.training.double_buffer_args import cli_policy
+from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import FLAGS, policy_from_args
 
 ATTENTION_SYMBOL = "*"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.ATTENTION
 ATTN_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
@@ -123,13 +123,13 @@ def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None) -> list
             "transformer_engine."
         )
     if (
-        cli_policy(args).max_pool
+        policy_from_args(args).max_pool
         and args.fp8_param_gather
         and args.fp8
         and args.fp8_recipe == "blockwise"
     ):
         problems.append(
-            "--megatron-fsdp-max-pool-double-buffer cannot hold blockwise-FP8 parameters "
+            f"{FLAGS.max_pool} cannot hold blockwise-FP8 parameters "
             "(--fp8-param-gather with --fp8-recipe blockwise): after each optimizer step their "
             "re-quantization fetches the weight buckets of many FSDP units at once, more than the "
             "pool's buffer groups. Use another --fp8-recipe, drop --fp8-param-gather, or use "

@@ -5,7 +5,7 @@
 [Note: chunked foreach Adam]
 torch's multi-tensor ("foreach") Adam step works on every parameter of a parameter group at
 once and allocates full-size temporaries for it (the denominator ``sqrt(v) + eps``): one fp32
-copy of all parameters, 0.9 GiB for a 236M-parameter model. Eager training hides this, since
+copy of all parameters. Eager training hides this, since
 the step reuses the cache the freed activations left behind. Under a full-iteration CUDA graph
 the activations live in the graph's private pool, which eager code cannot use, so the step's
 temporaries add their full size to reserved memory (the capture memory report shows it on the

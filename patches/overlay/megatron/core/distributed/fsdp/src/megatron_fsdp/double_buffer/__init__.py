@@ -5,9 +5,8 @@
 Double buffering keeps the all-gathered weights and the unreduced grads of a bounded number of
 FSDP units in a pool whose addresses never change, so NCCL user-buffer registration and CUDA
 graphs can hold them. The package is layered; each layer imports only the ones above it:
-- policy.py: every route (flags, either DDP config, ``fully_shard``'s keywords) builds one frozen
-  ``DoubleBufferPolicy`` (allocator, lanes, persistent fallback, NCCL user buffers), checked once
-  ([Note: double-buffer policy]); nothing downstream reads the settings themselves.
+- policy.py: each entry route (flags, either DDP config, ``fully_shard``'s keywords) builds one
+  frozen ``DoubleBufferPolicy`` and hands it down ([Note: double-buffer policy]).
 - plan.py: stdlib only, shared with the offline planner. The buffer dtype rules, the arena layout
   (per dtype one arena per buffer group, a unit's buckets contiguous at fixed aligned offsets) and
   the lane plans ([Note: live units], [Note: max-pool lanes]).
@@ -31,27 +30,15 @@ DDP configs can import the policy without loading torch-side code.
 """
 
 from .plan import NUM_BUFFER_GROUPS, SHARED_LANES, buffer_groups
-from .policy import (
-    SPELLINGS,
-    Allocator,
-    DoubleBufferPolicy,
-    Route,
-    build_double_buffer_policy,
-    policy_for_config,
-    policy_for_fully_shard,
-    policy_of,
-)
+from .policy import DoubleBufferPolicy, double_buffering, policy_from_args, policy_from_config, policy_from_keywords
 
 __all__ = [
     "NUM_BUFFER_GROUPS",
     "SHARED_LANES",
-    "SPELLINGS",
-    "Allocator",
     "DoubleBufferPolicy",
-    "Route",
-    "build_double_buffer_policy",
     "buffer_groups",
-    "policy_for_config",
-    "policy_for_fully_shard",
-    "policy_of",
+    "double_buffering",
+    "policy_from_args",
+    "policy_from_config",
+    "policy_from_keywords",
 ]

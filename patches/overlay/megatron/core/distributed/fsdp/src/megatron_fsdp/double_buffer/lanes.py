@@ -30,8 +30,8 @@ import logging
 
 from ..utils import log_single_rank
 from .allocator import MaxPool
-from .plan import BucketSpec, LanePlan, format_lane_plan, runtime_lane_plan
-from .policy import lanes_units_problem
+from .plan import BucketSpec, LanePlan, format_lane_plan, lanes_units_problem, runtime_lane_plan
+from .policy import LANES_EVERYWHERE
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +46,12 @@ class LaneMaxPool(MaxPool):
 
     Takes MaxPool's arguments; ``size`` is the lane count N (the policy's ``live_units``).
     The units are counted here, once, from the groups it serves: a chunk with fewer than N
-    units is refused (``policy.lanes_units_problem``).
+    units is refused (``plan.lanes_units_problem``).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        problem = lanes_units_problem(self.size, len(self.fsdp_double_buffer_units))
+        problem = lanes_units_problem(self.size, len(self.fsdp_double_buffer_units), setting=LANES_EVERYWHERE)
         if problem is not None:
             raise MaxPoolLanesError(f"[{self.name}] {problem}")
 

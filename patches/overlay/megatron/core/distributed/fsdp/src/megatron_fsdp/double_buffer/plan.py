@@ -13,8 +13,8 @@ Arena layout (max-pool double buffering): for each dtype there is one arena per 
 group. While a unit is live it owns one group; its buckets of that dtype sit
 contiguously in the group's arena at fixed offsets (bucket-id order, each offset
 aligned). The arena size is the largest per-unit layout, so the pool is
-NUM_BUFFER_GROUPS x (largest unit per dtype) + alignment, never larger than upstream's
-rank-matched slot plan with the same per-slot alignment.
+NUM_BUFFER_GROUPS x (largest unit per dtype) + alignment. What other pools would cost for the
+same buckets is the offline planner's comparison (hfsdp/planner/compare.py), not the runtime's.
 """
 
 from __future__ import annotations
@@ -135,37 +135,6 @@ class MaxPoolPlan:
         return self.num_groups * sum(self.arena_bytes(d) for d in self.arena_numel)
 
 
-@dataclass(frozen=True)
-class RankMatchedPlan:
-    """Upstream 0.19 slot plan: per dtype, slot r = max over units of the r-th largest."""
-
-    slots: dict[str, tuple[int, ...]]  # dtype -> slot sizes in elements (non-increasing)
-    slot_setter: dict[str, tuple[tuple[int, int], ...]]  # dtype -> (unit, bucket) per slot
-    itemsize: dict[str, int]
-    align_bytes: int = 1
-    num_groups: int = NUM_BUFFER_GROUPS  # [Note: live units]
-
-    def pool_bytes(self) -> int:
-        """Every group; each slot rounded up to ``align_bytes`` like a separate allocation."""
-        total = 0
-        for dtype, sizes in self.slots.items():
-            size = self.itemsize[dtype]
-            total += sum(aligned_numel(n, self.align_bytes, size) for n in sizes) * size
-        return self.num_groups * total
-
-
-@dataclass(frozen=True)
-class FixedPoolReport:
-    """What 0.18.2 FixedPoolAllocator would do with these buckets."""
-
-    classes: tuple[tuple[int, ...], ...]  # equality classes of units, first-seen order
-    mode_class: tuple[int, ...]  # pooled units (largest class, ties to first unit)
-    pooled_unit_ids: tuple[int, ...]
-    outlier_unit_ids: tuple[int, ...]
-    pool_bytes: int  # groups x representative slots (max padded size per position)
-    outlier_bytes: int  # bytes of outlier-unit buckets (dynamic or persistent fallback)
-
-
 def _validated(buckets: Iterable[BucketSpec]) -> list[BucketSpec]:
     """Sorted by bucket id, with clear errors on malformed input."""
     specs = list(buckets)
@@ -257,118 +226,21 @@ def plan_max_pool(
     )
 
 
-def plan_rank_matched(
-    buckets: Iterable[BucketSpec], *, align_bytes: int = 1, num_groups: int | None = None
-) -> RankMatchedPlan:
-    """Upstream 0.19 MaxPool slots (largest first, bucket-id tie-break), for comparison."""
-    groups = buffer_groups(num_groups)
-    specs = _validated(buckets)
-    units = _unit_buckets(specs)
-    slots: dict[str, list[int]] = defaultdict(list)
-    setter: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    for unit_id in sorted(units):
-        per_dtype: dict[str, list[BucketSpec]] = defaultdict(list)
-        for b in units[unit_id]:
-            per_dtype[b.dtype].append(b)
-        for dtype, bs in per_dtype.items():
-            ranked = sorted(bs, key=lambda b: (-b.numel, b.bucket_id))
-            for r, b in enumerate(ranked):
-                if r == len(slots[dtype]):
-                    slots[dtype].append(0)
-                    setter[dtype].append((unit_id, b.bucket_id))
-                if b.numel > slots[dtype][r]:
-                    slots[dtype][r] = b.numel
-                    setter[dtype][r] = (unit_id, b.bucket_id)
-    itemsize = {b.dtype: b.itemsize for b in specs if b.unit_id is not None}
-    return RankMatchedPlan(
-        slots={d: tuple(slots[d]) for d in sorted(slots)},
-        slot_setter={d: tuple(setter[d]) for d in sorted(setter)},
-        itemsize={d: itemsize[d] for d in sorted(itemsize)},
-        align_bytes=align_bytes,
-        num_groups=groups,
-    )
-
-
-def analytic_minimum_bytes(buckets: Iterable[BucketSpec], num_groups: int | None = None) -> int:
-    """Groups x sum over dtypes of the largest unit's bytes of that dtype (no alignment)."""
-    groups = buffer_groups(num_groups)
-    units = _unit_buckets(_validated(buckets))
-    per_dtype: dict[str, int] = defaultdict(int)
-    for bs in units.values():
-        unit_bytes: dict[str, int] = defaultdict(int)
-        for b in bs:
-            unit_bytes[b.dtype] += b.nbytes
-        for dtype, n in unit_bytes.items():
-            per_dtype[dtype] = max(per_dtype[dtype], n)
-    return groups * sum(per_dtype.values())
-
-
-def fixed_pool_outliers(
-    buckets: Iterable[BucketSpec], num_groups: int | None = None
-) -> FixedPoolReport:
-    """Replicate 0.18.2 FixedPoolAllocator's unit classes, mode choice and pool size."""
-    groups = buffer_groups(num_groups)
-    specs = _validated(buckets)
-    _unit_buckets(specs)  # same "no units" error as the planners
-    units: dict[int, list[BucketSpec]] = {}
-    for b in specs:  # insertion order = first bucket id of each unit, as in FixedPool
-        if b.unit_id is not None:
-            units.setdefault(b.unit_id, []).append(b)
-
-    def equal(a: list[BucketSpec], c: list[BucketSpec]) -> bool:
-        return len(a) == len(c) and all(
-            x.dtype == y.dtype and x.unpadded_numel == y.unpadded_numel for x, y in zip(a, c, strict=True)
-        )
-
-    classes: list[tuple[int, ...]] = []
-    mode: tuple[int, ...] = ()
-    for bs in units.values():
-        cls = tuple(u for u in units if equal(units[u], bs))
-        if cls not in classes:
-            classes.append(cls)
-        if len(cls) > len(mode):  # strict: ties go to the first unit
-            mode = cls
-    rep = units[mode[0]]
-    pool = 0
-    for pos, b in enumerate(rep):
-        pool += max(units[u][pos].numel for u in mode) * b.itemsize
-    outliers = tuple(u for u in units if u not in mode)
-    return FixedPoolReport(
-        classes=tuple(classes),
-        mode_class=mode,
-        pooled_unit_ids=tuple(sorted(mode)),
-        outlier_unit_ids=tuple(sorted(outliers)),
-        pool_bytes=groups * pool,
-        outlier_bytes=sum(b.nbytes for u in outliers for b in units[u]),
-    )
-
-
 def _mib(n: int) -> str:
     return f"{n} B = {n / 2**20:.2f} MiB"
 
 
 def format_plan(plan: MaxPoolPlan, name: str = "maxpool") -> list[str]:
-    """INFO log lines: pool total, then per dtype the arena, its setter and upstream slots."""
+    """INFO log lines: pool total, then per dtype the arena and the unit that sets it."""
     specs = list(plan.buckets.values())
-    groups = plan.num_groups
-    ranked = (
-        plan_rank_matched(specs, align_bytes=plan.align_bytes, num_groups=groups) if specs else None
-    )
-    minimum = analytic_minimum_bytes(specs, num_groups=groups) if specs else None
-    lines = [
-        f"[{name}] max-pool plan: {len(plan.unit_ids)} units, pool {_mib(plan.pool_bytes())} "
-        f"({groups} groups); rank-matched would be "
-        f"{_mib(ranked.pool_bytes()) if ranked else 'n/a'}; analytic minimum "
-        f"{_mib(minimum) if minimum is not None else 'n/a'}"
-    ]
+    lines = [f"[{name}] max-pool plan: {len(plan.unit_ids)} units, pool {_mib(plan.pool_bytes())} "
+             f"({plan.num_groups} groups)"]
     for dtype in sorted(plan.arena_numel):
         unit = plan.setter[dtype]
         members = [b.bucket_id for b in specs if b.unit_id == unit and b.dtype == dtype]
-        slots = ranked.slots.get(dtype, ()) if ranked else ()
         lines.append(
             f"[{name}] {dtype}: arena {plan.arena_numel[dtype]} elems "
-            f"({_mib(plan.arena_bytes(dtype))}) per group, set by unit {unit} "
-            f"(buckets {members}); rank-matched slots {list(slots)}"
+            f"({_mib(plan.arena_bytes(dtype))}) per group, set by unit {unit} (buckets {members})"
         )
     return lines
 

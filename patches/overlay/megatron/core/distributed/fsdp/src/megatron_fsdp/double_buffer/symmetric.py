@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ..utils import log_single_rank
 from .allocator import MaxPool, buffer_max_pool_allocators
 from .plan import LanePlan, MaxPoolPlan
-from .policy import policy_of
+from .policy import DoubleBufferPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -149,15 +149,14 @@ def stages(buffer: Any, alloc: MaxPool) -> bool:
     )
 
 
-def stage_symmetric_max_pool(buffer: Any) -> StagingRecord | None:
+def stage_symmetric_max_pool(buffer: Any, policy: DoubleBufferPolicy) -> StagingRecord | None:
     """Thin-hook target: stage a ParamAndGradBuffer's max-pool arenas in the NCCL pool.
 
-    No-op (returns None) unless the buffer's double-buffer policy stages the pool (NCCL user
+    No-op (returns None) unless the buffer's double-buffer ``policy`` stages the pool (NCCL user
     buffers with the max-pool, ``DoubleBufferPolicy.stage_symmetric``) and the buffer has
     max-pool allocators. Must run after the DP buffers exist (padded sizes) and before the
     first bucket fetch. The buffer keeps the returned record for :func:`after_manual_registration`.
     """
-    policy = policy_of(buffer.ddp_config)
     if not policy.stage_symmetric:
         return None
     allocators = [a for a in buffer_max_pool_allocators(buffer) if stages(buffer, a)]
