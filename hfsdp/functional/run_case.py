@@ -56,7 +56,7 @@ from pathlib import Path
 from hfsdp import proc
 from hfsdp.atomic import write_json_atomic
 from hfsdp.diagnostics import stack_dump_after_s
-from hfsdp.functional import environment, golden, logparse, outdir, selection
+from hfsdp.functional import environment, golden, logparse, outdir, runlock, selection
 from hfsdp.functional.environment import Environment
 from hfsdp.functional.platform import platform_of
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
@@ -346,6 +346,7 @@ def choose_golden(recipe: Recipe, run: Environment, platform: str | None, shared
     return selection.select(recipe, run, platforms, ignore_gpu=ignore_gpu, any_kind=shared)
 
 
+@runlock.holding  # the output folders it locks are its own until it returns
 def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = False, record_missing: bool = False,
              compare_to: Path | None = None, output_root: Path | None = None, platform: str | None = None,
              evaluate_log: Path | None = None, env: Mapping[str, str] | None = None,
@@ -406,6 +407,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
             what = "is a folder, not a log file" if Path(evaluate_log).is_dir() else why
             raise UserError(f"--evaluate-log {evaluate_log} {what}",
                             "pass the log the training wrote (the srun-per-GPU sbatch script tees it to run1.log)")
+        runlock.hold(out, result.case)  # one run per output folder (runlock's note)
         outdir.prepare(out, clear=False)  # writes only into a folder the driver made (outdir's note)
         rec1 = RunRecord(str(evaluate_log), 0, False)
     else:
@@ -413,6 +415,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         env1 = run_env(recipe.env_vars, env)
         # Every check comes before the output folder is cleared: a refused run loses nothing.
         outdir.check(out)
+        runlock.hold(out, result.case)
         if shared:
             print(f"run_case: {fit.preflight(launch.placement, argv1, environ=env1)}", flush=True)
         else:
