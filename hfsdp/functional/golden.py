@@ -3,6 +3,13 @@
 File: ``golden_values_{environment}_{platform}.json`` =
 ``{"<metric>": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": v, ...}}}``.
 
+[Note: golden keys] A golden's (and a ``metrics.json``'s) top-level keys are metric names, each
+one of ``logparse.METRIC_NAMES`` (what the log parser measures: one list), plus at most the one
+reserved key ``ENVIRONMENT_KEY`` (``"environment"``), an object describing the environment the
+golden was recorded in, which is no metric: every reader here leaves it out of the metrics. Any
+other key (``"lm_loss"``, ``"lm loss "``) is refused naming it and the known names: a misspelt
+metric would otherwise never be compared.
+
 Thresholds (upstream ``CHECK_THRESHOLDS``, plus one deliberate change):
 * ``lm loss`` and ``lm loss validation`` (``LOSS_METRICS``): exact (the recipes run
   ``--deterministic-mode``); the value compared is the one Megatron prints (``%.6E``), so
@@ -28,6 +35,7 @@ benchmark's job, which measures both sides in one invocation on one host (docs/b
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import statistics
@@ -37,9 +45,10 @@ from typing import Any
 
 from hfsdp.atomic import loads_strict, write_json_atomic
 from hfsdp.functional import environment
-from hfsdp.functional.logparse import Metrics
+from hfsdp.functional.logparse import METRIC_NAMES, Metrics
 from hfsdp.usererror import UserError, quoted
 
+ENVIRONMENT_KEY = environment.KEY  # "environment": the one top-level key that is no metric ([Note: golden keys])
 ITER_TIME_WARMUP = 3
 # Compared exactly (or within a resume's loss_rtol); the order is the one reports use.
 LOSS_METRICS = ("lm loss", "lm loss validation")
@@ -145,6 +154,30 @@ def _metric_problems(name: str, spec: Any) -> list[str]:
     return problems
 
 
+def unknown_names(obj: Any) -> list[str]:
+    """The top-level keys of a golden object that are neither a metric the driver measures nor
+    ``ENVIRONMENT_KEY`` ([Note: golden keys]); [] for an object that is no mapping."""
+    if not isinstance(obj, dict):
+        return []
+    return [name for name in obj if name != ENVIRONMENT_KEY and name not in METRIC_NAMES]
+
+
+def unknown_names_text(names: list[str]) -> str:
+    """``['lm_loss']`` -> "'lm_loss' (did you mean 'lm loss'?), which is no metric name the driver measures
+    (those are: ...)"."""
+    shown = []
+    for name in names:
+        near = difflib.get_close_matches(name, METRIC_NAMES, n=1, cutoff=0.75)
+        shown.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    which = "is no metric name" if len(names) == 1 else "are no metric names"
+    return f"{', '.join(shown)}, which {which} the driver measures (those are: {', '.join(METRIC_NAMES)})"
+
+
+def metric_names(obj: dict) -> list[str]:
+    """A golden object's metric names: its keys but ``ENVIRONMENT_KEY``."""
+    return [name for name in obj if name != ENVIRONMENT_KEY]
+
+
 def check_golden(obj: Any, names: tuple[str, ...] | list[str]) -> list[str]:
     """Problems that make a golden object unusable for ``names``: every metric complete and finite."""
     if not isinstance(obj, dict):
@@ -172,6 +205,10 @@ def read_golden(path: Path, names: tuple[str, ...] | list[str]) -> Metrics:
         obj = read_json(path)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise GoldenError(f"golden {path} cannot be read as JSON: {exc}", fix) from exc
+    if unknown := unknown_names(obj):
+        raise GoldenError(f"golden {path} names {unknown_names_text(unknown)}",
+                          f"rename or remove {'it' if len(unknown) == 1 else 'them'} in {path} (the top-level keys "
+                          f"are metric names and {ENVIRONMENT_KEY!r}), or {fix[0].lower()}{fix[1:]}")
     problems = check_golden(obj, names)
     if problems:
         raise GoldenError(f"golden {path} is not complete and finite: " + "; ".join(problems), fix)
@@ -190,7 +227,8 @@ def uncovered_steps(expected: Metrics, actual: Metrics, names: tuple[str, ...] |
 
 
 def from_golden(obj: dict) -> Metrics:
-    return {name: {int(k): float(v) for k, v in spec["values"].items()} for name, spec in obj.items()}
+    """The metrics of a golden object (checked by :func:`check_golden`); ``ENVIRONMENT_KEY`` is no metric."""
+    return {name: {int(k): float(v) for k, v in obj[name]["values"].items()} for name in metric_names(obj)}
 
 
 def load(path: Path) -> Metrics:
@@ -200,7 +238,7 @@ def load(path: Path) -> Metrics:
         obj = read_json(path)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise GoldenError(f"{path} cannot be read as JSON: {exc}", "re-create it with the functional driver") from exc
-    return read_golden(path, [k for k in obj if k != environment.KEY] if isinstance(obj, dict) else [])
+    return read_golden(path, metric_names(obj) if isinstance(obj, dict) else [])
 
 
 def read_environment(path: Path) -> environment.Environment | None:

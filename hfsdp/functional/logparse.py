@@ -18,10 +18,11 @@ and, after each evaluation (``evaluate_and_print_results``, with ``--eval-iters`
 Metric names follow Megatron's TensorBoard keys so the golden JSON looks like upstream's:
 ``lm loss``, ``num-zeros``, ``iteration-time`` (seconds), ``mem-allocated-bytes``,
 ``mem-max-allocated-bytes``, ``mem-reserved-bytes``, ``mem-max-reserved-bytes``, and
-``<key> validation`` for each validation loss (``lm loss validation``; the test set's line is
-not read). When ``--eval-interval`` divides ``--train-iters``, the last step has two validation
-lines (the loop's and the final one, on new batches); as for every metric, the later one wins.
-Recipes pick such an interval all the same: a golden's steps must be evenly spaced.
+``lm loss validation`` for the validation loss (the test set's line is not read), plus
+``grad-norm`` and ``load_balancing_loss`` where the step line has them: :data:`METRIC_NAMES`.
+When ``--eval-interval`` divides ``--train-iters``, the last step has two validation lines (the
+loop's and the final one, on new batches); as for every metric, the later one wins. Recipes pick
+such an interval all the same: a golden's steps must be evenly spaced.
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ _MEM_FIELDS = {
     "max reserved": "mem-max-reserved-bytes",
 }
 _MB = 1024.0 * 1024.0
+# The step line's fields that are read, and the metric each becomes (iteration-time in seconds).
+STEP_FIELDS = {
+    "lm loss": "lm loss",
+    "num zeros": "num-zeros",
+    "elapsed time per iteration (ms)": "iteration-time",
+    "grad norm": "grad-norm",
+    "load_balancing_loss": "load_balancing_loss",
+}
+VALIDATED = ("lm loss",)  # the validation line's losses that are read, each as "<key> validation"
+# [Note: metric names] Every name :func:`parse_log` gives a metric, and so every name a golden or
+# a metrics.json may hold (golden.py refuses any other): the one list of them.
+_STEP_NAMES = tuple(STEP_FIELDS.values())
+METRIC_NAMES = (_STEP_NAMES[0], *(f"{key} validation" for key in VALIDATED), *_STEP_NAMES[1:], *_MEM_FIELDS.values())
 
 Metrics = dict[str, dict[int, float]]
 
@@ -87,19 +101,16 @@ def parse_log(lines: Iterable[str]) -> Metrics:
                     value = float(raw)
                 except ValueError:
                     continue
-                if key == "elapsed time per iteration (ms)":
-                    put("iteration-time", step, value / 1000.0)
-                elif key == "lm loss":
-                    put("lm loss", step, value)
-                elif key == "num zeros":
-                    put("num-zeros", step, value)
-                elif key in ("grad norm", "load_balancing_loss"):
-                    put(key.replace(" ", "-"), step, value)
+                name = STEP_FIELDS.get(key)
+                if name is not None:
+                    put(name, step, value / 1000.0 if name == "iteration-time" else value)
             continue
         m = _VALID.search(line)
         if m:
             step = int(m.group(1))
             for key, raw in _VALID_FIELD.findall(m.group(2) + "|"):
+                if key.strip() not in VALIDATED:
+                    continue
                 try:
                     put(f"{key.strip()} validation", step, float(raw))
                 except ValueError:

@@ -51,6 +51,8 @@ import yaml
 
 from hfsdp import te_determinism
 from hfsdp.functional import environment
+from hfsdp.functional.golden import unknown_names_text
+from hfsdp.functional.logparse import METRIC_NAMES
 from hfsdp.launch.torchrun import MAX_NPROC
 from hfsdp.usererror import UserError, not_a_regular_file
 
@@ -376,6 +378,8 @@ def load_recipe(case_dir: str | os.PathLike[str]) -> Recipe:
     if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
         raise RecipeError(f"{path}: METRICS must be a list of metric names (e.g. [lm loss, num-zeros]), "
                           f"got {metrics!r}")
+    if unknown := [m for m in metrics if m not in METRIC_NAMES]:
+        raise RecipeError(f"{path}: METRICS names {unknown_names_text(unknown)}", "name only those in METRICS")
     nproc = _int_at_least(raw, "NPROC", 2, 1, f"{path}: ")
     if nproc > MAX_NPROC:
         raise RecipeError(f"{path}: NPROC {nproc} is more ranks on one node than any launch can start "

@@ -56,7 +56,7 @@ from pathlib import Path
 from hfsdp import proc
 from hfsdp.atomic import write_json_atomic
 from hfsdp.diagnostics import stack_dump_after_s
-from hfsdp.functional import environment, golden, logparse, outdir, selection
+from hfsdp.functional import environment, golden, logparse, outdir, provenance, runlock, selection
 from hfsdp.functional.environment import Environment
 from hfsdp.functional.platform import platform_of
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
@@ -110,6 +110,8 @@ class Result:
     golden: str | None = None  # the golden held to or recorded (file name)
     recorded: bool = False
     environment: dict | None = None  # the run's environment block (environment.py)
+    recipe_hash: str | None = None  # what made the numbers, and the metrics.json written ([Note: twin provenance])
+    metrics_digest: str | None = None
 
     def fail(self, why: str) -> None:
         self.status = FAIL
@@ -346,6 +348,7 @@ def choose_golden(recipe: Recipe, run: Environment, platform: str | None, shared
     return selection.select(recipe, run, platforms, ignore_gpu=ignore_gpu, any_kind=shared)
 
 
+@runlock.holding  # the output folders it locks are its own until it returns
 def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = False, record_missing: bool = False,
              compare_to: Path | None = None, output_root: Path | None = None, platform: str | None = None,
              evaluate_log: Path | None = None, env: Mapping[str, str] | None = None,
@@ -380,7 +383,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     out = output_dir_for(recipe, output_root)
     if launch.placement.nnodes > 1:
         out = out / f"node{launch.placement.node_rank}"  # per-node logs; no cross-node file races
-    result = Result(case=f"{recipe.model}/{recipe.name}", world_size=launch.world_size)
+    result = Result(case=f"{recipe.model}/{recipe.name}", world_size=launch.world_size,
+                    recipe_hash=provenance.recipe_hash(recipe, env))
     # The environment is compared before any number, and a case's declared needs before any GPU work.
     measured = run_environment or environment.probe(run_env(recipe.env_vars, env))
     result.environment = measured.to_json()
@@ -406,6 +410,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
             what = "is a folder, not a log file" if Path(evaluate_log).is_dir() else why
             raise UserError(f"--evaluate-log {evaluate_log} {what}",
                             "pass the log the training wrote (the srun-per-GPU sbatch script tees it to run1.log)")
+        runlock.hold(out, result.case)  # one run per output folder (runlock's note)
         outdir.prepare(out, clear=False)  # writes only into a folder the driver made (outdir's note)
         rec1 = RunRecord(str(evaluate_log), 0, False)
     else:
@@ -413,6 +418,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         env1 = run_env(recipe.env_vars, env)
         # Every check comes before the output folder is cleared: a refused run loses nothing.
         outdir.check(out)
+        runlock.hold(out, result.case)
         if shared:
             print(f"run_case: {fit.preflight(launch.placement, argv1, environ=env1)}", flush=True)
         else:
@@ -456,6 +462,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
                 compare_curves("resume vs straight run", metrics, metrics2, close, result,
                                loss_rtol=recipe.resume_compare.rtol)
 
+    result.metrics_digest = provenance.metrics_digest(golden.to_golden(metrics, list(metrics)))
     metrics_path = out / "metrics.json"
     golden.save(metrics_path, metrics, list(metrics), measured)
     result.metrics_path = str(metrics_path)
@@ -466,8 +473,10 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     # Cross-case checks come first: a golden is recorded only from a run that passed them all.
     if other is not None and other_recipe is not None:
         other_metrics_path = output_dir_for(other_recipe, output_root) / "metrics.json"
+        twin_out = other_metrics_path.parent
         twin_size = _recorded_world_size(other_metrics_path.parent / "result.json")
-        if not other_metrics_path.is_file() or twin_size != launch.world_size:
+        stale = provenance.mismatch(other_recipe, env, twin_out)  # another recipe's numbers: [Note: twin provenance]
+        if not other_metrics_path.is_file() or twin_size != launch.world_size or stale:
             sub = run_case(Path(other), launch=launch, output_root=output_root, platform=platform,
                            record=False, env=env, run_environment=measured)
             if sub.status != "PASS" and not other_metrics_path.is_file():
@@ -476,6 +485,10 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         if crashed:
             result.fail(f"compare-to case {other_recipe.model}/{other_recipe.name} is no reference: "
                         f"its run {crashed} (rerun it first)")
+        elif other_metrics_path.is_file() and (stale := provenance.mismatch(other_recipe, env, twin_out)):
+            result.fail(f"compare-to case {other_recipe.model}/{other_recipe.name} is no reference: {stale}; rerun "
+                        f"it first: `python -m hfsdp.functional.run_case {quoted(other_recipe.case_dir)}` (with this "
+                        "run's options)")
         elif other_metrics_path.is_file():
             try:
                 other_metrics = golden.load(other_metrics_path)

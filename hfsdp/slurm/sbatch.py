@@ -239,10 +239,10 @@ def render_sbatch(spec: JobSpec) -> str:
     return "\n".join(header) + "\n\n" + "\n".join(body) + "\n"
 
 
-def write_sbatch(spec: JobSpec) -> Path:
-    """Write the script to ``<log_dir>/<job_name>.sbatch`` (atomically) and return its path."""
+def write_sbatch(spec: JobSpec, path: Path | None = None) -> Path:
+    """Write the script to ``path`` (default ``<log_dir>/<job_name>.sbatch``), atomically, and return its path."""
     text = render_sbatch(spec)
     spec.log_dir.mkdir(parents=True, exist_ok=True)
-    path = spec.log_dir / f"{spec.job_name}.sbatch"
+    path = path or spec.log_dir / f"{spec.job_name}.sbatch"
     write_text_atomic(path, text)
     return path

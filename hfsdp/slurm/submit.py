@@ -6,7 +6,9 @@
 
 Every case and every limit is checked before anything is written: a bad one refuses the whole
 submission with a sentence (exit 2). Then, per case, ``DIR/<job>.sbatch`` is written and
-submitted, and ``{job_id, case, script, stdout}`` is added to ``DIR/jobs.json`` (rewritten in one
+submitted (``<job>-2.sbatch`` and so on where an earlier job's entry points at that name: a script is
+never overwritten; two case folders of one ``<model>/<case>`` are refused), and
+``{job_id, case, script, stdout}`` is added to ``DIR/jobs.json`` (rewritten in one
 step after each submission, so it always lists exactly the jobs that exist), which
 ``python -m hfsdp.slurm.summary --log-dir DIR`` reads. Jobs get the submitting environment
 (sbatch's default) plus ``--env``, which also wins over the case's ENV_VARS (it reaches the
@@ -81,11 +83,42 @@ def check_log_dir(log_dir: Path) -> None:
                           rule="it writes only into log folders it made")
 
 
+def check_job_names(specs: list[JobSpec], manifest: list[dict]) -> None:
+    """[Note: one case per job name] A job's script is ``<log-dir>/hfsdp-<model>-<case>.sbatch``, named by
+    the case folder's last two parts. Two case folders of one name (``a/gpt/x`` and ``b/gpt/x``) in one
+    ``--log-dir``, both in this submission or one of them in an earlier one (jobs.json), would share
+    that script, and the later would overwrite what the earlier job's entry points at: refused before
+    anything is written, naming both folders. One case submitted again gets a script of its own
+    (:func:`script_path`)."""
+    seen: dict[str, Path] = {}
+    for case in [Path(e["case"]) for e in manifest] + [s.case_dir for s in specs]:
+        job = JobSpec(case_dir=case, repo_root=REPO_ROOT, log_dir=Path()).job_name
+        first = seen.setdefault(job, case)
+        if first != case:
+            earlier = " (submitted into this --log-dir before: jobs.json)" if first in {
+                Path(e["case"]) for e in manifest} else ""
+            raise UserError(f"{first}{earlier} and {case} are both job {job} (named by a case folder's last two "
+                            f"parts), so their scripts would both be {job}.sbatch in the --log-dir and the later would "
+                            "overwrite the earlier's", "submit them with different --log-dir folders (or rename one "
+                            "case folder)")
+
+
+def script_path(spec: JobSpec, manifest: list[dict]) -> Path:
+    """``<log-dir>/<job>.sbatch``, or ``<job>-2.sbatch``, ``-3``, ... where an earlier job (an entry of
+    jobs.json with a job id) points at it: a script sbatch ran is never overwritten."""
+    taken = {Path(e["script"]) for e in manifest if e.get("job_id")}
+    path, n = spec.log_dir / f"{spec.job_name}.sbatch", 1
+    while path in taken:
+        n += 1
+        path = spec.log_dir / f"{spec.job_name}-{n}.sbatch"
+    return path
+
+
 def submit(spec: JobSpec, dry_run: bool = False) -> dict:
     """Write and (unless ``dry_run``) sbatch one job; returns its manifest entry."""
     manifest = load_manifest(spec.log_dir)
     try:
-        script = write_sbatch(spec)
+        script = write_sbatch(spec, script_path(spec, manifest))
     except OSError as exc:
         raise UserError(f"--log-dir {spec.log_dir} cannot take the job script: {exc.strerror or exc}",
                         "pass a folder you can write to for --log-dir") from exc
@@ -156,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             spec.validate()
             specs.append(spec)
-        load_manifest(log_dir)  # a corrupt manifest refuses before any job is submitted
+        check_job_names(specs, load_manifest(log_dir))  # a corrupt manifest refuses too, before any job is submitted
         try:
             outdir.mark(log_dir, LOG_DIR_MARKER)
         except OSError as exc:

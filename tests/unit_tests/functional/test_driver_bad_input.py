@@ -259,6 +259,67 @@ def test_iteration_time_fails_only_when_much_slower_and_notes_drift(tmp_path, ca
         assert len(notes) == 1 and note in notes[0], notes
 
 
+@pytest.mark.parametrize(("name", "said"), [
+    ("lm_loss", "'lm_loss' (did you mean 'lm loss'?), which is no metric name the driver measures"),
+    ("lm loss ", "'lm loss ' (did you mean 'lm loss'?)"),
+    ("LM loss", "'LM loss'"),
+    ("", "'', which is no metric name"),
+    ("Environment", "'Environment'"),  # the reserved key is spelt one way
+])
+def test_a_golden_metric_name_the_driver_does_not_measure_fails_naming_it(tmp_path, name, said):
+    """A misspelt metric in a golden was never compared, and the case passed without a word."""
+    g = good_golden()
+    g[name] = g["num-zeros"]
+    result = judge_in_this_environment(tmp_path, g)
+    assert result.status == "FAIL"
+    (reason,) = [r for r in result.reasons if "golden_values_torch_dgx_h200.json" in r]
+    assert said in reason and "(those are: lm loss, lm loss validation, num-zeros, iteration-time, " in reason, reason
+    assert "mem-allocated-bytes" in reason and "rename or remove it" in reason, reason
+
+
+def judge_in_this_environment(tmp_path: Path, golden_obj: dict):
+    """The case judged against ``golden_obj`` recorded in the environment the tests' driver probes."""
+    from conftest import fake_environment  # the environment an in-process driver probes here
+
+    case = make_case(tmp_path / "cases")
+    path = case / f"golden_values_{fake_environment().label()}_dgx_h200.json"
+    path.write_text(json.dumps({golden.ENVIRONMENT_KEY: fake_environment().to_json(), **golden_obj}))
+    log = tmp_path / "run1.log"
+    log.write_text(log_text(4))
+    return run_case(case, output_root=tmp_path / "out", evaluate_log=log)
+
+
+def test_the_environment_key_of_a_golden_is_no_metric(tmp_path):
+    result = judge_in_this_environment(tmp_path, good_golden())
+    assert result.status == "PASS", result.reasons
+    path = tmp_path / "cases" / "gpt" / "case" / "golden_values_torch_dgx_h200.json"
+    g = golden.read_json(path)
+    assert golden.ENVIRONMENT_KEY in g
+    assert sorted(golden.load(path)) == ["lm loss", "num-zeros"]
+    assert sorted(golden.read_golden(path, ["lm loss"])) == ["lm loss"]
+    assert sorted(golden.from_golden(g)) == ["lm loss", "num-zeros"]
+    assert golden.unknown_names(g) == [] and golden.check_golden(g, ["lm loss", "num-zeros"]) == []
+
+
+def test_a_metrics_file_read_as_reference_with_an_unknown_name_is_refused(tmp_path):
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps({**good_golden(), "lm-loss": good_golden()["lm loss"]}))
+    with pytest.raises(golden.GoldenError, match=r"names 'lm-loss' \(did you mean 'lm loss'\?\)"):
+        golden.load(path)
+
+
+def test_every_metric_name_is_one_the_log_parser_gives():
+    """One list (logparse.METRIC_NAMES): what a log line yields, and nothing else."""
+    from hfsdp.functional import logparse
+
+    lines = [" iteration        1/       1 | elapsed time per iteration (ms): 50.0 | lm loss: 9.0E+00 | "
+             "load_balancing_loss: 1.0E+00 | grad norm: 2.0 | num zeros: 0 | other: 3 |",
+             "[Rank 0] (after 1 iterations) memory (MB) | allocated: 1.0 | max allocated: 2.0 | reserved: 3.0 | "
+             "max reserved: 4.0",
+             " validation loss at iteration 1 | lm loss value: 8.0E+00 | mtp loss value: 7.0E+00 | lm loss PPL: 1 |"]
+    assert sorted(logparse.parse_log(lines)) == sorted(logparse.METRIC_NAMES)
+
+
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"lm loss": 3}'])
 def test_unreadable_golden_fails_naming_the_file(tmp_path, text):
     result = judge_against(tmp_path, text)
@@ -289,6 +350,8 @@ def test_record_refuses_a_run_without_every_metric(tmp_path):
     ("MODEL_ARGS: {--a: {b: 1}}\n", "MODEL_ARGS --a: a value must be"),
     ("ENV_VARS: [A]\nMODEL_ARGS: {--a: 1}\n", "ENV_VARS must be a mapping"),
     ("METRICS: lm loss\nMODEL_ARGS: {--a: 1}\n", "METRICS must be a list"),
+    ("METRICS: [lm loss, num_zeros]\nMODEL_ARGS: {--a: 1}\n",
+     "METRICS names 'num_zeros' (did you mean 'num-zeros'?), which is no metric name the driver measures"),
     ("NPROC: two\nMODEL_ARGS: {--a: 1}\n", "NPROC must be an integer >= 1"),
     ("NPROC: 0\nMODEL_ARGS: {--a: 1}\n", "NPROC must be an integer >= 1"),
     ("CHECKS: [a]\nMODEL_ARGS: {--a: 1}\n", "CHECKS must be a mapping"),

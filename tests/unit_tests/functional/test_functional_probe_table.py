@@ -34,6 +34,7 @@ RECIPES = {
                  "MODEL_ARGS: {--train-iters: 2}\n",
     "env_list": "ENV_VARS: [A]\nMODEL_ARGS: {--train-iters: 2}\n",
     "yaml_tag": "MODEL_ARGS: !!python/object:os.system {}\n",
+    "metrics_typo": "METRICS: [lm_loss]\nMODEL_ARGS: {--train-iters: 2}\n",
 }
 
 # (id, argv, exit status, fragment of the output, runs only without CUDA)
@@ -99,6 +100,10 @@ ROWS = [
     ("--env without =", [*RUN_CASE, SMOKE, "--env", "FOO"], 2, "is not KEY=VALUE", False),
     ("GPU case without a GPU", [*RUN_CASE, GPU_CASE, "--output-dir", "{tmp}/out"], 2,
      "which needs CUDA GPUs, and its ranks would see none here", True),
+    ("METRICS a misspelt name", [*RUN_CASE, "{tmp}/metrics_typo"], 2,
+     "METRICS names 'lm_loss' (did you mean 'lm loss'?), which is no metric name", False),
+    ("output folder's lock a named pipe", [*RUN_CASE, SMOKE, "--output-dir", "{tmp}/lockpipe"], 2,
+     ".cpu_gloo_smoke.lock is a named pipe, not a regular file; the driver locks a file of its own", False),
     ("batch: no cases", [*BATCH], 2, "the following arguments are required: cases", False),
     ("batch: missing case", [*BATCH, "{tmp}/nowhere"], 2, "is not a test case", False),
     ("batch: bad recipe among good", [*BATCH, SMOKE, "{tmp}/bad_yaml"], 2, "is not valid YAML", False),
@@ -138,6 +143,8 @@ def tmp(tmp_path_factory) -> Path:
     (root / "device_case" / "model_config.yaml").symlink_to("/dev/zero")
     (root / "ca sé" / "bad_yaml").mkdir(parents=True)
     (root / "ca sé" / "bad_yaml" / "model_config.yaml").write_text(RECIPES["bad_yaml"])
+    (root / "lockpipe" / "smoke").mkdir(parents=True)
+    os.mkfifo(root / "lockpipe" / "smoke" / ".cpu_gloo_smoke.lock")
     return root
 
 

@@ -3,8 +3,9 @@ sentence that says why. No row may print a traceback, and a refused submission w
 
 ``{file}`` is an existing regular file, ``{dry}`` a log folder written by ``submit --dry-run``,
 ``{empty}`` one whose jobs.json lists no jobs, ``{tmp}`` a fresh folder, ``{mine}`` a folder of the
-user's (a file in it), ``{void}`` an empty one; ``{case}`` is the CPU smoke case. The folders that stand
-for a log folder of an earlier submission carry its marker. Rows marked ``gres`` run with a stand-in
+user's (a file in it), ``{void}`` an empty one; ``{case}`` is the CPU smoke case, ``{case2}`` a copy of it
+in another folder (the same ``<model>/<case>``). The folders that stand for a log folder of an earlier
+submission carry its marker. Rows marked ``gres`` run with a stand-in
 ``sbatch`` that answers as a cluster without GPUs does.
 """
 
@@ -63,6 +64,9 @@ ROWS = [
     (SUBMIT, "{case} --dry-run --log-dir {tmp}", 2, "holds a-file, dry, empty, mine, void, not made by"),
     (SUBMIT, "{case} --dry-run --log-dir {void}", 0, ""),
     (SUBMIT, "{case} --dry-run --log-dir {dry}", 0, ""),
+    # Two case folders of one <model>/<case>: their scripts would share a name (the later overwrote the earlier).
+    (SUBMIT, "{case} {case2} --dry-run --log-dir {tmp}/logs", 2, "are both job hfsdp-smoke-cpu_gloo_smoke"),
+    (SUBMIT, "{case2} --dry-run --log-dir {dry}", 2, "(submitted into this --log-dir before: jobs.json) and"),
 ]
 
 # What sbatch says on a cluster without GPUs when a job asks for some.
@@ -94,6 +98,11 @@ def test_bad_input_is_one_sentence(tmp_path: Path, module: str, args: str, statu
     void.mkdir()
     places = {"case": str(CASE), "file": str(afile), "dry": str(dry), "empty": str(empty), "tmp": str(tmp_path),
               "mine": str(mine), "void": str(void)}
+    if "{case2}" in args:
+        case2 = tmp_path / "copy" / CASE.parent.name / CASE.name
+        case2.mkdir(parents=True)
+        (case2 / "model_config.yaml").write_text((CASE / "model_config.yaml").read_text())
+        places["case2"] = str(case2)
     manifest = (dry / "jobs.json").read_text()
     ids = {"negative_id": "-3", "true_id": "true", "key_twice": "7, \"job_id\": 7", "nan_id": "NaN"}
     makers = {name: (lambda p, v=v: p.write_text(manifest.replace('"job_id": null', f'"job_id": {v}')))

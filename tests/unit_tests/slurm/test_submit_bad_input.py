@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -116,3 +117,69 @@ def test_a_corrupt_manifest_is_named(tmp_path, text):
 def test_summary_of_a_folder_without_jobs(tmp_path):
     proc = cli("hfsdp.slurm.summary", "--log-dir", str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and "no jobs.json" in proc.stderr
+
+
+def copy_case(root: Path) -> Path:
+    """The CPU smoke case in another folder: the same <model>/<case>."""
+    other = root / "smoke" / CASE.name
+    other.mkdir(parents=True)
+    (other / "model_config.yaml").write_text((CASE / "model_config.yaml").read_text())
+    return other
+
+
+def test_two_case_folders_of_one_name_are_refused_before_anything_is_written(tmp_path):
+    """Their scripts share a name: the second once overwrote the one the first job's entry points at."""
+    other = copy_case(tmp_path / "elsewhere")
+    logs = tmp_path / "logs"
+    proc = cli("hfsdp.slurm.submit", str(CASE), str(other), "--log-dir", str(logs), "--dry-run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{CASE} and {other} are both job hfsdp-smoke-cpu_gloo_smoke" in proc.stderr, proc.stderr
+    assert "different --log-dir folders" in proc.stderr
+    assert not logs.exists() or not any(logs.iterdir())
+
+
+def test_a_case_folder_of_a_name_an_earlier_submission_used_is_refused(tmp_path):
+    logs = tmp_path / "logs"
+    assert cli("hfsdp.slurm.submit", str(CASE), "--log-dir", str(logs), "--dry-run").returncode == 0
+    before = {p.name: p.read_bytes() for p in logs.iterdir()}
+    other = copy_case(tmp_path / "elsewhere")
+    proc = cli("hfsdp.slurm.submit", str(other), "--log-dir", str(logs), "--dry-run", "--time", "9")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{CASE} (submitted into this --log-dir before: jobs.json) and {other} are both job" in proc.stderr
+    assert {p.name: p.read_bytes() for p in logs.iterdir()} == before
+
+
+# Answers as sbatch --parsable does, with job ids 101, 102, ...
+FAKE_SBATCH = """#!/bin/sh
+n=$(cat "$0.count" 2>/dev/null || echo 100)
+n=$((n + 1))
+echo "$n" > "$0.count"
+echo "$n;cluster"
+"""
+
+
+def test_a_case_submitted_again_never_overwrites_the_script_an_earlier_job_ran(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
+    (bin_dir / "sbatch").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "HFSDP_DEBUG"}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    logs = tmp_path / "logs"
+
+    def submit(*args: str) -> None:
+        proc = subprocess.run([sys.executable, "-m", "hfsdp.slurm.submit", *args, "--log-dir", str(logs), "--cpu"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+
+    submit(str(CASE), "--time", "10")
+    first = (logs / "hfsdp-smoke-cpu_gloo_smoke.sbatch").read_text()
+    submit(str(CASE), "--time", "20")  # again, with another limit
+    submit(str(CASE), str(CASE))  # twice in one submission
+    jobs = json.loads((logs / "jobs.json").read_text())
+    scripts = [Path(j["script"]).name for j in jobs]
+    assert [j["job_id"] for j in jobs] == [101, 102, 103, 104]
+    assert scripts == ["hfsdp-smoke-cpu_gloo_smoke.sbatch", *(f"hfsdp-smoke-cpu_gloo_smoke-{n}.sbatch"
+                                                              for n in (2, 3, 4))]
+    assert (logs / scripts[0]).read_text() == first and "#SBATCH --time=10" in first
+    assert "#SBATCH --time=20" in (logs / scripts[1]).read_text()
