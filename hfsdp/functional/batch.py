@@ -52,7 +52,6 @@ from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
 from hfsdp.usererror import Interrupted, UserError, output_file, positive, run_cli
 
-ENVIRONMENT = "dev"
 STOP_GRACE_S = 60.0  # an interrupted case's time to end its run (run_case: stacks, SIGTERM, SIGKILL)
 
 

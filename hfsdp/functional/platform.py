@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hfsdp.patchset.project import Project
 from hfsdp.patchset.stamp import read_stamp
-
-if TYPE_CHECKING:
-    from hfsdp.functional.environment import Environment
 
 GPU_KINDS = ("H100", "H200", "B200", "A100")
 
@@ -39,11 +35,6 @@ def base_suffix(root: Path) -> str:
     """``_mcore<version>`` when ``root``'s ``megatron/`` was built from a base other than the default, else ''."""
     version = base_version(root)
     return "" if version == Project(root).pin().version else f"_mcore{version}"
-
-
-def platform_of(env: Environment) -> str:
-    """The platform of a probed environment: its GPU kind, and ``_mcore<version>`` for a base other than the default."""
-    return env.gpu + ("" if env.base == Project.default().pin().version else f"_mcore{env.base}")
 
 
 def platform(kind: str | None = None, root: Path | None = None) -> str:

@@ -58,7 +58,6 @@ from hfsdp.atomic import write_json_atomic
 from hfsdp.diagnostics import stack_dump_after_s
 from hfsdp.functional import environment, golden, logparse, outdir, provenance, runlock, selection
 from hfsdp.functional.environment import Environment
-from hfsdp.functional.platform import platform_of
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
@@ -341,7 +340,7 @@ GOLDEN_MARK = "run_case: golden"  # the line naming the golden a run was held to
 def choose_golden(recipe: Recipe, run: Environment, platform: str | None, shared: bool) -> selection.Selection:
     """The golden for ``run`` ([Note: choosing a golden] in selection.py). ``platform`` given: that
     platform's golden, its GPU kind not compared with this machine's."""
-    base = platform or platform_of(run)
+    base = platform or selection.platform_of(run)
     base = base.removesuffix(golden.SHARED_SUFFIX)
     platforms = [base + golden.SHARED_SUFFIX, base] if shared else [base]
     ignore_gpu = platform is not None and selection.kind_of(base) != run.gpu
@@ -394,7 +393,7 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     chosen = choose_golden(recipe, measured, platform, shared)
     if record_missing and not chosen.matched and os.path.lexists(chosen.path):
         raise UserError(f"--record-missing would write {chosen.path}, which holds a golden of another environment "
-                        f"({'; '.join(chosen.differences) or 'unreadable'})",
+                        f"({'; '.join(chosen.differences) or chosen.problem})",
                         "pass --record to replace it, or record this environment's golden on another platform name")
     record = record or (record_missing and not chosen.matched)
     golden_path = chosen.path
@@ -531,6 +530,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
                 print(f"note: golden {golden_path.name}: {drift}")
             for uncovered in golden.uncovered_steps(expected, metrics, names):
                 result.fail(f"golden {golden_path.name}: {uncovered}; re-record it with --record")
+    elif chosen.problem is not None:
+        result.fail(chosen.problem)
     elif recipe.require_golden and at_recipe_size:
         if result.status == PASS:
             result.status = NO_GOLDEN

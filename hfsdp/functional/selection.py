@@ -27,6 +27,7 @@ from pathlib import Path
 from hfsdp.functional import environment, golden
 from hfsdp.functional.environment import Environment
 from hfsdp.functional.recipe import Recipe
+from hfsdp.usererror import not_a_regular_file
 
 PREFIX = "golden_values_"
 
@@ -39,6 +40,7 @@ class Candidate:
     label: str
     platform: str
     env: Environment | None
+    problem: str | None = None  # why the file is no usable golden (unreadable, no environment block)
 
 
 def parse_name(name: str) -> tuple[str, str] | None:
@@ -50,12 +52,31 @@ def parse_name(name: str) -> tuple[str, str] | None:
 
 
 def candidates(recipe: Recipe) -> list[Candidate]:
-    """Every golden of ``recipe``'s case, sorted by name; a malformed environment block raises GoldenError."""
+    """Every golden of ``recipe``'s case, sorted by name; one that cannot be used says why (``problem``)."""
     out = []
     for path in sorted(recipe.case_dir.glob(f"{PREFIX}*.json")):
-        if (parsed := parse_name(path.name)) is not None:
-            out.append(Candidate(path, parsed[0], parsed[1], golden.read_environment(path)))
+        if (parsed := parse_name(path.name)) is None:
+            continue
+        # A named pipe or device would block the read: run_case refuses it where it would be held to it.
+        if (odd := not_a_regular_file(path)) is not None:
+            out.append(Candidate(path, *parsed, None, f"golden {path} {odd}"))
+            continue
+        try:
+            env = golden.read_environment(path)
+        except golden.GoldenError as exc:
+            out.append(Candidate(path, *parsed, None, f"{exc.cause} -> {exc.fix}"))
+            continue
+        problem = None if env is not None else (
+            f"golden {path} records no environment -> re-record it with --record in the environment it is for")
+        out.append(Candidate(path, *parsed, env, problem))
     return out
+
+
+def platform_of(env: Environment) -> str:
+    """The platform of a probed environment: its GPU kind, and ``_mcore<version>`` for a base other than the default."""
+    from hfsdp.patchset.project import Project
+
+    return env.gpu + ("" if env.base == Project.default().pin().version else f"_mcore{env.base}")
 
 
 def kind_of(platform: str) -> str:
@@ -77,6 +98,7 @@ class Selection:
     matched: bool
     nearest: Candidate | None = None
     differences: tuple[str, ...] = ()
+    problem: str | None = None  # the file at ``path`` is no usable golden: the case FAILs naming it
 
     def verdict_line(self) -> str:
         """The one-line reason of a "no golden for this environment" verdict."""
@@ -90,7 +112,7 @@ class Selection:
 
 def _differences(run: Environment, cand: Candidate, platform: str, ignore_gpu: bool) -> list[str]:
     if cand.env is None:
-        return ["the golden records no environment"]
+        return ["it is no usable golden"]
     found = environment.differences(run, replace(cand.env, gpu=run.gpu) if ignore_gpu else cand.env)
     if not same_tail(cand.platform, platform):
         found.insert(0, f"platform {platform} here, {cand.platform} there")
@@ -115,8 +137,10 @@ def select(recipe: Recipe, run: Environment, platforms: list[str], label: str | 
                     and not _differences(run, cand, cand.platform, True):
                 return Selection(cand.path, True)
     target = recipe.golden_path(label, platforms[0])
-    scored = [(len(diffs), cand.path.name, cand, diffs)
-              for cand in found for diffs in [_differences(run, cand, platforms[0], ignore_gpu)]]
+    if broken := next((c.problem for c in found if c.path == target and c.problem), None):
+        return Selection(target, False, problem=broken)
+    scored = [(len(diffs), cand.path.name, cand, diffs) for cand in found if cand.env is not None
+              for diffs in [_differences(run, cand, platforms[0], ignore_gpu)]]
     if not scored:
         return Selection(target, False)
     _, _, nearest, diffs = min(scored, key=lambda item: (item[0], item[1]))

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from hfsdp.functional import golden
+from hfsdp.functional import environment, golden
 from hfsdp.functional.recipe import RecipeError, load_recipe
 from hfsdp.functional.run_case import Launch, run_case
 from hfsdp.launch.torchrun import Placement
 from hfsdp.usererror import UserError
+from tests.unit_tests.conftest import fake_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -59,7 +60,7 @@ def test_output_dir_that_holds_the_cases_is_refused_and_the_case_survives(tmp_pa
     trainer.write_text(TRAINER)
     cases = tmp_path / "test_cases"
     case = make_case(cases, trainer=trainer)
-    (case / "golden_values_dev_dgx_h200.json").write_text(json.dumps(golden.to_golden(
+    (case / "golden_values_torch_dgx_h200.json").write_text(json.dumps(golden.to_golden(
         {"lm loss": {1: 9.75, 2: 9.5, 3: 9.25, 4: 9.0}, "num-zeros": {i: 0.0 for i in range(1, 5)}},
         ["lm loss", "num-zeros"])))
     before = digest(cases)
@@ -154,7 +155,7 @@ def test_a_recipe_that_is_not_a_regular_file_is_named_for_what_it_is(tmp_path):
 @pytest.mark.parametrize("record", [False, True])
 def test_a_golden_that_is_not_a_regular_file_is_neither_read_nor_replaced(tmp_path, record):
     case = make_case(tmp_path / "cases")
-    pipe = case / "golden_values_dev_dgx_h200.json"
+    pipe = case / "golden_values_torch_dgx_h200.json"
     os.mkfifo(pipe)
     log = tmp_path / "run1.log"
     log.write_text(log_text(4))
@@ -167,7 +168,7 @@ def test_a_golden_that_is_not_a_regular_file_is_neither_read_nor_replaced(tmp_pa
 
 def judge_against(tmp_path: Path, golden_obj: object, steps: int = 4):
     case = make_case(tmp_path / "cases", steps=steps)
-    (case / "golden_values_dev_dgx_h200.json").write_text(
+    (case / "golden_values_torch_dgx_h200.json").write_text(
         golden_obj if isinstance(golden_obj, str) else json.dumps(golden_obj))
     log = tmp_path / "run1.log"
     log.write_text(log_text(steps))
@@ -175,8 +176,10 @@ def judge_against(tmp_path: Path, golden_obj: object, steps: int = 4):
 
 
 def good_golden(steps: int = 4) -> dict:
-    return golden.to_golden({"lm loss": {i: float(f"{10.0 - 0.25 * i:.6E}") for i in range(1, steps + 1)},
-                             "num-zeros": {i: 0.0 for i in range(1, steps + 1)}}, ["lm loss", "num-zeros"])
+    """A golden of the environment the driver probes in these tests (conftest's fake one)."""
+    return {**golden.to_golden({"lm loss": {i: float(f"{10.0 - 0.25 * i:.6E}") for i in range(1, steps + 1)},
+                                "num-zeros": {i: 0.0 for i in range(1, steps + 1)}}, ["lm loss", "num-zeros"]),
+            environment.KEY: fake_environment().to_json()}
 
 
 def test_a_complete_golden_passes(tmp_path):
@@ -188,7 +191,7 @@ def test_a_negative_step_time_in_a_golden_is_named(tmp_path):
     case = make_case(tmp_path / "cases", extra="  - iteration-time\n")
     g = good_golden()
     g.update(golden.to_golden({"iteration-time": {1: 0.05, 2: -0.05, 3: 0.05, 4: 0.05}}, ["iteration-time"]))
-    (case / "golden_values_dev_dgx_h200.json").write_text(json.dumps(g))
+    (case / "golden_values_torch_dgx_h200.json").write_text(json.dumps(g))
     log = tmp_path / "run1.log"
     log.write_text(log_text(4))
     result = run_case(case, output_root=tmp_path / "out", evaluate_log=log)
@@ -222,7 +225,7 @@ def test_malformed_golden_fails_and_names_what_is_missing(tmp_path, mutate, expe
     mutate(g)
     result = judge_against(tmp_path, g)
     assert result.status == "FAIL"
-    assert any(expected in r and "golden_values_dev_dgx_h200.json" in r for r in result.reasons), result.reasons
+    assert any(expected in r and "golden_values_torch_dgx_h200.json" in r for r in result.reasons), result.reasons
 
 
 def test_golden_with_fewer_steps_than_the_run_fails(tmp_path):
@@ -244,7 +247,7 @@ def test_iteration_time_fails_only_when_much_slower_and_notes_drift(tmp_path, ca
     case = make_case(tmp_path / "cases", steps=6, extra="  - iteration-time\n")
     g = good_golden(steps=6)
     g.update(golden.to_golden({"iteration-time": {i: golden_step_s for i in range(1, 7)}}, ["iteration-time"]))
-    (case / "golden_values_dev_dgx_h200.json").write_text(json.dumps(g))
+    (case / "golden_values_torch_dgx_h200.json").write_text(json.dumps(g))
     log = tmp_path / "run1.log"
     log.write_text(log_text(6))
     result = run_case(case, output_root=tmp_path / "out", evaluate_log=log)
@@ -324,7 +327,7 @@ def test_every_metric_name_is_one_the_log_parser_gives():
 def test_unreadable_golden_fails_naming_the_file(tmp_path, text):
     result = judge_against(tmp_path, text)
     assert result.status == "FAIL"
-    assert any("golden_values_dev_dgx_h200.json" in r for r in result.reasons), result.reasons
+    assert any("golden_values_torch_dgx_h200.json" in r for r in result.reasons), result.reasons
 
 
 def test_record_refuses_a_run_without_every_metric(tmp_path):
@@ -410,7 +413,7 @@ def test_the_golden_advice_re_records_and_then_passes(tmp_path, monkeypatch, cap
     case = make_case(tmp_path / "cases", trainer=trainer)
     g = good_golden()
     g["lm loss"]["values"] = {}
-    (case / "golden_values_dev_dgx_h200.json").write_text(json.dumps(g))
+    (case / "golden_values_torch_dgx_h200.json").write_text(json.dumps(g))
     assert driver.main([str(case)]) == 1
     out = capsys.readouterr().out
     (advice,) = [c for c in re.findall(r"`([^`]+)`", out) if "--record" in c]

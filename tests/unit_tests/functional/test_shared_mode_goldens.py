@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from hfsdp.functional import batch, golden, run_case
+from hfsdp.functional import batch, golden, run_case, selection
 from hfsdp.functional.recipe import load_recipe
 from hfsdp.functional.run_case import Launch, RunRecord
 from hfsdp.launch.torchrun import Placement
 from hfsdp.usererror import UserError
+from tests.unit_tests.conftest import fake_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 METRICS = ["lm loss", "num-zeros", "mem-allocated-bytes", "iteration-time"]
@@ -61,7 +62,13 @@ def _golden(case: Path, platform: str, loss_shift: float = 0.0, mem: float = 100
               "num-zeros": dict.fromkeys(range(1, 5), 0.0),
               "mem-allocated-bytes": dict.fromkeys(range(1, 5), mem * 2**20),
               "iteration-time": dict.fromkeys(range(1, 5), secs)}
-    golden.save(load_recipe(case).golden_path("dev", platform), values, METRICS)
+    save(case, platform, values)
+
+
+def save(case: Path, platform: str, values: dict) -> None:
+    """A golden of conftest's fake environment on ``platform``'s GPU kind."""
+    env = fake_environment(gpu=selection.kind_of(platform))
+    golden.save(load_recipe(case).golden_path(env.label(), platform), values, METRICS, env)
 
 
 @pytest.mark.parametrize(("run_shared", "platform", "compared"), [
@@ -89,7 +96,7 @@ def test_a_shared_run_is_held_to_a_real_golden_on_losses_only(tmp_path, monkeypa
     values = {"lm loss": {s: 10.0 - s / 2 for s in range(1, 5)}, "num-zeros": dict.fromkeys(range(1, 5), 0.0),
               "mem-allocated-bytes": dict.fromkeys(range(1, 5), 1000.0 * 2**20),
               "iteration-time": dict.fromkeys(range(1, 5), 0.0005)}
-    golden.save(load_recipe(case2).golden_path("dev", "dgx_h200"), values, METRICS)
+    save(case2, "dgx_h200", values)
     monkeypatch.setattr(run_case.torchrun, "command",
                         lambda placement, target, python=sys.executable: [python, *target])
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -97,16 +104,13 @@ def test_a_shared_run_is_held_to_a_real_golden_on_losses_only(tmp_path, monkeypa
     assert result.status == "PASS", result.reasons
     assert "mem-allocated-bytes, iteration-time not compared" in capsys.readouterr().out
     values["lm loss"][3] += 1e-6
-    golden.save(load_recipe(case2).golden_path("dev", "dgx_h200"), values, METRICS)
+    save(case2, "dgx_h200", values)
     result = run_case.run_case(case2, launch=shared, output_root=tmp_path / "o2", platform="dgx_h200")
     assert result.status == "FAIL" and any("lm loss @ step 3" in r for r in result.reasons), result.reasons
 
 
 def test_recording_refuses_what_a_golden_cannot_hold(tmp_path):
     case = _case(tmp_path / "cases", "c", nproc=2)
-    with pytest.raises(UserError, match="platform name ending in '_shared'"):
-        run_case.run_case(case, launch=Launch(Placement(nproc=2, ranks_per_gpu=2)), record=True, platform="dgx_h100",
-                          output_root=tmp_path / "o")
     with pytest.raises(UserError, match="records goldens of NPROC=2 ranks, and this launch has 4"):
         run_case.run_case(case, launch=Launch(Placement(nproc=4, ranks_per_gpu=4)), record=True,
                           platform="dgx_h100_shared", output_root=tmp_path / "o")
@@ -159,19 +163,23 @@ def test_master_port_from_the_environment_is_checked():
 # ------------------------------------------------------------------------ batch runner
 
 
-def test_golden_for_prefers_the_modes_own_then_real_goldens(tmp_path):
+def test_a_shared_run_prefers_the_modes_own_golden_then_real_ones(tmp_path):
+    """[Note: choosing a golden]: the mode's golden of this kind, a real one of this kind, a real one of another."""
     case = _case(tmp_path / "cases", "c", nproc=2)
     recipe = load_recipe(case)
-    assert batch.golden_for(recipe, "dgx_h100", True, None) == ("dgx_h100_shared", False)
-    assert batch.golden_for(recipe, "dgx_h100", True, "missing") == ("dgx_h100_shared", True)
-    assert batch.golden_for(recipe, "dgx_h100", False, "missing") == ("dgx_h100", True)
+    env = fake_environment(gpu="dgx_h100")
+
+    def held_to() -> str:
+        chosen = run_case.choose_golden(recipe, env, None, shared=True)
+        return chosen.path.name if chosen.matched else f"none: record {chosen.path.name}"
+
+    assert held_to() == "none: record golden_values_torch_dgx_h100_shared.json"
     _golden(case, "dgx_h200")
-    assert batch.golden_for(recipe, "dgx_h100", True, "missing") == ("dgx_h200", False)  # another kind's real one
+    assert held_to() == "golden_values_torch_dgx_h200.json"  # another kind's real one
     _golden(case, "dgx_h100")
-    assert batch.golden_for(recipe, "dgx_h100", True, "missing") == ("dgx_h100", False)
+    assert held_to() == "golden_values_torch_dgx_h100.json"
     _golden(case, "dgx_h100_shared")
-    assert batch.golden_for(recipe, "dgx_h100", True, None) == ("dgx_h100_shared", False)
-    assert batch.golden_for(recipe, "dgx_h100", True, "all") == ("dgx_h100_shared", True)
+    assert held_to() == "golden_values_torch_dgx_h100_shared.json"
 
 
 def test_twins_run_first_and_are_added_when_missing(tmp_path):
@@ -238,7 +246,7 @@ def test_batch_runs_cases_and_summarizes(tmp_path):
     lines = summary.read_text().splitlines()
     assert rc == 0, lines
     assert lines[-1] == "2 of 2 cases passed" and "(recorded)" in lines[0] and "[hybrid/twin]" in lines[0]
-    assert (cases / "hybrid" / "other" / "golden_values_dev_dgx_test.json").is_file()
+    assert len(list((cases / "hybrid" / "other").glob("golden_values_*_dgx_test.json"))) == 1
 
 
 def test_gpu_slots_hand_out_disjoint_gpus_and_wait_for_free_ones():

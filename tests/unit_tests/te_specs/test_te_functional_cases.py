@@ -114,9 +114,18 @@ def fake_log(case: Recipe, steps: int = 20) -> str:
 # (tests/unit_tests/slurm/test_functional_driver.py).
 @pytest.mark.parametrize("case", [c for c, twin in TE_CASES.items()
                                   if twin and load_recipe(CASES / c).test_type == "regular"])
-def test_driver_passes_no_te_case_without_goldens(tmp_path: Path, case: str) -> None:
-    """Copies of a case and its twin, judged on a log that meets every other condition: FAIL for
-    want of a golden; PASS and a golden only with --record."""
+def test_driver_passes_no_te_case_without_goldens(tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies of a case and its twin, judged on a log that meets every other condition, where TE and
+    causal-conv1d import: no golden for this environment; PASS and a golden only with --record.
+    Without TE the case is refused before anything runs."""
+    from hfsdp.functional import environment
+    from tests.unit_tests.conftest import fake_environment
+
+    assert run_case(CASES / case, output_root=tmp_path / "refused", evaluate_log=tmp_path / "none.log").status == \
+        "REFUSED"
+    with_te = fake_environment(packages=(("apex", None), ("causal_conv1d", "1.7.0"), ("mamba_ssm", "2.3.2.post1"),
+                                         ("transformer_engine", "2.20.2")))
+    monkeypatch.setattr(environment, "probe", lambda environ=None: with_te)
     cases, out = tmp_path / "cases", tmp_path / "out"
     copies = {}
     for name in (TE_CASES[case], case):
@@ -127,15 +136,16 @@ def test_driver_passes_no_te_case_without_goldens(tmp_path: Path, case: str) -> 
         log.write_text(fake_log(load_recipe(dst)))
         copies[name] = (dst, log)
     twin_dir, twin_log = copies[TE_CASES[case]]
-    assert run_case(twin_dir, output_root=out, evaluate_log=twin_log).status == "FAIL"
+    assert run_case(twin_dir, output_root=out, evaluate_log=twin_log).status == "NO GOLDEN FOR THIS ENVIRONMENT"
     case_dir, case_log = copies[case]
     result = run_case(case_dir, output_root=out, evaluate_log=case_log)
-    assert result.status == "FAIL" and result.reasons == [
-        "no golden golden_values_dev_dgx_h200.json; record one with --record on dgx_h200"], result.reasons
+    assert result.status == "NO GOLDEN FOR THIS ENVIRONMENT" and result.reasons == [
+        "no golden for this environment: the case has no golden; record one here with --record (it is written to "
+        "golden_values_te-conv1d_dgx_h200.json)"], result.reasons
     assert not list(case_dir.glob("golden_values_*.json"))
     result = run_case(case_dir, output_root=out, evaluate_log=case_log, record=True)
     assert result.status == "PASS", result.reasons
-    assert (case_dir / "golden_values_dev_dgx_h200.json").is_file()
+    assert (case_dir / "golden_values_te-conv1d_dgx_h200.json").is_file()
 
 
 def test_te_resume_case_switches_only_the_max_pool_flag_at_the_resume() -> None:

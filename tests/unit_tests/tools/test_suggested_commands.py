@@ -60,12 +60,17 @@ def test_the_flags_fix_runs_in_the_checkout(checkout, monkeypatch):
     assert "--megatron-fsdp-max-pool-double-buffer" in done.stdout
 
 
+@pytest.mark.real_environment_probe
 def test_the_re_record_command_of_a_broken_golden_runs_and_records_it(checkout, tmp_path):
     """A golden that cannot be read: its fix re-records it, from a case folder with a space and a
-    non-ASCII character in its path. Run as printed (the CPU smoke case: two gloo ranks on CPU)."""
+    non-ASCII character in its path. Run as printed (the CPU smoke case: two gloo ranks on CPU), in this
+    machine's environment, whose golden it is."""
+    from hfsdp.functional import environment, selection
+
     case = tmp_path / "ca sé ö" / "smoke" / "cpu_gloo_smoke"
     shutil.copytree(REPO_ROOT / SMOKE, case)
-    broken = case / "golden_values_dev_dgx_h200.json"
+    here = environment.probe()
+    broken = case / f"golden_values_{here.label()}_{selection.platform_of(here)}.json"
     broken.write_text('{"lm loss": NaN}')
     with pytest.raises(golden.GoldenError) as info:
         golden.read_golden(broken, ["lm loss"])
