@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_environments import fake_environment
 from pristine_release import extract_pristine
 
 FAKE_DP = 2
@@ -301,28 +302,10 @@ def cpu_fsdp_buffer(fake_dp_world: None) -> Callable[..., Any]:
     return build
 
 
-# The environment an in-process functional driver "probes" in CPU tests: a one-GPU H200 machine with
-# torch and mamba_ssm only ([Note: the environment of a golden] in hfsdp/functional/environment.py).
-# Tests of the probe itself ask for the real one (`real_environment_probe`); drivers started as
-# subprocesses probe for real.
-def fake_environment(**changes: Any) -> Any:
-    from dataclasses import replace
-
-    from hfsdp.functional.environment import Environment
-    from hfsdp.functional.platform import base_version
-    from hfsdp.training import requirements
-
-    env = Environment(gpu="dgx_h200", base=base_version(), torch="2.11.0+cu130", cuda="13.0", nccl="2.28.9",
-                      packages=(("apex", None), ("causal_conv1d", None), ("mamba_ssm", "2.3.2.post1"),
-                                ("transformer_engine", None)),
-                      megatron_paths=tuple(sorted(requirements.megatron_paths(lambda m: False).items())))
-    return replace(env, **changes)
-
-
 @pytest.fixture(autouse=True)
 def fake_environment_probe(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if "real_environment_probe" in request.keywords:
         return
     from hfsdp.functional import environment
 
-    monkeypatch.setattr(environment, "probe", lambda environ=None: fake_environment())
+    monkeypatch.setattr(environment, "probe", lambda environ=None: fake_environment())  # fake_environments.py

@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_environments import fake_environment
 
 from hfsdp.functional import environment, golden
 from hfsdp.functional.recipe import RecipeError, load_recipe
 from hfsdp.functional.run_case import Launch, run_case
 from hfsdp.launch.torchrun import Placement
 from hfsdp.usererror import UserError
-from tests.unit_tests.conftest import fake_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -282,7 +282,6 @@ def test_a_golden_metric_name_the_driver_does_not_measure_fails_naming_it(tmp_pa
 
 def judge_in_this_environment(tmp_path: Path, golden_obj: dict):
     """The case judged against ``golden_obj`` recorded in the environment the tests' driver probes."""
-    from conftest import fake_environment  # the environment an in-process driver probes here
 
     case = make_case(tmp_path / "cases")
     path = case / f"golden_values_{fake_environment().label()}_dgx_h200.json"

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from fake_environments import fake_environment
 
 from hfsdp.functional import environment, golden, selection
 from hfsdp.functional.batch import Outcome, count_line
@@ -22,7 +23,6 @@ from hfsdp.functional.recipe import RecipeError, load_recipe
 from hfsdp.functional.run_case import NO_GOLDEN, PASS, REFUSED, RESULT_MARK, run_case
 from hfsdp.training import requirements
 from hfsdp.usererror import UserError
-from tests.unit_tests.conftest import fake_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CASES = REPO_ROOT / "tests/functional_tests/test_cases"

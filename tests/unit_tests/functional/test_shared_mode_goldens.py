@@ -13,13 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from fake_environments import fake_environment
 
 from hfsdp.functional import batch, golden, run_case, selection
 from hfsdp.functional.recipe import load_recipe
 from hfsdp.functional.run_case import Launch, RunRecord
 from hfsdp.launch.torchrun import Placement
 from hfsdp.usererror import UserError
-from tests.unit_tests.conftest import fake_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 METRICS = ["lm loss", "num-zeros", "mem-allocated-bytes", "iteration-time"]

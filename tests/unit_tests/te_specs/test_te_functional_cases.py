@@ -118,8 +118,9 @@ def test_driver_passes_no_te_case_without_goldens(tmp_path: Path, case: str, mon
     """Copies of a case and its twin, judged on a log that meets every other condition, where TE and
     causal-conv1d import: no golden for this environment; PASS and a golden only with --record.
     Without TE the case is refused before anything runs."""
+    from fake_environments import fake_environment
+
     from hfsdp.functional import environment
-    from tests.unit_tests.conftest import fake_environment
 
     assert run_case(CASES / case, output_root=tmp_path / "refused", evaluate_log=tmp_path / "none.log").status == \
         "REFUSED"
