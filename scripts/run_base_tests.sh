@@ -91,7 +91,7 @@ switching=1  # from here on the install may be on $base: put the default back on
 . scripts/setup_env.sh
 part "install on base $base"
 echo "run_base_tests: patch series of base $base"
-scripts/patchset lint
+scripts/patchset lint --chains
 scripts/patchset check
 scripts/patchset status
 want=$("$HFSDP_PY" -c 'import sys; from pathlib import Path; from hfsdp.patchset.project import Project

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 export HFSDP_WITH_MAMBA=${HFSDP_WITH_MAMBA:-1}
 . scripts/setup_env.sh
 echo "run_tests: patch series"
-scripts/patchset lint
+scripts/patchset lint --chains  # rewrite chains too: each patch is a final-state slice
 scripts/patchset check
 scripts/patchset status
 echo "run_tests: ruff (rules in pyproject.toml)"
