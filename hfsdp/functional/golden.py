@@ -196,15 +196,20 @@ def read_json(path: Path) -> Any:
     return loads_strict(path.read_text(encoding="utf-8"))
 
 
+def _golden_json(path: Path) -> tuple[Any, str]:
+    """A golden's JSON and the way to a new one; a GoldenError names a file that cannot be read."""
+    fix = (f"re-record it with `python -m hfsdp.functional.run_case {quoted(path.parent)} --record` in the "
+           "environment and on the platform it is for")
+    try:
+        return read_json(path), fix
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise GoldenError(f"golden {path} cannot be read as JSON: {exc}", fix) from exc
+
+
 def read_golden(path: Path, names: tuple[str, ...] | list[str]) -> Metrics:
     """Load a golden file for ``names``; a GoldenError names the file and everything wrong with it."""
     path = Path(path)
-    fix = (f"re-record it with `python -m hfsdp.functional.run_case {quoted(path.parent)} --record` on the "
-           "golden's platform")
-    try:
-        obj = read_json(path)
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise GoldenError(f"golden {path} cannot be read as JSON: {exc}", fix) from exc
+    obj, fix = _golden_json(path)
     if unknown := unknown_names(obj):
         raise GoldenError(f"golden {path} names {unknown_names_text(unknown)}",
                           f"rename or remove {'it' if len(unknown) == 1 else 'them'} in {path} (the top-level keys "
@@ -245,12 +250,7 @@ def read_environment(path: Path) -> environment.Environment | None:
     """The environment block of a golden or metrics file ([Note: the environment of a golden] in
     environment.py); None where the file records none. A block that is not one is a GoldenError."""
     path = Path(path)
-    fix = (f"re-record it with `python -m hfsdp.functional.run_case {quoted(path.parent)} --record` in the "
-           "environment it is for")
-    try:
-        obj = read_json(path)
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise GoldenError(f"golden {path} cannot be read as JSON: {exc}", fix) from exc
+    obj, fix = _golden_json(path)
     if not isinstance(obj, dict) or environment.KEY not in obj:
         return None
     try:
