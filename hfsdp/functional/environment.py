@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import json
 import os
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hfsdp.atomic import json_text, loads_strict
 from hfsdp.usererror import UserError
 
 KEY = "environment"
@@ -208,7 +208,7 @@ def probe(environ: Mapping[str, str] | None = None) -> Environment:
                         "run that command yourself to see which import hangs") from None
     last = done.stdout.strip().splitlines()[-1:] if done.returncode == 0 else []
     try:
-        return from_json(json.loads(last[0])) if last else _probe_failed(cmd, done)
+        return from_json(loads_strict(last[0])) if last else _probe_failed(cmd, done)
     except ValueError as exc:
         raise UserError(f"`{' '.join(cmd)}` printed no environment ({exc})",
                         "run it yourself; with HFSDP_DEBUG=1 it prints its traceback") from None
@@ -221,4 +221,4 @@ def _probe_failed(cmd: list[str], done: subprocess.CompletedProcess[str]) -> Env
 
 
 if __name__ == "__main__":
-    print(json.dumps(current().to_json(), sort_keys=True))
+    sys.stdout.write(json_text(current().to_json(), indent=None))

@@ -30,11 +30,11 @@ hashed as written. The world size is recorded beside it (``world_size``) and che
 from __future__ import annotations
 
 import hashlib
-import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
-from hfsdp.atomic import loads_strict
+from hfsdp.atomic import json_text, loads_strict
 from hfsdp.functional import environment
 from hfsdp.functional.recipe import Recipe
 
@@ -52,8 +52,7 @@ def recipe_hash(recipe: Recipe, env: Mapping[str, str] | None = None) -> str:
                    "MODEL_ARGS_2": recipe.model_args_2},
         "--env": {k: v for k, v in (env or {}).items() if k not in PLACEMENT_ENV},
     }
-    text = json.dumps(doc, sort_keys=True, default=str, ensure_ascii=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(json_text(_plain(doc), indent=None).encode()).hexdigest()
 
 
 def metrics_digest(doc: object) -> str:
@@ -61,7 +60,19 @@ def metrics_digest(doc: object) -> str:
     its environment block is no metric and is left out."""
     if isinstance(doc, dict):
         doc = {name: spec for name, spec in doc.items() if name != environment.KEY}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
+    return hashlib.sha256(json_text(_plain(doc), indent=None).encode()).hexdigest()
+
+
+def _plain(obj: object) -> object:
+    """``obj`` with every value JSON can hold as it is and any other (a YAML date, NaN) as its text, so
+    that hashing never fails on what a recipe or a metrics file may hold."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    return obj if obj is None or isinstance(obj, (bool, int, float, str)) else str(obj)
 
 
 def _metrics_file_digest(path: Path) -> str | None:
