@@ -13,23 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from no_torch import BLOCK_TORCH
 
 from hfsdp import environment
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-BLOCK_TORCH = """
-import sys
-
-
-class _BlockTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] == "torch":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-
-
-sys.meta_path.insert(0, _BlockTorch())
-"""
 
 # (what the user types after `python`, the program name its error starts with)
 ENTRY_POINTS = [

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from no_torch import BLOCK_TORCH
 
 from hfsdp import flags
 
@@ -153,20 +154,6 @@ def test_the_cli_lists_every_row_without_megatron_or_torch(tmp_path):
     assert any(line.split()[:3] == ["--ranks-per-gpu", "N", "1"] for line in lines)
 
 
-# Makes torch unimportable in a subprocess (a sitecustomize on its PYTHONPATH): a Python without torch.
-BLOCK_TORCH = """
-import sys
-
-
-class _BlockTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] == "torch":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-
-
-sys.meta_path.insert(0, _BlockTorch())
-"""
 
 
 def test_the_fork_group_holds_the_flags_and_help_shows_it():
