@@ -82,6 +82,9 @@ def open_lock(path: Path) -> int:
 HOLDER_WAIT_S = 0.5  # how long a refused taker waits for a holder that just took the lock to write its line
 
 
+POLL_S = 1.0  # how often a waiting taker tries again
+
+
 def _holder(fd: int) -> str:
     """The holder's line; a holder that has just taken the lock writes it a moment later."""
     deadline = time.monotonic() + HOLDER_WAIT_S
@@ -91,15 +94,20 @@ def _holder(fd: int) -> str:
 
 
 @contextlib.contextmanager
-def exclusive(path: Path, holder: str) -> Iterator[None]:
+def exclusive(path: Path, holder: str, wait_s: float = 0.0) -> Iterator[None]:
     """Hold ``path``'s lock for the block, with ``holder`` as the line a refused taker reads; raise
-    Held at once when another open file has it (see the note)."""
+    Held when another open file has it (at once, or after trying for ``wait_s`` seconds; see the note)."""
     fd = open_lock(path)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise Held(path, _holder(fd)) from None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise Held(path, _holder(fd)) from None
+                time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder.encode("utf-8", "replace"), 0)
         try:

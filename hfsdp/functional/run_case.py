@@ -334,6 +334,28 @@ def compare_curves(name: str, a: logparse.Metrics, b: logparse.Metrics,
         result.fail(f"{name}: reference curve is empty")
 
 
+TWIN_WAIT_S = 3600.0  # how long a case waits for a run rewriting its twin, when it has no timeout of its own
+
+
+def _compare_with_twin(recipe: Recipe, twin: Recipe, twin_metrics: Path, metrics: logparse.Metrics,
+                       env: Mapping[str, str] | None, result: Result) -> None:
+    """Hold this run's losses to its COMPARE_TO twin's, read from the twin's output folder (under its
+    lock: [Note: one run per output folder] in runlock.py), or say why the twin is no reference."""
+    name = f"{twin.model}/{twin.name}"
+    if crashed := _unclean_runs(twin_metrics.parent / "result.json"):
+        result.fail(f"compare-to case {name} is no reference: its run {crashed} (rerun it first)")
+    elif twin_metrics.is_file() and (stale := provenance.mismatch(twin, env, twin_metrics.parent)):
+        result.fail(f"compare-to case {name} is no reference: {stale}; rerun it first: "
+                    f"`python -m hfsdp.functional.run_case {quoted(twin.case_dir)}` (with this run's options)")
+    elif twin_metrics.is_file():
+        try:
+            other_metrics = golden.load(twin_metrics)
+        except golden.GoldenError as exc:
+            result.fail(f"compare-to case {name}: {exc.cause}")
+        else:
+            compare_curves(f"vs {name}", other_metrics, metrics, None, result, loss_rtol=recipe.compare_rtol)
+
+
 GOLDEN_MARK = "run_case: golden"  # the line naming the golden a run was held to (the batch runner reads it)
 
 
@@ -473,29 +495,22 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
     if other is not None and other_recipe is not None:
         other_metrics_path = output_dir_for(other_recipe, output_root) / "metrics.json"
         twin_out = other_metrics_path.parent
-        twin_size = _recorded_world_size(other_metrics_path.parent / "result.json")
-        stale = provenance.mismatch(other_recipe, env, twin_out)  # another recipe's numbers: [Note: twin provenance]
-        if not other_metrics_path.is_file() or twin_size != launch.world_size or stale:
-            sub = run_case(Path(other), launch=launch, output_root=output_root, platform=platform,
-                           record=False, env=env, run_environment=measured)
-            if sub.status != "PASS" and not other_metrics_path.is_file():
-                result.fail(f"compare-to case {sub.case} failed: {sub.reasons}")
-        crashed = _unclean_runs(other_metrics_path.parent / "result.json")
-        if crashed:
-            result.fail(f"compare-to case {other_recipe.model}/{other_recipe.name} is no reference: "
-                        f"its run {crashed} (rerun it first)")
-        elif other_metrics_path.is_file() and (stale := provenance.mismatch(other_recipe, env, twin_out)):
-            result.fail(f"compare-to case {other_recipe.model}/{other_recipe.name} is no reference: {stale}; rerun "
-                        f"it first: `python -m hfsdp.functional.run_case {quoted(other_recipe.case_dir)}` (with this "
-                        "run's options)")
-        elif other_metrics_path.is_file():
-            try:
-                other_metrics = golden.load(other_metrics_path)
-            except golden.GoldenError as exc:
-                result.fail(f"compare-to case {other_recipe.model}/{other_recipe.name}: {exc.cause}")
-            else:
-                compare_curves(f"vs {other_recipe.model}/{other_recipe.name}", other_metrics, metrics, None, result,
-                               loss_rtol=recipe.compare_rtol)
+        wait_s = launch.timeout_s or TWIN_WAIT_S
+        try:  # the twin's folder is read under its lock, never while another run writes it (runlock's note)
+            with runlock.reading(twin_out, result.case, wait_s):
+                rerun = (not other_metrics_path.is_file()
+                         or _recorded_world_size(twin_out / "result.json") != launch.world_size
+                         or provenance.mismatch(other_recipe, env, twin_out))  # [Note: twin provenance]
+            if rerun:
+                sub = run_case(Path(other), launch=launch, output_root=output_root, platform=platform,
+                               record=False, env=env, run_environment=measured)
+                if sub.status != "PASS" and not other_metrics_path.is_file():
+                    result.fail(f"compare-to case {sub.case} failed: {sub.reasons}")
+            with runlock.reading(twin_out, result.case, wait_s):
+                _compare_with_twin(recipe, other_recipe, other_metrics_path, metrics, env, result)
+        except runlock.Busy as exc:
+            result.fail(f"compare-to case {other_recipe.model}/{other_recipe.name} was not read: {exc.cause}; "
+                        f"{exc.fix}")
 
     odd_golden = not_a_regular_file(golden_path) if os.path.lexists(golden_path) else None
     if odd_golden is not None:  # neither read (a pipe would block) nor replaced: it is not ours to lose

@@ -16,6 +16,9 @@ and a second run is refused, naming the holder (pid, host, start time) and the w
   for the twin's run. A folder this process already holds is never locked a second time (that
   would refuse the run itself): a nested run into it is refused instead, since it would clear the
   outer run's outputs (a twin named like its case, or COMPARE_TO cases in a cycle).
+* A case reads its twin's numbers under the twin folder's lock (:func:`reading`): a run that is
+  rewriting the twin (another batch re-running it) is waited for, up to the case's timeout, and
+  never read half-written; a twin still busy then is no reference, named with its holder.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hfsdp import filelock
@@ -67,13 +70,8 @@ def _release(key: Path) -> None:
         _held.pop(key, None)
 
 
-def hold(out: Path, case: str) -> None:
-    """Lock output folder ``out`` for ``case``'s run until the :func:`holding` call around it ends (see
-    the note); a UserError names the run that holds it and the way out."""
-    if not _sessions():
-        raise RuntimeError("runlock.hold() called outside a @runlock.holding run")
-    outdir.check(out)
-    path = lock_path(out)
+def _not_ours(out: Path, case: str) -> Path:
+    """``out``'s key; a UserError when this same run holds it (see the note)."""
     key = Path(out).resolve()
     with _held_guard:
         outer = _held.get(key)
@@ -82,6 +80,17 @@ def hold(out: Path, case: str) -> None:
                         f"for {outer} (a COMPARE_TO twin with its case's <model>/<case> name, or COMPARE_TO cases "
                         "that form a cycle)", "give each case of a COMPARE_TO chain a <model>/<case> name of its "
                         "own, and compare with a twin that compares with none of the cases compared with it")
+    return key
+
+
+def hold(out: Path, case: str) -> None:
+    """Lock output folder ``out`` for ``case``'s run until the :func:`holding` call around it ends (see
+    the note); a UserError names the run that holds it and the way out."""
+    if not _sessions():
+        raise RuntimeError("runlock.hold() called outside a @runlock.holding run")
+    outdir.check(out)
+    path = lock_path(out)
+    key = _not_ours(out, case)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = filelock.exclusive(path, filelock.holder_line(f"run_case {case}"))
@@ -100,3 +109,29 @@ def hold(out: Path, case: str) -> None:
     with _held_guard:
         _held[key] = case
     _sessions()[-1].callback(_release, key)
+
+
+class Busy(UserError):
+    """A twin folder that stayed in use while a case waited to read it."""
+
+
+@contextlib.contextmanager
+def reading(out: Path, case: str, wait_s: float) -> Iterator[None]:
+    """Hold twin folder ``out``'s lock while ``case`` reads its numbers, waiting up to ``wait_s`` seconds
+    for a run that writes there (see the note); a UserError names that run once the wait is over."""
+    _not_ours(out, case)
+    path = lock_path(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with filelock.exclusive(path, filelock.holder_line(f"run_case {case} (reading its twin)"), wait_s=wait_s):
+            yield
+    except filelock.Held as held:
+        raise Busy(f"its folder {out} stayed in use by {held.holder or 'another run_case'} for {wait_s:.0f} s, "
+                        "so its numbers may be half-written",
+                        "rerun this case once that run has ended") from None
+    except filelock.NotALockFile as exc:
+        raise UserError(f"the twin folder's lock {path} {exc.why}",
+                        f"move {path} away (the next run makes a new one)") from None
+    except OSError as exc:
+        raise UserError(f"the twin folder's lock {path} cannot be taken: {exc.strerror or exc}",
+                        f"{outdir.FIX}, on a file system that takes file locks") from exc

@@ -5,6 +5,8 @@ that cannot is no reference."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,6 @@ from hfsdp.functional import provenance, runlock
 from hfsdp.functional.recipe import load_recipe
 from hfsdp.functional.run_case import Launch, run_case
 from hfsdp.launch.torchrun import Placement
-from hfsdp.usererror import UserError
 
 # Megatron's step lines; FAKE_SHIFT moves every loss (another seed), EDIT_RECIPE appends a comment
 # to that file while the run goes on (a recipe edited during its run).
@@ -120,11 +121,10 @@ def test_a_stale_twin_that_cannot_run_again_refuses_the_case(pair):
     recipe = twin / "model_config.yaml"
     recipe.write_text(recipe.read_text() + "# another recipe\n")
     with filelock.exclusive(runlock.lock_path(out / "gpt" / "twin"), "run_case gpt/twin (pid 4242, host h)"):
-        with pytest.raises(UserError) as info:
-            run_case(case, launch=LAUNCH, output_root=out)
-    assert "output folder" in info.value.cause and "gpt/twin is in use by run_case gpt/twin (pid 4242" in \
-        info.value.cause
-    assert "wait for that run to end" in info.value.fix
+        result = run_case(case, launch=Launch(Placement(nproc=1), timeout_s=3), output_root=out)
+    assert result.status == "FAIL"
+    assert any("gpt/twin was not read" in r and "in use by run_case gpt/twin (pid 4242" in r
+               and "rerun this case once that run has ended" in r for r in result.reasons), result.reasons
 
 
 def test_a_twin_whose_recipe_changes_while_it_runs_is_no_reference(tmp_path):
@@ -137,3 +137,40 @@ def test_a_twin_whose_recipe_changes_while_it_runs_is_no_reference(tmp_path):
     assert result.status == "FAIL", result.reasons
     (reason,) = [r for r in result.reasons if "is no reference" in r]
     assert "records another recipe" in reason and "run_case" in reason and str(twin) in reason, reason
+
+
+def test_a_twin_another_run_is_writing_is_waited_for_and_never_read_half_written(pair):
+    """Two batches on one output root once re-ran one twin while a third case read it: the case must read
+    the twin only once the run writing it has ended, under the twin folder's lock."""
+    twin, case, out = pair
+    lock = runlock.lock_path(out / "gpt" / "twin")
+    metrics = out / "gpt" / "twin" / "metrics.json"
+    good = metrics.read_text()
+    before = twin_log_stamp(out)
+    taken, released = threading.Event(), threading.Event()
+
+    def writer() -> None:  # another run rewriting the twin: half-written numbers, then the whole file
+        with filelock.exclusive(lock, filelock.holder_line("run_case gpt/twin")):
+            metrics.write_text(good[: len(good) // 2])
+            taken.set()
+            time.sleep(4.0)  # longer than the case's own run
+            metrics.write_text(good)
+            released.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert taken.wait(10)
+    result = run_case(case, launch=LAUNCH, output_root=out)
+    thread.join()
+    assert released.is_set()
+    assert result.status == "PASS", result.reasons  # read after the writer, whole: not re-run, not refused
+    assert twin_log_stamp(out) == before
+
+
+def test_a_twin_that_stays_busy_is_no_reference_naming_its_holder(pair):
+    twin, case, out = pair
+    with filelock.exclusive(runlock.lock_path(out / "gpt" / "twin"), filelock.holder_line("run_case gpt/twin")):
+        result = run_case(case, launch=Launch(Placement(nproc=1), timeout_s=3), output_root=out)
+    assert result.status == "FAIL"
+    assert any("compare-to case gpt/twin was not read" in r and "stayed in use by run_case gpt/twin (pid" in r
+               for r in result.reasons), result.reasons
