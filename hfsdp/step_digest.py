@@ -15,7 +15,8 @@ each listed step:
   during that step, per rank: the sum of squares of the (fp32 main) parameters, the sums of
   Adam's moments, before the step each parameter group's gradient size and sum of squares
   (after clipping), the set of step counts and the learning rates (each rank holds its own
-  shards). Step 0 is the optimizer steps taken before training (the ``fsdp_dtensor`` loader's dummy step).
+  shards), and ``state=key:dtype:bytes,...``: every tensor the optimizer keeps per parameter
+  (Adam's moments, a master copy where one exists), summed over this rank's shards. Step 0 is the optimizer steps taken before training (the ``fsdp_dtensor`` loader's dummy step).
 
 Diffing two runs' lines (``grep HFSDP-DIGEST run1.log``) names the first module, or the
 first optimizer quantity, that differs. Diagnostics only: each record syncs the GPU.
@@ -98,9 +99,15 @@ class Digest:
         if when == "pre":  # the gradients the step will apply, per parameter group
             totals["grad_groups"] = grad_groups(optimizer.param_groups)
         step_values: set[float] = set()
+        kept: dict[tuple[str, str], int] = {}  # (state key, dtype) -> bytes on this rank
         for p in params:
             totals["params_sumsq"] += tensor_stats(p)[1]  # the sum alone could cancel out
             state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                local = getattr(value, "_local_tensor", value)
+                if hasattr(local, "element_size") and hasattr(local, "numel") and local.dim() > 0:
+                    dtype = str(local.dtype).removeprefix("torch.")
+                    kept[key, dtype] = kept.get((key, dtype), 0) + local.numel() * local.element_size()
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
                     totals[key] += tensor_stats(state[key])[0]
@@ -109,7 +116,8 @@ class Digest:
         lrs = sorted({float(g.get("lr", 0.0)) for g in optimizer.param_groups})
         self.emit(f"HFSDP-DIGEST opt step={step} rank={self.rank} when={when} "
                   + " ".join(f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in totals.items())
-                  + f" steps={sorted(step_values)} lr={lrs}")
+                  + f" steps={sorted(step_values)} lr={lrs}"
+                  + " state=" + (",".join(f"{k}:{d}:{b}" for (k, d), b in sorted(kept.items())) or "none"))
 
 
 def grad_groups(param_groups: Any) -> str:

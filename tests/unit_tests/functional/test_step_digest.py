@@ -104,3 +104,12 @@ def test_grad_groups_per_parameter_group():
     assert [g.split(":")[0] for g in groups] == ["2", "3"] and groups[1].endswith("e")
     assert [float(g.split(":")[1].rstrip("e")) for g in groups] == pytest.approx([5.0, 25.0])
     assert "grad_groups" not in lines[1]
+
+
+def test_optimizer_lines_list_every_state_tensor_kept_with_its_dtype_and_bytes():
+    """What the optimizer keeps per parameter (a master copy would show here): AdamW's two fp32 moments
+    of 4*3 + 3 + 3*1 + 1 = 19 elements, 76 bytes each; nothing before the first step."""
+    lines, _ = _run({1, 2})
+    opt = [line for line in lines if " opt " in line]
+    assert opt[0].endswith(" state=none")  # step 1, before AdamW made its state
+    assert opt[1].endswith(" state=exp_avg:float32:76,exp_avg_sq:float32:76"), opt[1]
