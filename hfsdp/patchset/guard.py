@@ -1,7 +1,9 @@
-"""Run-time guard for entry points: the imported ``megatron.core`` must be this fork's tree.
+"""Run-time guard for entry points: the imported ``megatron.core`` must be this fork's tree, current.
 
 Two copies of ``megatron`` (a site-packages wheel beside a checkout) and stale trees are the
 most common way patch-set forks silently run the wrong code; fail before any training starts.
+The tree's own import check only asks that it is stamped; whether the stamp is current against
+the checkout is asked here ([Note: the import guard] in the overlay's ``megatron/core/fork_info.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from hfsdp.usererror import quoted
 
 from .errors import PatchsetError, StaleTree
 from .project import Project
-from .tree import read_stamp
+from .stamp import read_stamp
 
 
 def ensure_fork(project: Project | None = None) -> Path:
@@ -40,9 +42,11 @@ def ensure_fork(project: Project | None = None) -> Path:
     if stamp is not None:  # the tree is checked against the base it was built from ([Note: bases] in project.py)
         project = project.for_stamp(stamp.base_version, stamp.sdist_sha256) or project
     if stamp is None or not stamp.matches(project.pin(), project.series(), project.overlay()):
+        pinned = project.base_label  # patches/ or patches/bases/<version>/
+        install = "pip install -e ." if project.base is None else f"HFSDP_BASE={project.base} pip install -e ."
         raise StaleTree(
             f"{project.megatron_dir} is {'not stamped' if stamp is None else 'stale'}: it does not match "
-            "patches/series, patches/overlay/ and patches/base.toml",
-            "run `scripts/patchset materialize` (or `pip install -e .`); `scripts/patchset status` says why",
+            f"{pinned}series, {pinned}base.toml and patches/overlay/",
+            f"run `{project.command('materialize')}` (or `{install}`); `{project.command('status')}` says why",
         )
     return project.megatron_dir

@@ -48,7 +48,7 @@ from .scan import (
     stray_kind,
 )
 from .source import locate_sdist
-from .stamp import CorruptStamp, Stamp, make_stamp, read_stamp, with_inputs, write_stamp_file
+from .stamp import CorruptStamp, Stamp, make_stamp, read_stamp, write_stamp_file
 from .tree import build_queue
 
 
@@ -124,20 +124,6 @@ def stray_files(project: Project, strays: list[str]) -> SeriesError:
                        f"{'it' if len(strays) == 1 else 'them'} out of megatron/, and run the command again")
 
 
-def guard_current(project: Project, stamp: Stamp) -> bool:
-    """Whether the import guard of the tree would pass: the digest it recomputes from ``patches/`` is the one
-    its stamp records (always, for a stamp without one). A base other than the default is built with the
-    shared guard, whose digest covers ``patches/`` but not ``patches/bases/`` ([Note: bases] in
-    project.py): a change there is seen by the stamp alone, a change of the default base's files by the
-    guard alone, and a tree either calls stale is rebuilt (refused over its edits)."""
-    if stamp.inputs_sha256 is None:
-        return True
-    try:
-        return with_inputs(stamp, project.megatron_dir, project.root).inputs_sha256 == stamp.inputs_sha256
-    except PatchsetError:
-        return False  # the tree's guard module fails to load: its import fails too
-
-
 def overlay_edits(edits: dict[str, str], stamp: Stamp) -> list[str]:
     """The edits that belong to the overlay: of files the tree got from the overlay, and new files (which
     ``refresh`` adds to the overlay)."""
@@ -167,7 +153,7 @@ def tree_status(project: Project) -> TreeStatus:
     status = TreeStatus(
         exists=True,
         stamped=True,
-        up_to_date=stamp.matches(pin, patches, overlay) and guard_current(project, stamp),
+        up_to_date=stamp.matches(pin, patches, overlay),
         applied=[n for n, _ in stamp.patches],
         series=names,
         changed_patches=[n for n in names if n in applied and applied[n] != current[n]],
@@ -264,7 +250,7 @@ def _report_up_to_date(project: Project, log: Callable[[str], None]) -> bool:
     refuse_unlisted(project)  # a tree built from the shorter series would look up to date
     pin, patches, overlay = project.pin(), project.series(), project.overlay()
     stamp = read_stamp(project.root) if project.megatron_dir.exists() else None
-    if stamp is None or not stamp.matches(pin, patches, overlay) or not guard_current(project, stamp):
+    if stamp is None or not stamp.matches(pin, patches, overlay):
         return False
     edits = live_census(project, stamp).edits
     note = f"; {len(edits)} local edit(s) left as they are" if edits else ""
@@ -306,8 +292,7 @@ def _materialize(project: Project, sdist: Path | None, backup: bool, log: Callab
     try:
         queue = build_queue(pin, source, patches, scratch / "queue", overlay)
         shutil.rmtree(queue.repo / ".git")
-        stamp_new = make_stamp(pin, patches, overlay, hash_files(queue.repo, pin.members))
-        write_stamp_file(queue.repo, with_inputs(stamp_new, queue.repo / "megatron", project.root))
+        write_stamp_file(queue.repo, make_stamp(pin, patches, overlay, hash_files(queue.repo, pin.members)))
         built = queue.repo / "megatron"
         if clashing := conflicts(kept, queue.repo):
             if not backup:

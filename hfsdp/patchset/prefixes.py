@@ -14,11 +14,10 @@ patch k+1 and Python's bytecode caches of the rest stay valid; one process per p
 imports and the smoke. Everything lives in one folder in the system's temporary folder, removed at
 the end; the checkout's ``megatron/`` is never read or written.
 
-Each prefix tree is stamped as what it is ([Note: the import guard] in the overlay's
-``megatron/core/fork_info.py``): its stamp lists patches 1..k, and its fork version carries
-``.prefix.<k>`` (``0.18.2+hfsdp.2.prefix.5``). Its folder has no ``patches/`` beside it, so the guard
-checks the stamp alone, as for any tree copied out of its checkout; ``HFSDP_SKIP_FORK_GUARD`` is
-cleared for the child, so the guard runs.
+Each prefix tree is stamped as what it is: its stamp lists patches 1..k, and its fork version carries
+``.prefix.<k>`` (``0.18.2+hfsdp.2.prefix.5``). The tree's import check reads that stamp alone, as in any
+tree ([Note: the import guard] in the overlay's ``megatron/core/fork_info.py``); ``HFSDP_SKIP_FORK_GUARD``
+is cleared for the child, so the check runs.
 
 ``X-Smoke`` is one command: ``python -c CODE``, ``python -m MODULE [ARGS...]`` (shell quoting), or a
 pytest node id of this checkout's tests (``tests/unit_tests/x/test_y.py::test_z``). ``lint`` checks

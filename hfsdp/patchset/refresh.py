@@ -45,7 +45,7 @@ from .project import Project
 from .scan import NEXT_STAMP_NAME, STAMP_NAME, copy_edits, hash_files
 from .series import Patch, patch_name
 from .source import locate_sdist
-from .stamp import make_stamp, read_stamp, with_inputs
+from .stamp import make_stamp, read_stamp
 from .tree import Queue, build_queue
 
 
@@ -127,20 +127,13 @@ def _refresh(project: Project, patch: str | None, new: str | None, description: 
     # The new stamp is written first, beside the stamp; it becomes the stamp once patches/ is in place. A run
     # killed in between leaves it for the next writer, which finishes or drops it (leftovers.py).
     pending = project.megatron_dir / NEXT_STAMP_NAME
-    stamp_new = make_stamp(pin, plan.patches(project.patches_dir), plan.overlay, files)
-    write_text_atomic(pending, stamp_new.to_json())
+    write_text_atomic(pending, make_stamp(pin, plan.patches(project.patches_dir), plan.overlay, files).to_json())
     try:
         write_plan(project, plan, snapshot, project.command("refresh"), log)
     except BaseException:
         pending.unlink(missing_ok=True)
         raise
-    try:
-        # The import guard's digest is of patches/ as now written. Without it (killed here, or a
-        # guard module that does not load) the stamp is still promoted: the guard then calls the
-        # tree stale, and a materialize restamps it.
-        write_text_atomic(pending, with_inputs(stamp_new, project.megatron_dir, project.root).to_json())
-    finally:
-        os.replace(pending, project.megatron_dir / STAMP_NAME)
+    os.replace(pending, project.megatron_dir / STAMP_NAME)
     if upstream:
         log(f"patchset: folded {len(upstream)} edited file(s) into {target}")
     return target

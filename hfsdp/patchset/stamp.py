@@ -5,25 +5,23 @@ patches (name + sha256, in order), the overlay's files (path + sha256, [Note: th
 overlay.py), the sha256 of every file the build wrote, and the full text of the applied patches and
 of the overlay's files. The texts let ``diff`` rebuild the tree *as it was built*, so local edits
 are always shown against that tree, even after ``patches/`` changed (a pull): a diff against the
-new series or overlay would silently undo the pulled change. Since schema 4 it also holds
-``inputs_sha256``: the digest the tree's own import guard recomputes from ``patches/`` without this
-tool ([Note: the import guard] in the overlay's ``megatron/core/fork_info.py``); :func:`with_inputs`
-asks the built tree for it.
+new series or overlay would silently undo the pulled change. The tree itself reads only its
+``fork_version``, ``base_version`` and ``patches`` ([Note: the import guard] in the overlay's
+``megatron/core/fork_info.py``).
 
 [Note: older stamps] Schema-1 stamps (no texts) and schema-2 stamps (no overlay) are still read.
 The tools that wrote them never copied an overlay, so such a tree was built with none: it is read
 as having an empty overlay, which is the truth. A checkout that has overlay files therefore finds
 such a tree stale, and rebuilds it (``materialize``) or refuses over its edits, as for a changed
-patch. Any other schema is a :class:`CorruptStamp`.
+patch. A schema-4 stamp may also hold ``inputs_sha256`` (earlier tools wrote it; nothing reads it):
+it is ignored. Any other schema is a :class:`CorruptStamp`.
 
 A stamp that is not a JSON object of this shape is a :class:`CorruptStamp`, never a traceback.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +37,6 @@ from .series import Patch
 
 STAMP_SCHEMA = 4
 _READABLE_SCHEMAS = (1, 2, 3, 4)
-# The tree's module that defines its import guard's digest (inputs_digest), relative to megatron/.
-GUARD_MODULE = "core/fork_info.py"
 
 
 class CorruptStamp(PatchsetError):
@@ -60,8 +56,6 @@ class Stamp:
     overlay: tuple[tuple[str, str], ...] = ()  # (path, sha256) of each overlay file, in path order
     overlay_texts: dict[str, str] = field(default_factory=dict)  # path -> overlay file text as built
     checkout: Path | None = field(default=None, compare=False)  # the checkout it was read from, if known
-    # The import guard's digest of patches/ as built (schema 4; None: older, or a tree without a guard).
-    inputs_sha256: str | None = field(default=None, compare=False)
 
     @staticmethod
     def expected_patches(patches: list[Patch]) -> tuple[tuple[str, str], ...]:
@@ -101,7 +95,6 @@ class Stamp:
                 "patch_texts": self.texts or {},
                 "overlay": [{"path": p, "sha256": h} for p, h in self.overlay],
                 "overlay_texts": self.overlay_texts,
-                **({"inputs_sha256": self.inputs_sha256} if self.inputs_sha256 else {}),
             },
             indent=1,
             sort_keys=True,
@@ -111,30 +104,6 @@ class Stamp:
 def make_stamp(pin: BasePin, patches: list[Patch], overlay: Overlay, files: dict[str, str]) -> Stamp:
     return Stamp(pin.version, pin.sha256, pin.fork_version, Stamp.expected_patches(patches), files,
                  {p.name: p.text for p in patches}, overlay.digests(), dict(overlay.files))
-
-
-def with_inputs(stamp: Stamp, megatron_dir: Path, checkout: Path) -> Stamp:
-    """``stamp`` with the digest that the guard of the tree in ``megatron_dir`` computes from
-    ``checkout``'s patches/ now; unchanged when that tree has no guard module (a series without the
-    fork-identity change)."""
-    module = megatron_dir / GUARD_MODULE
-    if not module.is_file():
-        return stamp
-    spec = importlib.util.spec_from_file_location("_hfsdp_tree_fork_info", module)
-    if spec is None or spec.loader is None:
-        return stamp
-    guard = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(guard)
-        digest = getattr(guard, "inputs_digest", None)
-        value = None if digest is None else digest(checkout)
-    except Exception as exc:  # the tree's own code, as the overlay has it: say which file and why
-        raise PatchsetError(
-            f"megatron/{GUARD_MODULE} of the new tree fails to compute its import guard's digest "
-            f"({type(exc).__name__}: {exc})",
-            f"fix patches/overlay/megatron/{GUARD_MODULE}, then run `scripts/patchset materialize` again",
-        ) from None
-    return stamp if value is None else dataclasses.replace(stamp, inputs_sha256=value)
 
 
 def write_stamp_file(tree_root: Path, stamp: Stamp) -> None:
@@ -194,12 +163,9 @@ def read_stamp_file(path: Path, checkout: Path | None = None) -> Stamp | None:
             raise _corrupt(path, f"the recorded text of {', '.join(bad)} does not match its sha256")
     else:
         texts = None
-    overlay, overlay_texts = _read_overlay(path, data)
-    inputs = data.get("inputs_sha256")
-    if inputs is not None and not is_digest(inputs):
-        raise _corrupt(path, "'inputs_sha256' must be a sha256 hex digest")
+    overlay, overlay_texts = _read_overlay(path, data)  # an 'inputs_sha256' is ignored ([Note: older stamps])
     return Stamp(data["base_version"], data["sdist_sha256"], data["fork_version"], pairs, dict(files), texts,
-                 overlay, overlay_texts, checkout, inputs)
+                 overlay, overlay_texts, checkout)
 
 
 def _read_overlay(path: Path, data: dict) -> tuple[tuple[tuple[str, str], ...], dict[str, str]]:

@@ -19,11 +19,7 @@ from . import gitops
 from .errors import WrongBaseVersion
 from .overlay import OVERLAY_SUBJECT, Overlay, add_to_tree
 from .pin import BasePin
-from .scan import STAMP_NAME  # noqa: F401  (re-exported)
 from .series import Patch
-
-# megatron/core/fork_info.py (fork-identity patch) imports read_stamp from this module.
-from .stamp import Stamp, read_stamp  # noqa: F401  (re-exported)
 
 BASE_SUBJECT = "base"
 

@@ -17,7 +17,7 @@ from hfsdp.patchset.errors import (
     WrongBaseVersion,
 )
 from hfsdp.patchset.materialize import materialize, tree_status
-from hfsdp.patchset.tree import read_stamp
+from hfsdp.patchset.stamp import read_stamp
 
 
 def quiet(*_: object) -> None:

@@ -131,6 +131,23 @@ def test_a_schema_2_stamp_is_a_tree_built_without_overlay(overlaid: Env, capsys)
     assert "is not one this tool wrote (schema 5" in err and "materialize --backup" in err
 
 
+@pytest.mark.parametrize("inputs", ["0" * 64, "not a digest", None])
+def test_a_schema_4_stamp_with_inputs_sha256_is_read_and_it_is_ignored(overlaid: Env, inputs: str | None,
+                                                                       capsys) -> None:
+    """Earlier tools wrote ``inputs_sha256`` (a digest of patches/ the tree recomputed on import): this one writes
+    none, and reads a stamp that has one, whatever its value, as the same tree."""
+    assert cli(overlaid, "materialize") == 0
+    stamp_path = overlaid.project.megatron_dir / ".patchset-stamp.json"
+    data = json.loads(stamp_path.read_text())
+    assert data["schema"] == 4 and "inputs_sha256" not in data
+    before = read_stamp(overlaid.project.root)
+    stamp_path.write_text(json.dumps({**data, "inputs_sha256": inputs}))
+    assert read_stamp(overlaid.project.root) == before
+    assert tree_status(overlaid.project).up_to_date
+    capsys.readouterr()
+    assert cli(overlaid, "materialize") == 0 and "is up to date" in capsys.readouterr().out
+
+
 def test_an_overlay_file_over_a_base_file_is_refused(overlaid: Env, capsys) -> None:
     assert cli(overlaid, "materialize") == 0
     before = tree_digest(overlaid.project.megatron_dir)

@@ -18,6 +18,7 @@ from hfsdp.patchset.guard import ensure_fork
 from hfsdp.patchset.lint import lint
 from hfsdp.patchset.materialize import tree_status
 from hfsdp.patchset.project import Project
+from hfsdp.patchset.stamp import read_stamp
 
 PROJECT = Project.default().with_base(None)  # HFSDP_BASE chooses the base, as at install ([Note: bases] in project.py)
 
@@ -50,22 +51,8 @@ def test_import_from_unrelated_directory_uses_the_fork(tmp_path: Path) -> None:
     assert patches.split(",") == [p.name for p in PROJECT.series()]
 
 
-def test_stale_tree_fails_fast_on_import(tmp_path: Path) -> None:
-    # A copy of the checkout whose series moved on after materializing: import must refuse.
-    copy = tmp_path / "checkout"
-    shutil.copytree(PROJECT.root, copy, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.so", "tests"))
-    first = PROJECT.series()[0].name
-    patch = copy / "patches" / first
-    patch.write_text(patch.read_text().replace("Last-Update:", "X-Note: touched\nLast-Update:", 1))
-    code = "import megatron.core"
-    env = {**os.environ, "PYTHONPATH": str(copy)}
-    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert proc.returncode != 0
-    assert "is stale" in proc.stderr and "scripts/patchset materialize" in proc.stderr
-
-
-# Loads the tree's guard module by path (running megatron/core/__init__ would need torch) with the
-# tooling unimportable, and calls it: "ok" or the guard's error.
+# Loads the tree's fork_info by path (running megatron/core/__init__ would need torch) with the tooling
+# unimportable, and runs its import check: "ok" or the check's error.
 GUARD_ONLY = """
 import importlib.abc, importlib.util, sys
 class NoTooling(importlib.abc.MetaPathFinder):
@@ -85,9 +72,11 @@ else:
 """
 
 
-def test_the_import_guard_needs_no_tooling(tmp_path: Path) -> None:
-    """The tree's guard checks the stamp's digest of patches/ with the standard library alone:
-    a copy of the checkout without hfsdp/ passes, and fails once the overlay or series changes."""
+def test_the_import_check_reads_the_trees_stamp_alone(tmp_path: Path) -> None:
+    """The tree's import check needs neither the tooling nor its checkout: a copy of the checkout without
+    hfsdp/ passes; it passes the same once the copy's series and overlay changed, and with its patches/ gone
+    (whether the tree is current is ensure_fork's question: test_import_guard.py); without its stamp it fails,
+    naming the way out for this checkout."""
     copy = tmp_path / "checkout with space"
     shutil.copytree(PROJECT.root, copy, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", "*.so", "tests", "hfsdp", "out"))
@@ -103,15 +92,16 @@ def test_the_import_guard_needs_no_tooling(tmp_path: Path) -> None:
     assert guard() == "ok"
     overlay_file = copy / "patches" / "overlay" / "megatron" / "core" / "fork_info.py"
     overlay_file.write_text(overlay_file.read_text() + "# touched\n")
-    assert "is stale" in guard()
-    overlay_file.write_text(overlay_file.read_text().removesuffix("# touched\n"))
+    patch = copy / "patches" / PROJECT.series()[0].name
+    patch.write_text(patch.read_text().replace("Last-Update:", "X-Note: touched\nLast-Update:", 1))
     assert guard() == "ok"
-    series = copy / "patches" / "series"
-    series.write_text(series.read_text() + "\n")
-    stale = guard()
-    assert "is stale" in stale
+    shutil.rmtree(copy / "patches")
+    assert guard() == "ok"
+    (copy / "megatron" / ".patchset-stamp.json").unlink()
+    unstamped = guard()
+    assert "has no .patchset-stamp.json: it was not materialized by the hfsdp tooling" in unstamped, unstamped
     # The two commands it suggests name this checkout, whose path holds a space, as a shell reads them.
-    materialize, install = re.findall(r"`([^`]+)`", stale)[-2:]
+    materialize, install = re.findall(r"`([^`]+)`", unstamped)[-2:]
     assert shlex.split(materialize) == [str(copy / "scripts" / "patchset"), "materialize"]
     assert shlex.split(install) == ["pip", "install", "-e", str(copy)]
 
@@ -125,14 +115,32 @@ def test_guard_rejects_megatron_resolving_elsewhere(tmp_path: Path) -> None:
     assert "pip uninstall -y megatron-core" in info.value.fix
 
 
-@pytest.mark.parametrize("text", ["[]", "null", '"x"', "{not json"])
+def test_fork_info_names_what_the_stamp_says() -> None:
+    import megatron.core.fork_info as fork_info
+
+    stamp = read_stamp(PROJECT.root)
+    assert stamp is not None
+    assert (fork_info.fork_version(), fork_info.base_version()) == (stamp.fork_version, stamp.base_version)
+    assert fork_info.local_label() == stamp.fork_version.partition("+")[2]
+    assert fork_info.applied_patches() == [name for name, _ in stamp.patches]
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '"x"', "{not json", "{}", '{"fork_version": ""}',
+                                  '{"fork_version": 2, "patches": {}}'])
 def test_fork_info_reads_a_wrong_shaped_stamp_as_unstamped(tmp_path: Path, monkeypatch, text: str) -> None:
-    """A stamp that is JSON of the wrong shape gives the base version and no patches, so the
-    import guard reports the tree (with its way out) instead of raising AttributeError."""
+    """A stamp that is not a JSON object naming a fork version makes an unstamped tree: its versions say so
+    (naming no release), it lists no patches, and the import check refuses it with the way out, instead of
+    raising AttributeError."""
     import megatron.core.fork_info as fork_info
 
     stamp = tmp_path / ".patchset-stamp.json"
     stamp.write_text(text)
     monkeypatch.setattr(fork_info, "_STAMP", stamp)
-    assert fork_info.fork_version() == fork_info.BASE_VERSION
+    monkeypatch.delenv("HFSDP_SKIP_FORK_GUARD", raising=False)
+    assert (fork_info.fork_version(), fork_info.base_version()) == ("unstamped", "unstamped")
+    assert fork_info.local_label() == "hfsdp.unstamped"
     assert fork_info.applied_patches() == []
+    with pytest.raises(fork_info.ForkTreeError, match="not a readable JSON object naming the tree's fork_version"
+                       ) as info:
+        fork_info.verify_tree()
+    assert "materialize` or `pip install -e " in str(info.value)
