@@ -1,8 +1,8 @@
 # Copyright (c) 2026, hfsdp authors. Licensed under the Apache License, Version 2.0.
 """Megatron's command line and the double-buffer policy (``validate_args`` calls this).
 
-The command line is one route into the policy ([Note: double-buffer policy] in
-double_buffer/policy.py): the rules and their messages in the flags' spelling are the policy's.
+The command line is one route into the policy ([Note: double buffer] in double_buffer/__init__.py,
+policy): the rules and their messages in the flags' spelling are the policy's.
 What stays here is what validate_args does with it: upstream code reads ``args.fsdp_double_buffer``,
 so it gets the policy's answer. The flags are declared in fork_args.py (the fork's group).
 """

@@ -22,7 +22,7 @@ the checks the first three fail after the process groups are up, while the model
 * The max-pool double buffer with blockwise-FP8 parameters (``--fp8-param-gather --fp8-recipe
   blockwise``): after each optimizer step ``copy_main_weights_to_model_weights`` fetches the
   weight bucket of every blockwise-FP8 unit before it frees any, more units
-  than the pool has groups ([Note: max-pool failure modes], too many live units).
+  than the pool has groups ([Note: double buffer], failure modes: too many live units).
 
 Not checked because nothing in the code says they fail (open questions for a GPU run): TE with
 full-iteration CUDA graphs and Mamba's fused path; TE with other FP8 recipes and the max-pool
