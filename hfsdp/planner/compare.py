@@ -29,7 +29,7 @@ class RankMatchedPlan:
     slot_setter: dict[str, tuple[tuple[int, int], ...]]  # dtype -> (unit, bucket) per slot
     itemsize: dict[str, int]
     align_bytes: int = 1
-    num_groups: int = 2  # [Note: live units]: the plan module's NUM_BUFFER_GROUPS
+    num_groups: int = 2  # the plan module's NUM_BUFFER_GROUPS ([Note: double buffer], live units)
 
     def pool_bytes(self) -> int:
         """Every group; each slot rounded up to ``align_bytes`` like a separate allocation."""

@@ -96,7 +96,7 @@ def describe_units(value: str, strategy: str) -> list[str]:
 def training_lanes(args: Any) -> int | None:
     """The lane count training's max-pool allocators hold for validated ``args``, when above the
     shared pool's (None: the shared pool, or no max-pool double buffer): read off the double-buffer
-    policy of the flags ([Note: double-buffer policy]), for the planner and the several-ranks-per-GPU
+    policy of the flags ([Note: double buffer], policy), for the planner and the several-ranks-per-GPU
     memory check. Whether a model chunk has that many FSDP units is for the allocator that counts
     them (LaneMaxPool) to say."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import policy_from_args

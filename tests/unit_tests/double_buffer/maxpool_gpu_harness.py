@@ -481,7 +481,7 @@ def _repro_child(out_dir: str, flags: list[str]) -> int:
         if emulate_0182:
             # 0.18.2's FixedPool backup: a TemporaryBucketAllocator whose free() drops the
             # bucket, so the next allocate makes a new storage behind saved aliases ("dropped
-            # bucket" in [Note: max-pool failure modes]).
+            # bucket" in [Note: double buffer], failure modes).
             from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
                 TemporaryBucketAllocator,
             )
@@ -525,7 +525,7 @@ def _repro_child(out_dir: str, flags: list[str]) -> int:
 
 def _fallback_keys() -> list[str]:
     """GlobalMemoryBuffer keys FixedPool created for buckets outside its pool ("persistent
-    blow-up" in [Note: max-pool failure modes])."""
+    blow-up" in [Note: double buffer], failure modes)."""
     try:
         from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
 

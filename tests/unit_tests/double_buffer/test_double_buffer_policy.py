@@ -1,4 +1,4 @@
-"""The double-buffer policy ([Note: double-buffer policy] in megatron_fsdp/double_buffer/policy.py):
+"""The double-buffer policy ([Note: double buffer], policy, in megatron_fsdp/double_buffer/__init__.py):
 frozen, built once per entry route and handed down, the same from every route, errors in the route's
 spelling with the offending value, no module-level state (CPU)."""
 

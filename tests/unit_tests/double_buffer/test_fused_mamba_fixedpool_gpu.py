@@ -3,7 +3,7 @@
 Upstream saw its CUDA illegal memory access in this configuration: the double buffer's
 FixedPool sends the Mamba unit (an outlier) to its backup allocator, whose ``free()`` in 0.18.2
 drops the bucket while tensors autograd saved in forward still alias it ("dropped bucket" in
-[Note: max-pool failure modes]); the fused path (``mamba_split_conv1d_scan_combined`` with
+[Note: double buffer], failure modes); the fused path (``mamba_split_conv1d_scan_combined`` with
 causal-conv1d's kernels) keeps such aliases. The local-spec, non-fused run of test (g) in
 test_maxpool_hybrid_gpu.py did not reproduce it. Each variant runs UPSTREAM_CASE (1 attention +
 1 Mamba unit, DP=2, 5 steps x 4 micro-batches) with ``--fused`` in its own torchrun and writes

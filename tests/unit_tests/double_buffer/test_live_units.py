@@ -1,4 +1,5 @@
-"""[Note: live units]: one constant, double_buffer.plan.NUM_BUFFER_GROUPS, sets every live-unit limit.
+"""One constant, double_buffer.plan.NUM_BUFFER_GROUPS, sets every live-unit limit ([Note: double buffer],
+live units).
 
 The test changes only that constant (to 3) and then checks every place that bounds how many
 FSDP units may hold double-buffer memory: the plans' byte counts, MaxPoolAllocator's and

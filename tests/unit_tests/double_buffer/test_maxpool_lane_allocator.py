@@ -1,8 +1,8 @@
 """LaneMaxPoolAllocator on CPU: plan-fixed homes, N live units, prefetch gate and grad drain at
 N, fatal home misses after capture, and 2 lanes left exactly as the shared pool.
 
-[Note: max-pool lane homes] in megatron_fsdp/double_buffer/lanes.py. The fake global memory buffer
-comes from test_maxpool_allocator, the CPU ParamAndGradBuffer from tests/unit_tests/conftest.py.
+[Note: double buffer], lanes and homes, in megatron_fsdp/double_buffer/__init__.py. The fake global
+memory buffer comes from test_maxpool_allocator, the CPU ParamAndGradBuffer from tests/unit_tests/conftest.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Property tests for the N-lane pool plan ([Note: max-pool lanes] in double_buffer/plan.py.py). CPU only."""
+"""Property tests for the N-lane pool plan ([Note: double buffer], lanes and homes, in
+double_buffer/__init__.py). CPU only."""
 
 import random
 

@@ -136,7 +136,7 @@ def events(monkeypatch):
     return SimpleNamespace(log=log, gmb=gmb)
 
 
-# ------------------------------------- pre-sizing ([Note: max-pool failure modes], size drift)
+# ------------------------------------- pre-sizing ([Note: double buffer], failure modes: size drift)
 
 
 def iterate(alloc, groups, n_iter=3):

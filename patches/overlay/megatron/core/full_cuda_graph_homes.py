@@ -2,7 +2,8 @@
 """After a full-iteration capture: Megatron-FSDP max-pool home misses become fatal.
 
 A home miss after capture means the graph replays against a buffer group that now holds another
-unit (a stale pointer; [Note: max-pool failure modes] in megatron_fsdp/double_buffer/allocator.py).
+unit (a stale pointer; [Note: double buffer] in megatron_fsdp/double_buffer/__init__.py, failure
+modes: home drift).
 """
 
 import logging

@@ -9,7 +9,7 @@ training configs copy args by field name): ``--nccl-comm-warmup`` is
 ``DistributedInitConfig.nccl_comm_warmup``, which upstream's ``ArgumentGroupFactory`` leaves out of
 its "distributed init" group (:data:`FACTORY_EXCLUDED`) so that it is declared here once. What the
 double-buffer flags may be combined with is the double-buffer policy's business
-(double_buffer/policy.py, [Note: double-buffer policy]).
+(double_buffer/policy.py; [Note: double buffer], policy).
 
 A base whose release lacks what a flag drives, or declares the flag itself, passes ``only``: the
 option strings of the flags that have behaviour there, so that no flag without it is offered.

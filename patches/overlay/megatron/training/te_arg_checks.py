@@ -1,17 +1,18 @@
 # Copyright (c) 2026, hfsdp authors. Added by the hfsdp patch series.
 
-"""Argument checks for Transformer Engine combinations that cannot run as asked on 0.18.2.
+"""Argument checks for Transformer Engine combinations that cannot run as asked.
 
 [Note: TE combinations]
-Each check below is a combination whose failure (or silent change) can be read off the code of
-0.18.2 and TE 2.20, turned into one error at argument validation that names the way out. Without
+Each check below is a combination whose failure (or silent change) can be read off Megatron's
+and TE's code, turned into one error at argument validation that names the way out. Without
 the checks the first three fail after the process groups are up, while the model is built:
 
 * ``--deterministic-mode`` with TE attention: Megatron's ``TEDotProductAttention.__init__``
-  raises unless ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` is in the environment (TE 2.20 itself
-  already runs deterministic attention under ``torch.use_deterministic_algorithms``, which
-  ``--deterministic-mode`` sets; the variable is Megatron's requirement). Only models with
-  attention layers: dense and MoE GPT, or a hybrid pattern with ``*``.
+  raises unless ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` is in the environment (TE's attention
+  is deterministic under ``torch.use_deterministic_algorithms``, which ``--deterministic-mode``
+  sets; the variable is Megatron's requirement). Only models with attention layers: dense and
+  MoE GPT, or a hybrid pattern with ``*``. On 0.19.2 this check never fires: validate_args
+  sets the variable to 0 under ``--deterministic-mode`` (and asserts on another value) first.
 * ``NVTE_FLASH_ATTN`` / ``NVTE_FUSED_ATTN`` / ``NVTE_UNFUSED_ATTN`` in the environment that
   disagree with ``--attention-backend`` (default ``auto``): ``LanguageModule`` sets the three
   itself from the flag and asserts that a value already set agrees.
@@ -22,7 +23,7 @@ the checks the first three fail after the process groups are up, while the model
 * The max-pool double buffer with blockwise-FP8 parameters (``--fp8-param-gather --fp8-recipe
   blockwise``): after each optimizer step ``copy_main_weights_to_model_weights`` fetches the
   weight bucket of every blockwise-FP8 unit before it frees any, more units
-  than the pool has groups ([Note: max-pool failure modes], too many live units).
+  than the pool has groups ([Note: double buffer], failure modes: too many live units).
 
 Not checked because nothing in the code says they fail (open questions for a GPU run): TE with
 full-iteration CUDA graphs and Mamba's fused path; TE with other FP8 recipes and the max-pool

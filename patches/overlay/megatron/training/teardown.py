@@ -2,11 +2,11 @@
 
 """Distributed teardown when pretrain() returns or raises.
 
-0.18.2 never destroys the process group at the end of pretrain(). Jobs with many NCCL groups
-(MoE expert-parallel layouts) then tear communicators down in uncoordinated interpreter GC,
-where NCCL watchdogs time out and the process hangs after training has finished; a
-Megatron-FSDP --use-nccl-ub pool that is still registered crashes ProcessGroupNCCL's destructor
-("Deregister: Could not find handle").
+Megatron's pretrain() does not destroy the process group when it ends. Left alone, jobs with
+many NCCL groups (MoE expert-parallel layouts) tear communicators down in uncoordinated
+interpreter GC, where NCCL watchdogs time out and the process hangs after training has
+finished, and a Megatron-FSDP --use-nccl-ub pool that is still registered makes
+ProcessGroupNCCL's destructor fail ("Deregister: Could not find handle").
 
 ``tear_down_distributed_on_exit`` wraps pretrain():
 - success (return or SystemExit(0)): world barrier, deregister the Megatron-FSDP NCCL memory

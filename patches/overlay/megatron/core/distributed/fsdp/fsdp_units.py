@@ -3,15 +3,16 @@
 
 [Note: default FSDP units]
 For ``optim_grads_params`` every decoder layer of a hybrid stack is a unit: TransformerLayer,
-MoETransformerLayer and MambaLayer. (0.18.2 listed TransformerLayer only, which left every Mamba
-layer gathered and never resharded.) The other sharding strategies have no units.
+MoETransformerLayer and MambaLayer (MambaLayer is no TransformerLayer: a list without it leaves
+every Mamba layer gathered and never resharded). The other sharding strategies have no units.
 :data:`DEFAULT_UNIT_MODULES` holds the classes as dotted paths: the one list the adapter
 (``mcore_fsdp_adapter.FullyShardedDataParallel``) and any tool that predicts units read.
 
 Invariants:
 - the adapter asks :func:`unit_modules` only when its caller passed no ``fsdp_unit_modules``;
 - :func:`set_unit_modules_override` replaces the rule for the whole process (an entry point may,
-  e.g. to write a checkpoint in 0.18.2's unit layout), and ``None`` restores the default;
+  e.g. to write a checkpoint with TransformerLayer as the only unit), and ``None`` restores the
+  default;
 - importing this module imports nothing: the classes are imported when first asked for.
 """
 

@@ -7,42 +7,13 @@ its full planned size from the global memory buffer, so it never grows after fir
 (safe for NCCL user-buffer registration and CUDA-graph capture). A live unit owns one
 group; its buckets are views at fixed planned offsets. Each unit has a home group
 (recorded at its first strict allocation) so addresses are stable across iterations.
-Non-unit buckets are never pooled. The pure layout math lives in ``plan``.
+Non-unit buckets are never pooled. The pure layout math lives in ``plan``; the invariants
+this class keeps are [Note: double buffer], failure modes.
 
 ParamAndGradBuffer's ``MaxPoolAllocator`` is this class with its own bucket types
 (``bucket_type``, ``backup_type``): this module never imports param_and_grad_buffer, which
 imports it and chooses between it and FixedPoolAllocator where it builds its allocators.
 """
-
-# [Note: max-pool failure modes]
-# The max-pool double buffer serves every FSDP unit, whatever its buckets, from buffers whose
-# addresses never change. Each invariant below is named after the failure it rules out; patches,
-# comments and errors refer to it by that name.
-# - silent fallback: every unit's buckets come from the pool, never from dynamic or persistent
-#   fallback memory. (FixedPool pools only the most common unit shape; its notices go through
-#   log_single_rank, and the planner lists its outliers.)
-# - dropped bucket: the backup allocator (StorageResize) keeps a Bucket across free and re-grows
-#   the same storage, so a view autograd saved never points at a dropped storage.
-# - persistent blow-up: units never fall back to persistent buffers; only non-unit buckets can,
-#   and only with fsdp_db_use_persist_buf_on_alloc_fail.
-# - unstable addresses: each arena is created once, at its planned size, under the buffer's
-#   mem_alloc_context, so NCCL user-buffer registrations and CUDA graphs hold live pointers.
-# - too many live units: at most one unit per group is live. Non-unit gathers do not prefetch,
-#   every live-unit check reads ParamAndGradBuffer.live_unit_limit ([Note: live units] in
-#   plan.py), and one unit too many in _acquire_group raises, naming the owners.
-#   Blockwise-FP8 batching in copy_main_weights_to_model_weights is outside this bound.
-# - wgrad race: the grad limit runs in the main_grad getter, which TE's fused wgrad accumulation
-#   calls directly, and the compute stream waits on every drained reduce-scatter, so a unit's
-#   wgrad never overwrites a pending reduce-scatter input.
-# - home drift: a unit keeps the group of its first strict allocation (per bucket in FixedPool)
-#   through forward, backward and recompute; a miss is counted and logged, and raises with
-#   fail_on_home_miss once a graph is captured. With 3 or more lanes the plan fixes the home
-#   ([Note: max-pool lane homes]).
-# - size drift: plans use the padded size (bucket_index.size); each arena is requested once at
-#   full size, and _arena raises if it ever changes.
-# - grad dtype: grad pools are planned in the dtype grads are requested in (grad_comm_dtype or the
-#   main-grad dtype): ParameterGroup.grad_dtype and a dtype_fn per allocator, from the rules in
-#   plan.py.
 
 from __future__ import annotations
 
@@ -104,7 +75,7 @@ class MaxPool:
         name: prefix of the global-memory-buffer keys.
         fsdp_param_groups: all parameter groups; index == bucket id.
         size: number of buffer groups = units that may be live at once; default
-            plan.NUM_BUFFER_GROUPS ([Note: live units]).
+            plan.NUM_BUFFER_GROUPS ([Note: double buffer], live units).
         fallback_to_persistent_buffer: non-unit buckets get a persistent buffer
             instead of the StorageResize backup.
         dtype_fn: dtype this allocator is asked for per group (default: param dtype).
@@ -117,7 +88,7 @@ class MaxPool:
 
     Subclasses set ``bucket_type`` (what ``allocate`` returns: a holder of ``data``) and
     ``backup_type`` (the allocator of non-unit buckets, which keeps a bucket's storage
-    across frees: [Note: max-pool failure modes], dropped bucket).
+    across frees: [Note: double buffer], failure modes: dropped bucket).
     """
 
     bucket_type: Any = None
@@ -292,7 +263,7 @@ class MaxPool:
                 f"[{self.name}] no idle buffer group for unit {unit_id}: groups are owned by "
                 f"{self.group_owner}, live buckets {self.unit_live}. More than {self.size} units "
                 "requested at once (prefetch / blockwise-FP8 batching / missing live-unit limit?); "
-                "see [Note: max-pool failure modes], too many live units"
+                "see [Note: double buffer], failure modes: too many live units"
             )
         return idle
 
@@ -345,7 +316,7 @@ class MaxPool:
 
         Call inside the NCCL mem-pool context (the caller owns it; no context is entered
         here) so the arenas land in the pool before registration and never grow after it
-        ([Note: max-pool failure modes], size drift). Refuses to grow an arena of the same
+        ([Note: double buffer], failure modes: size drift). Refuses to grow an arena of the same
         name another model chunk created smaller, because that memory may already be
         registered or captured.
         Returns ``arena_order()``.
@@ -385,7 +356,7 @@ class MaxPool:
             )
         arena = self.arenas[key]
         current = get_global_memory_buffer().buffer.get((gbuf_name, torch_dtype))
-        # [Note: max-pool failure modes], size drift: requested once at full size, never regrown.
+        # [Note: double buffer], failure modes: size drift: requested once at full size, never regrown.
         if arena.numel() != planned or current is None or current.data_ptr() != arena.data_ptr():
             raise RuntimeError(
                 f"[{self.name}] arena {gbuf_name} changed after first use: planned {planned} elems, "

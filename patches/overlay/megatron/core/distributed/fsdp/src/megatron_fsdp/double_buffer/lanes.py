@@ -4,25 +4,14 @@
 A MaxPool whose buffer groups are lanes of their own size: the plan is
 ``plan.runtime_lane_plan`` (unit at position i lives in lane i % N, each (lane,
 dtype) arena sized by the largest unit of that lane), and a unit's home is the plan's lane,
-fixed before the first allocation. Everything else (views at planned offsets, arenas created
-once and never grown, the live-unit limit N read by ParamAndGradBuffer.live_unit_limit,
-poisoning, stats) is MaxPool's. ParamAndGradBuffer builds this class only when the double-buffer
-policy says so (``DoubleBufferPolicy.pick``: max-pool with 3 or more lanes, a range the policy's
-builder checked; 2 lanes is MaxPool, [Note: max-pool lanes] in plan.py), with ``size`` its
-``live_units``. ParamAndGradBuffer's ``LaneMaxPoolAllocator`` is this class with its bucket types
-(allocator.py says why).
+fixed before the first allocation ([Note: double buffer], lanes and homes). Everything else
+(views at planned offsets, arenas created once and never grown, the live-unit limit N read by
+ParamAndGradBuffer.live_unit_limit, poisoning, stats) is MaxPool's. ParamAndGradBuffer builds
+this class only when the double-buffer policy says so (``DoubleBufferPolicy.pick``: max-pool
+with 3 or more lanes, a range the policy's builder checked; 2 lanes is MaxPool), with ``size``
+its ``live_units``. ParamAndGradBuffer's ``LaneMaxPoolAllocator`` is this class with its bucket
+types (allocator.py says why).
 """
-
-# [Note: max-pool lane homes]
-# Units run in order (forward 0..n-1, backward n-1..0) and every live-unit check allows at most
-# N units (ParamAndGradBuffer.live_unit_limit = N), so the units live at once are N consecutive
-# ones, which round robin puts in N distinct lanes: each unit finds its home lane idle.
-# A unit whose home is busy (two live units that are not consecutive) is a home miss:
-# - before CUDA-graph capture it is counted and logged, as with the shared pool, and the unit
-#   takes the first idle lane whose arenas hold it; none holds it -> RuntimeError naming owners;
-# - with fail_on_home_miss (set after capture or manual UB registration) it is fatal, as today:
-#   a graph replayed against another lane would read stale addresses.
-# Init-time fetches (strict_assignments=False) use the same rule without counting a miss.
 
 from __future__ import annotations
 
@@ -110,11 +99,11 @@ class LaneMaxPool(MaxPool):
                     f"[{self.name}] unit {unit_id}: home lane {home} is owned by unit "
                     f"{self.group_owner[home]} and no idle lane of {idle} is large enough "
                     f"(arenas {self._lane_plan().arena_numel}). Live units must be consecutive for "
-                    "round-robin lanes; see [Note: max-pool lane homes]"
+                    "round-robin lanes; see [Note: double buffer], lanes and homes"
                 )
             group = fitting[0]
             if strict:
-                # Raises under fail_on_home_miss (after capture): [Note: max-pool lane homes].
+                # Raises under fail_on_home_miss (after capture): [Note: double buffer], lanes and homes.
                 self._home_miss(unit_id, home, group)
         self.group_owner[group] = unit_id
         self.unit_group[unit_id] = group

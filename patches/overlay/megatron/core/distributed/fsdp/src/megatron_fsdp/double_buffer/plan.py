@@ -9,12 +9,10 @@ Buffer rules: the dtype each allocator is asked for and the alignment of pool of
 ``ParamAndGradBuffer`` and the offline memory planner both call these functions, so
 they cannot disagree.
 
-Arena layout (max-pool double buffering): for each dtype there is one arena per buffer
-group. While a unit is live it owns one group; its buckets of that dtype sit
-contiguously in the group's arena at fixed offsets (bucket-id order, each offset
-aligned). The arena size is the largest per-unit layout, so the pool is
-NUM_BUFFER_GROUPS x (largest unit per dtype) + alignment. What other pools would cost for the
-same buckets is the offline planner's comparison (hfsdp/planner/compare.py), not the runtime's.
+The arena layout is [Note: double buffer], plan; the lanes, its lanes and homes. With the shared
+groups the pool is NUM_BUFFER_GROUPS x (largest unit per dtype) + alignment. What other pools
+would cost for the same buckets is the offline planner's comparison (hfsdp/planner/compare.py),
+not the runtime's.
 """
 
 from __future__ import annotations
@@ -28,13 +26,9 @@ FLOAT8_PLANNED = "torch.uint8"  # FP8 weight buffers hold the raw bytes
 FLOAT8_GRAD = "torch.bfloat16"  # FP8 groups' main grads unless main_grads_dtype is set
 DEFAULT_ALIGN_BYTES = 256  # alignment of every bucket offset inside an arena
 
-# [Note: live units]
-# How many FSDP units may hold double-buffer memory at once. It is the number of buffer
-# groups of the pool, and this constant is its one source: MaxPoolAllocator and the
-# 0.18.2 FixedPoolAllocator are built with this many groups, every plan below counts
-# its bytes with it, and ParamAndGradBuffer.live_unit_limit reads the weight
-# allocator's group count for every live-unit check (the all-gather request check,
-# the prefetch loop, the grad double-buffer drain). A deeper pool is a change here.
+# The buffer groups of the shared pool, so the FSDP units that may hold double-buffer memory at
+# once; the one source of that number for FixedPoolAllocator, MaxPoolAllocator, every plan below
+# and ParamAndGradBuffer.live_unit_limit ([Note: double buffer], live units).
 NUM_BUFFER_GROUPS = 2
 
 
@@ -90,7 +84,7 @@ class BucketSpec:
     """One bucket as seen by one allocator.
 
     ``numel`` is the padded size actually requested at runtime (``bucket_index.size``);
-    ``unpadded_numel`` is the sum of parameter numels (what 0.18.2 FixedPool compares).
+    ``unpadded_numel`` is the sum of parameter numels (what FixedPool compares).
     ``unit_id`` None marks a non-unit bucket, which is never pooled.
     """
 
@@ -124,7 +118,7 @@ class MaxPoolPlan:
     align_bytes: int = DEFAULT_ALIGN_BYTES
     buckets: dict[int, BucketSpec] = field(default_factory=dict)  # planned unit buckets
     unit_layout_numel: dict[str, dict[int, int]] = field(default_factory=dict)
-    num_groups: int = NUM_BUFFER_GROUPS  # [Note: live units]
+    num_groups: int = NUM_BUFFER_GROUPS  # [Note: double buffer], live units
 
     def arena_bytes(self, dtype: str) -> int:
         """Bytes of one group's arena for ``dtype``."""
@@ -188,7 +182,7 @@ def plan_max_pool(
 ) -> MaxPoolPlan:
     """Arena plan: per dtype, arena = max over units of the unit's aligned layout.
 
-    ``num_groups`` defaults to NUM_BUFFER_GROUPS ([Note: live units]).
+    ``num_groups`` defaults to NUM_BUFFER_GROUPS ([Note: double buffer], live units).
     """
     if align_bytes < 1:
         raise ValueError(f"align_bytes must be >= 1, got {align_bytes}")
@@ -245,22 +239,10 @@ def format_plan(plan: MaxPoolPlan, name: str = "maxpool") -> list[str]:
     return lines
 
 
-# [Note: max-pool lanes]
-# A lane is one buffer group of the pool. A unit may live only in its allowed lanes, and a
-# lane's arena per dtype is sized by the largest unit allowed in it. Two assignments matter:
-# - shared: every unit may use every lane (the max-pool plan above, with homes picked at run
-#   time). Each lane is sized by the largest unit, so a unit whose home is busy can fall back
-#   to any other lane.
-# - round robin: the unit at position i (in unit-id order) lives only in lane i % lanes. Units
-#   run in order (forward 0..n-1, backward n-1..0), so any `lanes` consecutive units sit in
-#   distinct lanes: `lanes` units can be live at fixed addresses, and a lane holding only small
-#   units is small. There is no fallback lane: a miss cannot be served by a smaller lane.
-# plan_lanes with the shared assignment is plan_max_pool byte for byte (tested), so a deeper,
-# smaller pool is a choice of assignment, not a second layout.
-# At run time (--megatron-fsdp-max-pool-lanes N, runtime_lane_plan): N = 2, the default, is
-# today's shared pool, built by plan_max_pool and MaxPoolAllocator exactly as before; N >= 3 is
-# round robin, served by LaneMaxPoolAllocator (lanes.py). The offline planner calls
-# runtime_lane_plan too, so it prints the plan the allocator will hold.
+# Lanes ([Note: double buffer], lanes and homes): a unit may live only in its allowed lanes, and
+# a lane's arena per dtype is sized by the largest unit allowed in it. The shared assignment
+# (every unit in every lane) is plan_max_pool byte for byte; round robin (unit i in lane i % N)
+# is what N >= 3 lanes use at run time (runtime_lane_plan, LaneMaxPool).
 
 
 @dataclass(frozen=True)
@@ -290,7 +272,7 @@ class LanePlan:
 
 
 def shared_lanes(unit_ids: Iterable[int], lanes: int) -> dict[int, tuple[int, ...]]:
-    """Every unit may use every lane ([Note: max-pool lanes])."""
+    """Every unit may use every lane ([Note: double buffer], lanes and homes)."""
     return {u: tuple(range(lanes)) for u in unit_ids}
 
 
@@ -308,7 +290,7 @@ def plan_lanes(
 ) -> LanePlan:
     """Lane plan: each (lane, dtype) arena holds the largest unit allowed in that lane.
 
-    ``assignment`` is ``"round_robin"`` or ``"shared"`` ([Note: max-pool lanes]). A unit's
+    ``assignment`` is ``"round_robin"`` or ``"shared"`` (the comment above). A unit's
     buckets keep the max-pool plan's offsets, so a unit's layout is the same in every lane.
     """
     groups = buffer_groups(lanes)
@@ -353,7 +335,7 @@ def format_lane_plan(plan: LanePlan, name: str = "maxpool") -> list[str]:
     return lines
 
 
-SHARED_LANES = 2  # the lane count that means today's shared pool ([Note: max-pool lanes])
+SHARED_LANES = 2  # the lane count of the shared pool ([Note: double buffer], lanes and homes)
 
 
 def lane_assignment(lanes: int) -> str:
@@ -375,7 +357,7 @@ def lanes_units_problem(lanes: int, num_units: int, *, setting: str) -> str | No
     """Why ``lanes`` round-robin lanes cannot serve ``num_units`` FSDP units, or None.
 
     A lane without a unit would hold nothing, so more lanes than units is a mistake rather
-    than a deeper pool. Today's shared pool (2 lanes) is never refused. ``setting`` names
+    than a deeper pool. The shared pool (2 lanes) is never refused. ``setting`` names
     where the count came from, for the message.
     """
     if lanes > SHARED_LANES and lanes > num_units:

@@ -1,23 +1,10 @@
 # Copyright (c) 2026, hfsdp authors. Licensed under the Apache License, Version 2.0.
 """DoubleBufferPolicy: how Megatron-FSDP double-buffers, built once per entry route.
 
-[Note: double-buffer policy]
-A small frozen value, like FSDP2's ``MixedPrecisionPolicy``: each entry route builds it once from
-the user's settings and hands it down; nothing downstream reads the settings. The setting's path,
-as the files that read it or the policy built from it:
-- training/fork_args.py declares the flags; training/double_buffer_args.py (validate_args) builds
-  the command line's policy (:func:`policy_from_args`) and sets ``args.fsdp_double_buffer`` to
-  ``policy.double_buffer`` for upstream readers;
-- both DDP configs declare the fields; their ``__post_init__`` builds the config's policy
-  (:func:`policy_from_config`), keeps it as ``double_buffer_policy`` and sets ``fsdp_double_buffer``
-  likewise; ``fully_shard_model`` checks its keywords first (:func:`policy_from_keywords`);
-- ParamAndGradBuffer takes the config's policy once (``double_buffer_policy``): the allocator
-  (:meth:`DoubleBufferPolicy.pick`) with ``live_units`` groups and the persistent fallback, the
-  symmetric staging (symmetric.py) and the gather/reduce pipelines read it; te_arg_checks.py and
-  hfsdp's ``training_lanes`` read the command line's.
-Invariants: the implications (max-pool, NCCL user buffers) are one function every route calls,
-:func:`double_buffering`; the rules run only in :func:`build_policy`, naming the offending value in
-the user's spelling; a config's fields changed after ``__post_init__`` are not seen.
+A small frozen value, like FSDP2's ``MixedPrecisionPolicy``: each entry route builds it from the
+user's settings (:func:`policy_from_args`, :func:`policy_from_config`, :func:`policy_from_keywords`),
+checked by :func:`build_policy` alone, and hands it down. [Note: double buffer], policy, lists the
+files the setting passes through on its way to the allocator.
 """
 
 from __future__ import annotations
@@ -57,7 +44,7 @@ def double_buffering(double_buffer: bool, max_pool: bool, nccl_ub: bool) -> bool
 
 @dataclass(frozen=True)
 class DoubleBufferPolicy:
-    """How Megatron-FSDP double-buffers ([Note: double-buffer policy]); build with a route."""
+    """How Megatron-FSDP double-buffers ([Note: double buffer], policy); build with a route."""
 
     double_buffer: bool = False
     max_pool: bool = False  # MaxPool (or LaneMaxPool) instead of FixedPool
@@ -68,11 +55,11 @@ class DoubleBufferPolicy:
     manual_registration: bool = False  # registration deferred to manual_buffer_registration
 
     @property
-    def round_robin(self) -> bool:  # three or more lanes: LaneMaxPool ([Note: max-pool lanes])
+    def round_robin(self) -> bool:  # three or more lanes: LaneMaxPool ([Note: double buffer], lanes and homes)
         return self.max_pool and self.lanes > SHARED_LANES
 
     @property
-    def live_units(self) -> int:  # FSDP units that may hold pool memory at once ([Note: live units])
+    def live_units(self) -> int:  # FSDP units that may hold pool memory at once ([Note: double buffer], live units)
         return self.lanes if self.round_robin else buffer_groups()
 
     @property

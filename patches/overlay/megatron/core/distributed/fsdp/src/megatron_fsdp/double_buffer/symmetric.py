@@ -19,8 +19,8 @@ makes this one deterministic step at ``ParamAndGradBuffer`` init:
 4. rendezvous again before anything can issue a collective on the registered pool (for
    manual registration, right after ``manual_buffer_registration``).
 
-After staging no arena grows ([Note: max-pool failure modes] in allocator.py, size
-drift). Only allocators that will allocate are staged: hybrid FSDP's ``hsdp_grad_comm``
+After staging no arena grows ([Note: double buffer], failure modes: unstable addresses,
+size drift). Only allocators that will allocate are staged: hybrid FSDP's ``hsdp_grad_comm``
 allocator serves only parameter groups whose gradients are cast to
 ``mp_policy.grad_comm_dtype`` for the DP-outer reduction, and without one it never
 allocates (:func:`stages`). This module never touches ``NCCL_NVLS_ENABLE``.
