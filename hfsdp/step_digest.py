@@ -16,7 +16,8 @@ each listed step:
   Adam's moments, before the step each parameter group's gradient size and sum of squares
   (after clipping), the set of step counts and the learning rates (each rank holds its own
   shards), and ``state=key:dtype:bytes,...``: every tensor the optimizer keeps per parameter
-  (Adam's moments, a master copy where one exists), summed over this rank's shards. Step 0 is the optimizer steps taken before training (the ``fsdp_dtensor`` loader's dummy step).
+  (Adam's moments, a master copy where one exists), summed over this rank's shards. Step 0 is
+  the optimizer steps taken before training (the ``fsdp_dtensor`` loader's dummy step).
 
 Diffing two runs' lines (``grep HFSDP-DIGEST run1.log``) names the first module, or the
 first optimizer quantity, that differs. Diagnostics only: each record syncs the GPU.

@@ -29,7 +29,15 @@ TE_CASES = {
     "hybrid/hybrid_mcore_te_fsdp_1gpu_eager_no_db_eval_resume": None,
     "hybrid/hybrid_mcore_te_fsdp_1gpu_graph_maxpool_eval_resume":
         "hybrid/hybrid_mcore_te_fsdp_1gpu_eager_no_db_eval_resume",
+    # the precision-aware optimizer: checkpoint at step 10 and resume, DP=1 and DP=2, eager and graphed
+    "hybrid/hybrid_mcore_te_fsdp_1gpu_pao_eager_no_db_resume": None,
+    "hybrid/hybrid_mcore_te_fsdp_1gpu_pao_graph_maxpool_resume":
+        "hybrid/hybrid_mcore_te_fsdp_1gpu_pao_eager_no_db_resume",
+    "hybrid/hybrid_mcore_te_fsdp_2gpu_pao_eager_no_db_resume": None,
+    "hybrid/hybrid_mcore_te_fsdp_2gpu_pao_graph_maxpool_resume":
+        "hybrid/hybrid_mcore_te_fsdp_2gpu_pao_eager_no_db_resume",
 }
+TWO_RANKS = {case for case in TE_CASES if "_2gpu_" in case}
 MAXPOOL = {"--fsdp-double-buffer": True, "--megatron-fsdp-max-pool-double-buffer": True}
 GRAPH = {"--cuda-graph-impl": "full_iteration", "--cuda-graph-warmup-steps": 3, "--logging-level": 20}
 
@@ -43,7 +51,8 @@ def test_the_te_cases_exist_and_take_the_deterministic_settings() -> None:
     assert found == set(TE_CASES)
     for case, twin in TE_CASES.items():
         r = recipe(case)
-        assert r.nproc == 1 and r.require_golden and r.determinism == te_determinism.PROFILE, case
+        assert r.nproc == (2 if case in TWO_RANKS else 1), case
+        assert r.require_golden and r.determinism == te_determinism.PROFILE, case
         assert r.model_args["--transformer-impl"] == "transformer_engine", case
         assert {k: r.model_args[k] for k in te_determinism.flags()} == te_determinism.flags(), case
         assert r.env_vars == te_determinism.env("pin"), case
@@ -57,6 +66,8 @@ def test_the_te_cases_exist_and_take_the_deterministic_settings() -> None:
     ("hybrid/hybrid_mcore_te_fsdp_1gpu_fused_mamba_maxpool", MAXPOOL),
     ("moe/moe_mcore_te_fsdp_1gpu_grouped_gemm_maxpool", MAXPOOL),
     ("hybrid/hybrid_mcore_te_fsdp_1gpu_graph_maxpool_eval_resume", {**GRAPH, **MAXPOOL}),
+    ("hybrid/hybrid_mcore_te_fsdp_1gpu_pao_graph_maxpool_resume", {**GRAPH, **MAXPOOL}),
+    ("hybrid/hybrid_mcore_te_fsdp_2gpu_pao_graph_maxpool_resume", {**GRAPH, **MAXPOOL}),
 ])
 def test_each_case_is_its_twin_plus_the_feature_under_test(case: str, added: dict) -> None:
     r, twin = recipe(case), recipe(TE_CASES[case])
