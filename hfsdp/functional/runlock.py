@@ -83,29 +83,35 @@ def _not_ours(out: Path, case: str) -> Path:
     return key
 
 
-def hold(out: Path, case: str) -> None:
-    """Lock output folder ``out`` for ``case``'s run until the :func:`holding` call around it ends (see
-    the note); a UserError names the run that holds it and the way out."""
-    if not _sessions():
-        raise RuntimeError("runlock.hold() called outside a @runlock.holding run")
-    outdir.check(out)
+def _take(stack: contextlib.ExitStack, out: Path, holder: str, wait_s: float,
+          busy: Callable[[str], UserError]) -> None:
+    """Take output folder ``out``'s lock into ``stack`` (waiting up to ``wait_s`` seconds); ``busy(holder)``
+    is the error when another run keeps it."""
     path = lock_path(out)
-    key = _not_ours(out, case)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = filelock.exclusive(path, filelock.holder_line(f"run_case {case}"))
-        _sessions()[-1].enter_context(lock)
+        stack.enter_context(filelock.exclusive(path, filelock.holder_line(holder), wait_s=wait_s))
     except filelock.Held as held:
-        raise UserError(f"output folder {out} is in use by {held.holder or 'another run_case'}, and two runs in one "
-                        "folder would mix their logs and metrics",
-                        f"wait for that run to end (its lock {path} ends with its process), or give this run "
-                        "another --output-dir") from None
+        raise busy(held.holder or "another run_case") from None
     except filelock.NotALockFile as exc:
         raise UserError(f"the output folder's lock {path} {exc.why}; the driver locks a file of its own there",
                         f"move {path} away (the next run makes a new one)") from None
     except OSError as exc:
         raise UserError(f"the output folder's lock {path} cannot be taken: {exc.strerror or exc}",
                         f"{outdir.FIX}, on a file system that takes file locks") from exc
+
+
+def hold(out: Path, case: str) -> None:
+    """Lock output folder ``out`` for ``case``'s run until the :func:`holding` call around it ends (see
+    the note); a UserError names the run that holds it and the way out."""
+    if not _sessions():
+        raise RuntimeError("runlock.hold() called outside a @runlock.holding run")
+    outdir.check(out)
+    key = _not_ours(out, case)
+    _take(_sessions()[-1], out, f"run_case {case}", 0.0, lambda who: UserError(
+        f"output folder {out} is in use by {who}, and two runs in one folder would mix their logs and metrics",
+        f"wait for that run to end (its lock {lock_path(out)} ends with its process), or give this run "
+        "another --output-dir"))
     with _held_guard:
         _held[key] = case
     _sessions()[-1].callback(_release, key)
@@ -118,20 +124,10 @@ class Busy(UserError):
 @contextlib.contextmanager
 def reading(out: Path, case: str, wait_s: float) -> Iterator[None]:
     """Hold twin folder ``out``'s lock while ``case`` reads its numbers, waiting up to ``wait_s`` seconds
-    for a run that writes there (see the note); a UserError names that run once the wait is over."""
+    for a run that writes there (see the note); :class:`Busy` names that run once the wait is over."""
     _not_ours(out, case)
-    path = lock_path(out)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with filelock.exclusive(path, filelock.holder_line(f"run_case {case} (reading its twin)"), wait_s=wait_s):
-            yield
-    except filelock.Held as held:
-        raise Busy(f"its folder {out} stayed in use by {held.holder or 'another run_case'} for {wait_s:.0f} s, "
-                        "so its numbers may be half-written",
-                        "rerun this case once that run has ended") from None
-    except filelock.NotALockFile as exc:
-        raise UserError(f"the twin folder's lock {path} {exc.why}",
-                        f"move {path} away (the next run makes a new one)") from None
-    except OSError as exc:
-        raise UserError(f"the twin folder's lock {path} cannot be taken: {exc.strerror or exc}",
-                        f"{outdir.FIX}, on a file system that takes file locks") from exc
+    with contextlib.ExitStack() as stack:
+        _take(stack, out, f"run_case {case} (reading its twin)", wait_s, lambda who: Busy(
+            f"its folder {out} stayed in use by {who} for {wait_s:.0f} s, so its numbers may be half-written",
+            "rerun this case once that run has ended"))
+        yield
