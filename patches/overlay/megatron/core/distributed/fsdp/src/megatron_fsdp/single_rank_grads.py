@@ -28,6 +28,22 @@ Invariants kept here:
    ``average_in_collective`` is off) changes values, exactly as the multi-rank path scales.
 3. Weight-gradient kernels add into a one-rank buffer, which holds the earlier micro-batches
    (``overwrites_main_grad``); a sharded bucket, fresh per micro-batch, is still overwritten.
+4. First writes (``FirstWrites``, when the owner turns them on): ``zero_grad`` does not fill a
+   one-rank buffer with zeros each cycle. It marks the buffer's parameters fresh instead; a
+   parameter's first gradient write of the cycle overwrites (the fused weight-gradient GEMM's
+   ``overwrite_main_grad``, ``copy_`` instead of ``add_`` for an autograd gradient) and clears
+   the mark, later micro-batches add. A parameter still fresh when its buffer is reduced got
+   no gradient this cycle and is zeroed then. The buffer is filled once, at its first
+   ``zero_grad``, so padding between parameters is zero and stays zero. Values are those of the
+   fill: ``0 + g`` is ``g``, and ``accumulate`` only sets the GEMM's beta.
+
+   TE reads ``overwrite_main_grad`` when a layer's forward runs, so this holds only where each
+   micro-batch's forward of a parameter follows the previous micro-batch's backward of it: no
+   pipeline schedule (warm-up forwards run ahead of backwards), no delayed weight gradients, no
+   overlapped expert-parallel forward and backward. The owner decides from its configuration
+   (``first_write_refusal``); elsewhere the fill stays. An overwriting kernel must write every
+   element of ``main_grad``, an expert with no tokens included: the contract upstream's sharded
+   buckets (fresh per micro-batch, stale bytes) already rely on.
 
 Hybrid FSDP (an outer data-parallel group) keeps upstream's path: its outer reduction runs on the
 last micro-batch only, and a one-rank inner group is not special-cased there.
@@ -56,11 +72,68 @@ def scale_alone(data: Any, scaling_factor: float | None, average_in_collective: 
     data.mul_(scaling_factor)
 
 
+FRESH = "_hfsdp_fresh_grad"  # the parameter's first gradient write of the cycle is still to come
+
+
 def overwrites_main_grad(param: Any) -> bool:
-    """TE's ``overwrite_main_grad`` for ``param`` (invariant 3): overwrite a sharded bucket,
-    fetched fresh per micro-batch; add into an unsharded buffer, which accumulates them."""
+    """TE's ``overwrite_main_grad`` for ``param`` (invariants 3 and 4): overwrite a sharded
+    bucket, fetched fresh per micro-batch, and a fresh parameter of an unsharded buffer; add into
+    an unsharded buffer that holds this cycle's earlier micro-batches."""
     gbuf = getattr(param, "_gbuf", None)
-    return gbuf is None or bool(gbuf.is_data_distributed)
+    return gbuf is None or bool(gbuf.is_data_distributed) or bool(getattr(param, FRESH, False))
+
+
+def take_first_write(param: Any) -> bool:
+    """Whether this is ``param``'s first gradient write of the cycle (invariant 4); clears it."""
+    if getattr(param, FRESH, False):
+        setattr(param, FRESH, False)
+        return True
+    return False
+
+
+def first_write_refusal(
+    pipeline_parallel_size: int, delay_wgrad_compute: bool, overlap_moe_expert_parallel_comm: bool
+) -> str | None:
+    """None when first writes are safe for this schedule (invariant 4), else why not."""
+    if pipeline_parallel_size > 1:
+        return f"pipeline parallelism ({pipeline_parallel_size} stages) runs forwards ahead of backwards"
+    if delay_wgrad_compute:
+        return "delayed weight gradients are written after the parameter's backward hook"
+    if overlap_moe_expert_parallel_comm:
+        return "overlapped expert-parallel schedules run one micro-batch's forward in another's backward"
+    return None
+
+
+class FirstWrites:
+    """Invariant 4 for one gradient store: which one-rank buffers skip the per-cycle fill.
+
+    ``enabled`` is the owner's decision (see :func:`first_write_refusal`). ``fill_or_mark``
+    replaces a buffer's ``data.zero_()``: a buffer that is not one-rank, or first writes off, is
+    filled as before; a one-rank buffer is filled at its first call (and again should its storage
+    move) and from then on only has its parameters marked fresh."""
+
+    FILLED = "_hfsdp_filled_ptr"  # the buffer storage's address when it was last filled
+
+    def __init__(self) -> None:
+        self.enabled = False
+
+    def fill_or_mark(self, gbuf: Any, params: Iterable[Any], alone: bool) -> None:
+        first_writes = self.enabled and alone
+        ptr = gbuf.data.data_ptr()
+        if not first_writes or getattr(gbuf, self.FILLED, None) != ptr:
+            gbuf.data.zero_()
+            setattr(gbuf, self.FILLED, ptr)
+        if first_writes:
+            for param in params:
+                setattr(param, FRESH, True)
+
+    @staticmethod
+    def zero_unwritten(params: Iterable[Any], main_grad: Callable[[Any], Any]) -> None:
+        """Zero the gradient of each parameter still fresh at its buffer's reduction (no
+        gradient this cycle), through ``main_grad(param)``."""
+        for param in params:
+            if take_first_write(param):
+                main_grad(param).zero_()
 
 
 class HeldGrads:
