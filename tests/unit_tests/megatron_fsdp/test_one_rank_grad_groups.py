@@ -109,7 +109,7 @@ def pipeline(gbuf, comm_dtype, strategy="optim_grads_params"):
                                    average_in_collective=False, gradient_reduce_div_fusion=True),
         mp_policy=SimpleNamespace(grad_comm_dtype=comm_dtype),
         dist_index=SimpleNamespace(use_hybrid_fsdp=False),
-        parameter_groups=[SimpleNamespace(hsdp_comm_gbuf=None)],
+        parameter_groups=[SimpleNamespace(hsdp_comm_gbuf=None, params=[])],
     )
     pipe.rs_stream = None
     pipe.bucket_status = {0: pgb.BucketStatus.EMPTY}
