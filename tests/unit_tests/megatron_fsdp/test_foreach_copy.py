@@ -1,0 +1,55 @@
+"""Main-to-model weight copies as multi-tensor copies (mfsdp-main-to-model-foreach-copy.patch), on CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+from megatron.core.distributed.fsdp.src.megatron_fsdp.foreach_copy import copy_all
+
+
+def test_copy_all_equals_copy_and_groups_by_dtype(monkeypatch):
+    torch.manual_seed(0)
+    srcs = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2)]
+    dsts = [torch.empty(5, 3, dtype=torch.bfloat16), torch.empty(7, dtype=torch.bfloat16), torch.empty(2, 2)]
+    launches = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (launches.append(len(d)), real(d, s)))
+    assert copy_all(zip(dsts, srcs)) == 2
+    assert sorted(launches) == [1, 2]
+    for dst, src in zip(dsts, srcs):
+        assert torch.equal(dst, src.to(dst.dtype))
+
+
+def test_copy_all_refuses_a_shape_mismatch():
+    with pytest.raises(ValueError, match=r"destination shape \(2,\) != source shape \(3,\)"):
+        copy_all([(torch.empty(2), torch.empty(3))])
+
+
+class Buf:
+    """An unsharded DataParallelBuffer's item access: consecutive items of ``data``."""
+
+    def __init__(self, params, dtype):
+        sizes = [p.numel() for p in params]
+        self.data = torch.zeros(sum(sizes), dtype=dtype)
+        self.param_idx = {p: i for i, p in enumerate(params)}
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.is_data_distributed = False
+        self.data_parallel_group = None
+
+    def get_item(self, item_id, only_shard=False):
+        return self.data[self.offsets[item_id]:self.offsets[item_id + 1]]
+
+
+def test_copy_main_weights_to_model_weights_copies_every_parameter():
+    params = [torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(4))]
+    mbuf, wbuf = Buf(params, torch.float32), Buf(params, torch.bfloat16)
+    mbuf.data.copy_(torch.randn(10))
+    buf = object.__new__(pgb.ParamAndGradBuffer)
+    buf.parameter_groups = [SimpleNamespace(main_weight_buffer=mbuf, model_weight_buffer=wbuf,
+                                            transpose_weight_buffer=None, is_expert_param=False, params=params)]
+    buf.copy_main_weights_to_model_weights()
+    assert torch.equal(wbuf.data, mbuf.data.to(torch.bfloat16))
