@@ -20,6 +20,7 @@ class BenchConfig:
     description: str
     plan: str | None  # which planner figure is its pool: "fixed_pool", "maxpool", "lanes" or None
     spec: str = "local"  # layer specs: "local" or "te" (Transformer Engine); see BASELINES
+    env: tuple[tuple[str, str], ...] = ()  # environment of its runs (the product's diagnostic switches)
 
     @property
     def graphed(self) -> bool:
@@ -37,6 +38,10 @@ class BenchConfig:
         return int(self.flags[self.flags.index(LANES_FLAG) + 1]) if LANES_FLAG in self.flags else 2
 
 
+# The product's diagnostic switches back to the step path before first writes and multi-tensor
+# copies (megatron_fsdp/single_rank_grads.py, foreach_copy.py; the product never imports this module).
+ZERO_GRAD_FILL_ENV = "HFSDP_ZERO_GRAD_FILL"
+PER_PARAM_COPIES_ENV = "HFSDP_PER_PARAM_COPIES"
 # Megatron's default rerun mode, given explicitly so that a graphed run keeps it.
 VALIDATE_FLAGS = ("--rerun-mode", "validate_results")
 # Transformer Engine layer specs (replaces the presets' --transformer-impl local; argparse keeps
@@ -132,6 +137,17 @@ CONFIGS = {
         "te_maxpool_ub_graph_bf16rs_fused_pao", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 gradient "
         "reduce-scatter, the fusions, precision-aware optimizer", "maxpool", "te"),
+    # The same with the step path before first writes and multi-tensor copies, each switched back
+    # alone ([Note: one-rank gradient groups], 4; foreach_copy.py): _fill fills the gradient
+    # buffers every step, _prev also copies the main weights one parameter at a time.
+    "te_maxpool_ub_graph_bf16rs_fused_pao_fill": BenchConfig(
+        "te_maxpool_ub_graph_bf16rs_fused_pao_fill", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
+        "te_maxpool_ub_graph_bf16rs_fused_pao with the per-step zero fill of the gradient buffers",
+        "maxpool", "te", ((ZERO_GRAD_FILL_ENV, "1"),)),
+    "te_maxpool_ub_graph_bf16rs_fused_pao_prev": BenchConfig(
+        "te_maxpool_ub_graph_bf16rs_fused_pao_prev", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
+        "te_maxpool_ub_graph_bf16rs_fused_pao_fill with per-parameter main-to-model copies",
+        "maxpool", "te", ((ZERO_GRAD_FILL_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"))),
     # The same with three lanes: one more unit live, so all-gathers may run two units ahead.
     "te_maxpool_ub_lanes3_graph_bf16rs": BenchConfig(
         "te_maxpool_ub_lanes3_graph_bf16rs", (*TE_MAXPOOL_UB_GRAPH_BF16RS, LANES_FLAG, "3"),
@@ -225,14 +241,20 @@ FILL80_EXPERTS_OVERRIDES = ("--hybrid-layer-pattern", "M*E" * 16, "--num-experts
 # Apex's fused_weight_gradient_mlp_cuda, which it therefore needs.
 REALISTIC_OVERRIDES = FILL_GPU_OVERRIDES
 REALISTIC_EP = 4
+# The realistic model cut to one GPU at DP=1: 12 layers (M*E x 4), global batch 2 (two
+# micro-batches of 1), everything else the realistic preset's.
+REALISTIC_1GPU_OVERRIDES = (*(f if f != "M*E" * 8 else "M*E" * 4 for f in REALISTIC_OVERRIDES),
+                            "--global-batch-size", "2")
+REALISTIC_PRESETS = ("realistic", "realistic_1gpu")
 PRESETS = {"default": (), "fill": FILL_GPU_OVERRIDES, "fill80": FILL80_OVERRIDES,
-           "fill80_experts": FILL80_EXPERTS_OVERRIDES, "realistic": REALISTIC_OVERRIDES}
+           "fill80_experts": FILL80_EXPERTS_OVERRIDES, "realistic": REALISTIC_OVERRIDES,
+           "realistic_1gpu": REALISTIC_1GPU_OVERRIDES}
 # Flags of the default model a preset removes (a switch cannot be overridden by a value).
-PRESET_DROPS = {"realistic": ("--disable-mamba-mem-eff-path", "--no-gradient-accumulation-fusion")}
+PRESET_DROPS = {p: ("--disable-mamba-mem-eff-path", "--no-gradient-accumulation-fusion") for p in REALISTIC_PRESETS}
 # Presets built for one layer spec: the configurations of any other spec are refused.
-PRESET_SPECS = {"realistic": "te"}
+PRESET_SPECS = {p: "te" for p in REALISTIC_PRESETS}
 # Python modules a preset needs on the machine that runs it (checked before the first run).
-PRESET_NEEDS = {"realistic": ("transformer_engine", "causal_conv1d", "fused_weight_gradient_mlp_cuda")}
+PRESET_NEEDS = {p: ("transformer_engine", "causal_conv1d", "fused_weight_gradient_mlp_cuda") for p in REALISTIC_PRESETS}
 
 
 def override_flags(base: Sequence[str], overrides: Sequence[str]) -> list[str]:
@@ -265,7 +287,7 @@ def model_flags(preset: str, extra: Sequence[str] = ()) -> list[str]:
 def parallel_flags(preset: str, nproc: int) -> list[str]:
     """The parallel layout a preset sets for ``nproc`` ranks: the realistic preset's experts over
     gcd(nproc, REALISTIC_EP) ranks (expert parallelism must divide the world), none elsewhere."""
-    if preset == "realistic" and (ep := math.gcd(nproc, REALISTIC_EP)) > 1:
+    if preset in REALISTIC_PRESETS and (ep := math.gcd(nproc, REALISTIC_EP)) > 1:
         return ["--expert-model-parallel-size", str(ep)]
     return []
 

@@ -228,7 +228,8 @@ def launch(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str], opts: ar
         *(["--memory-trace-dir", opts.memory_trace_dir] if opts.memory_trace_dir else []),
         "--", *flags, *config.flags])
     with open(log, "w") as f:
-        ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout, env=job_env(os.environ, opts.env), stdout=f)
+        ended = run_group(cmd, timeout_s=timeout_s or opts.run_timeout,
+                          env=job_env(os.environ, opts.env, dict(config.env)), stdout=f)
     rc = "timeout" if ended.timed_out else ended.returncode
     if rc != 0 or not os.path.exists(result):
         with open(log, errors="replace") as f:
@@ -246,7 +247,7 @@ def launch_pretrain(config: cfgs.BenchConfig, repeat: int, flags: Sequence[str],
     steps = opts.warmup_steps + opts.timed_steps
     cmd = pretrain.command([*flags, *config.flags], opts.nproc, steps, opts.ranks_per_gpu)
     caller = job_env(os.environ, opts.env)
-    env = job_env(caller, bases.run_env(config.name, opts.trees, caller),
+    env = job_env(caller, dict(config.env), bases.run_env(config.name, opts.trees, caller),
                   pretrain.report_env(f"{stem}.report.json"))
     with open(f"{stem}.log", "w") as f:
         f.write(pretrain_launch.launch_line())

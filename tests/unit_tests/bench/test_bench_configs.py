@@ -137,6 +137,8 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_ub_graph_bf16rs",
                                                               "te_maxpool_ub_graph_bf16rs_fused",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_fill",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_prev",
                                                               "te_maxpool_ub_lanes3_graph_bf16rs",
                                                               "te_maxpool_ub_nosymm_graph_bf16rs",
                                                               "no_db_graph_validate",
@@ -249,3 +251,25 @@ def test_losses_are_held_to_the_eager_twin_with_the_same_numerics_flags(name, tw
 def test_every_configuration_has_a_loss_baseline_of_its_spec():
     for name, config in C.CONFIGS.items():
         assert C.CONFIGS[C.loss_baseline(name)].spec == config.spec, name
+
+
+def test_step_path_configs_switch_back_one_change_each():
+    """_fill and _prev differ from their configuration only by the product's diagnostic switches,
+    named as the product names them (the product never imports the benchmark)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import foreach_copy, single_rank_grads
+
+    best = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao"]
+    fill, prev = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_fill"], C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_prev"]
+    assert fill.flags == prev.flags == best.flags and best.env == ()
+    assert dict(fill.env) == {single_rank_grads.ZERO_GRAD_FILL_ENV: "1"}
+    assert dict(prev.env) == {single_rank_grads.ZERO_GRAD_FILL_ENV: "1", foreach_copy.PER_PARAM_ENV: "1"}
+
+
+def test_realistic_1gpu_preset_is_the_realistic_model_cut_to_12_layers():
+    flags = C.model_flags("realistic_1gpu")
+    assert flags[flags.index("--hybrid-layer-pattern") + 1] == "M*E" * 4
+    assert flags.count("--hybrid-layer-pattern") == 1 and flags[flags.index("--global-batch-size") + 1] == "2"
+    realistic = C.model_flags("realistic")
+    assert flags[-2:] == ["--global-batch-size", "2"]
+    assert [f if f != "M*E" * 4 else "M*E" * 8 for f in flags[:-2]] == realistic
+    assert C.PRESET_NEEDS["realistic_1gpu"] == C.PRESET_NEEDS["realistic"] and C.parallel_flags("realistic_1gpu", 1) == []

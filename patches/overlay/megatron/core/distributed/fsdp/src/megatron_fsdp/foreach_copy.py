@@ -6,18 +6,29 @@ its model weight (the compute dtype), one ``copy_`` and one kernel launch each: 
 :func:`copy_all` does them with ``torch._foreach_copy_``, one multi-tensor launch per pair of
 (destination dtype, source dtype, device). The values are those of ``copy_`` (the same cast,
 round to nearest even); the bytes moved are the same, only the launches change.
+``HFSDP_PER_PARAM_COPIES=1`` (a diagnostic switch, for comparisons) copies one pair at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 
 import torch
 
+PER_PARAM_ENV = "HFSDP_PER_PARAM_COPIES"
 
-def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
+
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], environ: Mapping[str, str] = os.environ) -> int:
     """``dst.copy_(src)`` for every ``(dst, src)``, grouped into multi-tensor copies; returns the
-    number of groups (launches, where ``torch._foreach_copy_`` has a fused kernel)."""
+    number of groups (launches, where ``torch._foreach_copy_`` has a fused kernel), or of pairs
+    under ``HFSDP_PER_PARAM_COPIES=1``."""
+    if environ.get(PER_PARAM_ENV) == "1":
+        count = 0
+        for dst, src in pairs:
+            dst.copy_(src)
+            count += 1
+        return count
     groups: dict[tuple[torch.dtype, torch.dtype, torch.device], tuple[list, list]] = {}
     for dst, src in pairs:
         if dst.shape != src.shape:

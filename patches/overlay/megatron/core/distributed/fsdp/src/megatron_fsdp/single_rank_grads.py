@@ -51,8 +51,12 @@ last micro-batch only, and a one-rank inner group is not special-cased there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+# Diagnostic switch: "1" keeps upstream's per-cycle zero fill (first writes off), for comparisons.
+ZERO_GRAD_FILL_ENV = "HFSDP_ZERO_GRAD_FILL"
 
 
 def reduces_alone(gbuf: Any, use_hybrid_fsdp: bool) -> bool:
@@ -92,9 +96,15 @@ def take_first_write(param: Any) -> bool:
 
 
 def first_write_refusal(
-    pipeline_parallel_size: int, delay_wgrad_compute: bool, overlap_moe_expert_parallel_comm: bool
+    pipeline_parallel_size: int,
+    delay_wgrad_compute: bool,
+    overlap_moe_expert_parallel_comm: bool,
+    environ: Mapping[str, str] = os.environ,
 ) -> str | None:
-    """None when first writes are safe for this schedule (invariant 4), else why not."""
+    """None when first writes are safe for this schedule (invariant 4) and not switched off
+    (``HFSDP_ZERO_GRAD_FILL=1``), else why not."""
+    if environ.get(ZERO_GRAD_FILL_ENV) == "1":
+        return f"{ZERO_GRAD_FILL_ENV}=1 asks for the fill"
     if pipeline_parallel_size > 1:
         return f"pipeline parallelism ({pipeline_parallel_size} stages) runs forwards ahead of backwards"
     if delay_wgrad_compute:
