@@ -73,14 +73,14 @@ def table(cases_root: Path = CASES) -> str:
     return "\n".join(rows) + "\n"
 
 
-def replaced(text: str, body: str, where: Path) -> str:
-    """``text`` with the part between the markers replaced by ``body``."""
-    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
-        raise UserError(f"{where} does not hold one {START} ... {END} block",
+def replaced(text: str, body: str, where: Path, start: str = START, end: str = END) -> str:
+    """``text`` with the part between the markers (``start`` and ``end``) replaced by ``body``."""
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise UserError(f"{where} does not hold one {start} ... {end} block",
                         "put the two markers, in that order, where the table goes")
-    head, rest = text.split(START)
-    _, tail = rest.split(END)
-    return f"{head}{START}\n{body}{END}{tail}"
+    head, rest = text.split(start)
+    _, tail = rest.split(end)
+    return f"{head}{start}\n{body}{end}{tail}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

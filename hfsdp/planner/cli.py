@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hfsdp.atomic import write_json_atomic
+from hfsdp.planner import fp8 as fp8_mod
 from hfsdp.planner import layout as layout_mod
 from hfsdp.planner import model as model_mod
 from hfsdp.planner import report, setup
@@ -100,6 +101,7 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
     from megatron.core import parallel_state as ps
 
     model_mod.ensure_selective_scan_stub()
+    recipe = fp8_mod.fp8_recipe(args)  # before any work: MXFP8 and custom recipes are refused
     setup.init_fake_parallel_state(args)
     try:
         value, source = unit_modules(args)
@@ -122,6 +124,9 @@ def plan_from_args(args: Any) -> tuple[layout_mod.Layout, list[dict[str, Any]]]:
             dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
             expert_dp_size=ps.get_expert_data_parallel_world_size(),
             bucket_size=bucket_size_for(args, sum(p.numel() for p in model.parameters())),
+            fp8_names=fp8_mod.meta_fp8_params(model), fp8_recipe=recipe,
+            keep_fp8_transpose=bool(args.keep_fp8_transpose_cache),
+            live_units=fsdp_units.training_lanes(args) or layout_mod.SHARED_LIVE_UNITS,
         )
     finally:
         setup.teardown_fake_parallel_state()

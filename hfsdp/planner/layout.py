@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from hfsdp.planner.fp8 import Fp8Layout, fp8_layout
+
 MFSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp"
+SHARED_LIVE_UNITS = 2  # double_buffer.plan.NUM_BUFFER_GROUPS: live units without round-robin lanes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Layout:
     dp_size: int
     expert_dp_size: int
     total_params: int
+    fp8: Fp8Layout | None = None  # FP8 parameters and their recipe ([Note: FP8 parameters in the plan])
 
 
 def discover_units(module: torch.nn.Module, unit_classes: Sequence[type]) -> list[tuple[str, torch.nn.Module]]:
@@ -76,8 +80,16 @@ def compute_layout(
     dp_size: int,
     expert_dp_size: int | None = None,
     bucket_size: int | None = None,
+    fp8_names: Mapping[str, tuple[bool, bool]] | None = None,
+    fp8_recipe: str | None = None,
+    keep_fp8_transpose: bool = False,
+    live_units: int = 2,
 ) -> Layout:
-    """Bucket layout of ``module`` for a DP group of ``dp_size`` ranks (expert: ``expert_dp_size``)."""
+    """Bucket layout of ``module`` for a DP group of ``dp_size`` ranks (expert: ``expert_dp_size``).
+
+    ``fp8_names``: the parameters Megatron-FSDP keeps in FP8 (``fp8.meta_fp8_params``), grouped as
+    ``"float8"`` as the runtime groups them; ``fp8_recipe`` sizes what TE keeps beside them.
+    """
     import importlib
 
     pgb = importlib.import_module(f"{MFSDP}.param_and_grad_buffer")
@@ -87,7 +99,10 @@ def compute_layout(
         fsdp_unit_modules=list(unit_classes),
         data_parallel_sharding_strategy=strategy,
     )
-    groups, _, _ = pgb._get_parameter_groups(module, policy, {})
+    fp8_names = dict(fp8_names or {})
+    if fp8_names and fp8_recipe is None:
+        raise ValueError(f"{len(fp8_names)} FP8 parameters given without their recipe")
+    groups, _, _ = pgb._get_parameter_groups(module, policy, fp8_names)
     # build_data_parallel_buffer_index only reads the sharding strategy from the DDP config.
     ddp_view = types.SimpleNamespace(data_parallel_sharding_strategy=strategy)
     weights_sharded = strategy == "optim_grads_params"
@@ -121,6 +136,10 @@ def compute_layout(
         f"unit discovery disagrees with _get_parameter_groups: {len(units)} units found, "
         f"{n_unit_ids} unit ids in groups"
     )
+    names = {id(p): n for n, p in module.named_parameters()}
+    unit_of = {names[id(p)]: g.fsdp_unit_id for g in groups for p in g.params}
+    fp8 = (fp8_layout(module, fp8_names, unit_of, fp8_recipe, keep_fp8_transpose, live_units)
+           if fp8_recipe else None)
     return Layout(
         units=tuple(units),
         buckets=tuple(buckets),
@@ -129,6 +148,7 @@ def compute_layout(
         dp_size=dp_size,
         expert_dp_size=expert_dp_size,
         total_params=sum(p.numel() for p in module.parameters()),
+        fp8=fp8,
     )
 
 

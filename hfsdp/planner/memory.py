@@ -31,13 +31,15 @@ class RankMemory:
     main_grads: int
     optimizer: int
     pools: int
+    fp8_scales: int = 0  # TE's scales of FP8 parameters (and kept transposes), outside the FSDP buffers
 
     @property
     def total(self) -> int:
         return sum(getattr(self, f.name) for f in fields(self))
 
     def describe(self) -> str:
-        parts = ", ".join(f"{f.name.replace('_', ' ')} {getattr(self, f.name) / GIB:.2f}" for f in fields(self))
+        parts = ", ".join(f"{f.name.replace('_', ' ')} {getattr(self, f.name) / GIB:.2f}" for f in fields(self)
+                          if f.name != "fp8_scales" or self.fp8_scales)
         return f"{self.total / GIB:.2f} GiB ({parts})"
 
 
@@ -99,4 +101,5 @@ def planned_memory(args: Any, layout: Any, results: list[dict[str, Any]], lane_c
     for result in results if pool_allocated(layout.dp_size) else ():  # [Note: no pool at DP=1] in pools.py
         plan = result["lanes"].get(lane_count) if lane_count else None
         pools += (plan or result["maxpool"]).pool_bytes()
-    return RankMemory(pools=pools, **memory)
+    fp8_scales = layout.fp8.held_bytes() if layout.fp8 is not None else 0  # [Note: FP8 parameters in the plan]
+    return RankMemory(pools=pools, fp8_scales=fp8_scales, **memory)

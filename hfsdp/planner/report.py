@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hfsdp.planner import compare
+from hfsdp.planner import compare, fp8
 from hfsdp.planner.layout import MFSDP, Layout, bucket_specs
 from hfsdp.planner.pools import NO_POOL, pool_allocated
 from hfsdp.usererror import UserError
@@ -187,6 +187,7 @@ def format_report(layout: Layout, results: list[dict[str, Any]]) -> list[str]:
         "",
         *unit_table(layout),
         "",
+        *([*fp8.report_lines(layout.fp8), ""] if layout.fp8 is not None else []),
     ]
     for r in results:
         if not pool_allocated(layout.dp_size):  # [Note: no pool at DP=1] in pools.py
@@ -225,6 +226,8 @@ def report_dict(layout: Layout, results: list[dict[str, Any]]) -> dict[str, Any]
                     for b in layout.buckets],
         "allocators": {},
     }
+    if layout.fp8 is not None:  # [Note: FP8 parameters in the plan] in fp8.py
+        out["fp8"] = fp8.report_dict(layout.fp8)
     if not pool_allocated(layout.dp_size):  # [Note: no pool at DP=1] in pools.py
         out["no_pool"] = NO_POOL
         out["allocators"] = {r["allocator"]: no_pool_dict(r) for r in results}

@@ -126,22 +126,53 @@ def parsed(megatron_args):
 
 
 FP8 = "--fp8-format e4m3 --fp8-param-gather --fsdp-double-buffer --megatron-fsdp-max-pool-double-buffer".split()
+MAX_POOL = ["--fsdp-double-buffer", "--megatron-fsdp-max-pool-double-buffer"]
 
 
-def test_max_pool_with_blockwise_fp8_params_is_rejected(parsed):
-    problems = te_arg_problems(parsed(TE + FP8 + ["--fp8-recipe", "blockwise"]), environ={})
+@pytest.mark.parametrize("double_buffer", [
+    MAX_POOL,
+    MAX_POOL + ["--megatron-fsdp-max-pool-lanes", "3"],
+    ["--fsdp-double-buffer"],  # 0.18.2's FixedPool: "No buffer found" on its third pooled unit
+    ["--use-nccl-ub"],  # implies a double buffer
+    MAX_POOL + ["--use-nccl-ub"],
+])
+def test_any_double_buffer_with_blockwise_fp8_params_is_rejected(parsed, double_buffer):
+    flags = TE + "--fp8-format e4m3 --fp8-param-gather --fp8-recipe blockwise".split() + double_buffer
+    problems = te_arg_problems(parsed(flags), environ={})
     assert len(problems) == 1 and "cannot hold blockwise-FP8 parameters" in problems[0], problems
-    assert "Use another --fp8-recipe, drop --fp8-param-gather" in problems[0], problems
+    assert "Use another --fp8-recipe, drop --fp8-param-gather, or train without a double buffer" in problems[0]
 
 
 @pytest.mark.parametrize("drop, add", [
     ([], ["--fp8-recipe", "tensorwise"]),
+    ([], ["--fp8-recipe", "delayed"]),
     (["--fp8-param-gather"], ["--fp8-recipe", "blockwise"]),
-    (["--megatron-fsdp-max-pool-double-buffer"], ["--fp8-recipe", "blockwise"]),
+    (MAX_POOL, ["--fp8-recipe", "blockwise"]),  # no double buffer: buckets allocated as needed
 ])
 def test_other_fp8_combinations_are_not_rejected(parsed, drop, add):
     flags = [f for f in TE + FP8 if f not in drop] + add
     assert te_arg_problems(parsed(flags), environ={}) == []
+
+
+@pytest.mark.parametrize("arch, refused", [(9, True), (8, True), (10, False), (12, False)])
+def test_mxfp8_needs_blackwell(parsed, arch, refused):
+    args = parsed(TE + "--fp8-format e4m3 --fp8-recipe mxfp8".split())
+    problems = te_arg_problems(args, environ={}, device_arch=arch)
+    assert bool(problems) == refused, problems
+    if refused:
+        assert f"needs a GPU of compute capability 10 or more (Blackwell), this one has {arch}" in problems[0]
+        assert "Use --fp8-recipe delayed, tensorwise or blockwise." in problems[0], problems
+
+
+def test_mxfp8_on_hopper_is_refused_by_validate_args(validate):
+    """The whole path: validate_args asks the (assumed Hopper) GPU for its compute capability."""
+    msg = rejected(validate, TE + "--fp8-format e4m3 --fp8-recipe mxfp8".split())
+    assert "--fp8-recipe mxfp8 needs a GPU of compute capability 10" in msg, msg
+
+
+def test_blockwise_fp8_params_with_max_pool_are_refused_by_validate_args(validate):
+    msg = rejected(validate, TE + FP8 + ["--fp8-recipe", "blockwise"])
+    assert "cannot hold blockwise-FP8 parameters" in msg, msg
 
 
 def test_every_problem_is_reported_at_once(parsed):

@@ -36,6 +36,14 @@ TE_CASES = {
     "hybrid/hybrid_mcore_te_fsdp_2gpu_pao_eager_no_db_resume": None,
     "hybrid/hybrid_mcore_te_fsdp_2gpu_pao_graph_maxpool_resume":
         "hybrid/hybrid_mcore_te_fsdp_2gpu_pao_eager_no_db_resume",
+    # FP8 recipes, the cases of the recipe table (hfsdp/functional/fp8_matrix.py)
+    "moe/moe_mcore_te_fsdp_1gpu_fp8_delayed_eager_no_db": None,
+    "moe/moe_mcore_te_fsdp_1gpu_fp8_delayed_graph_no_db": "moe/moe_mcore_te_fsdp_1gpu_fp8_delayed_eager_no_db",
+    "moe/moe_mcore_te_fsdp_1gpu_fp8_blockwise_pg_eager_no_db": None,
+    "moe/moe_mcore_te_fsdp_1gpu_fp8_blockwise_pg_graph_no_db":
+        "moe/moe_mcore_te_fsdp_1gpu_fp8_blockwise_pg_eager_no_db",
+    "moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_eager_no_db": None,
+    "moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_maxpool": "moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_eager_no_db",
 }
 TWO_RANKS = {case for case in TE_CASES if "_2gpu_" in case}
 MAXPOOL = {"--fsdp-double-buffer": True, "--megatron-fsdp-max-pool-double-buffer": True}
@@ -68,6 +76,9 @@ def test_the_te_cases_exist_and_take_the_deterministic_settings() -> None:
     ("hybrid/hybrid_mcore_te_fsdp_1gpu_graph_maxpool_eval_resume", {**GRAPH, **MAXPOOL}),
     ("hybrid/hybrid_mcore_te_fsdp_1gpu_pao_graph_maxpool_resume", {**GRAPH, **MAXPOOL}),
     ("hybrid/hybrid_mcore_te_fsdp_2gpu_pao_graph_maxpool_resume", {**GRAPH, **MAXPOOL}),
+    ("moe/moe_mcore_te_fsdp_1gpu_fp8_delayed_graph_no_db", GRAPH),
+    ("moe/moe_mcore_te_fsdp_1gpu_fp8_blockwise_pg_graph_no_db", GRAPH),
+    ("moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_maxpool", MAXPOOL),
 ])
 def test_each_case_is_its_twin_plus_the_feature_under_test(case: str, added: dict) -> None:
     r, twin = recipe(case), recipe(TE_CASES[case])

@@ -20,14 +20,21 @@ the checks the first three fail after the process groups are up, while the model
   TE's ``TEGroupedMLP``; the local spec provider builds ``SequentialMLP`` whatever the flag says
   (``LocalSpecProvider.grouped_mlp_modules`` ignores it, ``hybrid_local_stack_spec`` pins
   ``moe_grouped_gemm=False``), so the flag would silently do nothing.
-* The max-pool double buffer with blockwise-FP8 parameters (``--fp8-param-gather --fp8-recipe
+* Any double buffer with blockwise-FP8 parameters (``--fp8-param-gather --fp8-recipe
   blockwise``): after each optimizer step ``copy_main_weights_to_model_weights`` fetches the
-  weight bucket of every blockwise-FP8 unit before it frees any, more units
-  than the pool has groups ([Note: double buffer], failure modes: too many live units).
+  weight bucket of every blockwise-FP8 unit before it frees any (up to 5 GB), more units than
+  the pool has groups. The max-pool (and its lanes) raises on the third live unit ([Note:
+  double buffer], failure modes: too many live units); 0.18.2's FixedPool asserts "No buffer
+  found" on the third unit of its pooled class; NCCL user buffers imply one of the two.
+  Without a double buffer the buckets are allocated as needed.
+* ``--fp8-recipe mxfp8`` on a GPU below compute capability 10 (Hopper): TE's FP8 autocast
+  checks MXFP8 support when it is entered, so the first forward step raises. MXFP8 is
+  Blackwell's recipe; on Hopper the recipes are delayed, tensorwise and blockwise.
 
-Not checked because nothing in the code says they fail (open questions for a GPU run): TE with
-full-iteration CUDA graphs and Mamba's fused path; TE with other FP8 recipes and the max-pool
-double buffer.
+What each FP8 recipe does with each feature of the fork, case or refusal, is one table,
+generated into docs/transformer-engine.md from ``hfsdp/functional/fp8_matrix.py``. Not checked
+because nothing in the code says it fails (open for a GPU run): TE with full-iteration CUDA
+graphs and Mamba's fused path.
 """
 
 import os
@@ -36,6 +43,9 @@ from typing import Any
 
 from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import FLAGS, policy_from_args
 
+# What turns a double buffer on ([Note: double buffer], policy: double_buffering).
+DOUBLE_BUFFER_FLAGS = f"--fsdp-double-buffer, {FLAGS.max_pool} or --use-nccl-ub"
+MXFP8_MIN_ARCH = 10  # TE's check_mxfp8_support: compute capability 10.0 or higher
 ATTENTION_SYMBOL = "*"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.ATTENTION
 ATTN_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 # The values LanguageModule._set_attention_backend gives ATTN_ENV for each --attention-backend,
@@ -93,8 +103,19 @@ def _attention_env_problem(args: Any, env: Mapping[str, str]) -> str | None:
     )
 
 
-def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None) -> list[str]:
-    """Every TE combination in ``args`` that cannot run as asked, each a sentence naming the fix."""
+def _device_arch() -> int:
+    """The GPU's compute capability major (the training entry answers it without a GPU)."""
+    import torch
+
+    return int(torch.cuda.get_device_capability()[0])
+
+
+def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None,
+                    device_arch: int | None = None) -> list[str]:
+    """Every TE combination in ``args`` that cannot run as asked, each a sentence naming the fix.
+
+    ``device_arch``: the GPU's compute capability major; asked of torch only when a check needs it.
+    """
     env = os.environ if environ is None else environ
     problems = []
     if (
@@ -124,18 +145,27 @@ def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None) -> list
             "transformer_engine."
         )
     if (
-        policy_from_args(args).max_pool
+        policy_from_args(args).double_buffer
         and args.fp8_param_gather
         and args.fp8
         and args.fp8_recipe == "blockwise"
     ):
         problems.append(
-            f"{FLAGS.max_pool} cannot hold blockwise-FP8 parameters "
+            f"The double buffer ({DOUBLE_BUFFER_FLAGS}) cannot hold blockwise-FP8 parameters "
             "(--fp8-param-gather with --fp8-recipe blockwise): after each optimizer step their "
             "re-quantization fetches the weight buckets of many FSDP units at once, more than the "
-            "pool's buffer groups. Use another --fp8-recipe, drop --fp8-param-gather, or use "
-            "--fsdp-double-buffer without the max-pool."
+            "pool's buffer groups. Use another --fp8-recipe, drop --fp8-param-gather, or train "
+            "without a double buffer."
         )
+    if args.fp8 and args.fp8_recipe == "mxfp8":
+        arch = _device_arch() if device_arch is None else device_arch
+        if arch < MXFP8_MIN_ARCH:
+            problems.append(
+                f"--fp8-recipe mxfp8 needs a GPU of compute capability {MXFP8_MIN_ARCH} or more "
+                f"(Blackwell), this one has {arch}: Transformer Engine refuses MXFP8 when the first "
+                "forward step enters its FP8 autocast. Use --fp8-recipe delayed, tensorwise or "
+                "blockwise."
+            )
     return problems
 
 

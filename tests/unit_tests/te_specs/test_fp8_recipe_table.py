@@ -1,0 +1,81 @@
+"""The FP8 recipe table ([Note: FP8 recipes] in hfsdp/functional/fp8_matrix.py): the page's copy is
+current, each case cell's recipe runs its row and column, each refused cell is what validate_args
+refuses (te_arg_checks), and no other cell is refused there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hfsdp.functional import fp8_matrix as M
+from hfsdp.functional import goldens_table
+from hfsdp.functional.recipe import load_recipe
+from megatron.training.te_arg_checks import te_arg_problems
+
+REPO = Path(__file__).resolve().parents[3]
+PAGE = REPO / "docs" / "transformer-engine.md"
+CASES = REPO / "tests" / "functional_tests" / "test_cases"
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 1 --bf16 --lr 1e-4 --train-iters 2 --ckpt-format fsdp_dtensor --use-megatron-fsdp "
+    "--data-parallel-sharding-strategy optim_grads_params --use-distributed-optimizer "
+    "--transformer-impl transformer_engine"
+).split()
+CELLS = [(row, feature) for row in M.ROWS for feature in M.FEATURES]
+FEATURE_FLAGS = {k for f in M.FEATURES for k in f.flags}
+
+
+def argv(flags: dict[str, Any]) -> list[str]:
+    return [part for k, v in flags.items() for part in ([k] if v is True else [k, str(v)])]
+
+
+def test_the_table_in_the_docs_is_current() -> None:
+    text = PAGE.read_text(encoding="utf-8")
+    fix = "run `python -m hfsdp.functional.fp8_matrix --write docs/transformer-engine.md`"
+    assert goldens_table.replaced(text, M.table(), PAGE, M.START, M.END) == text, fix
+
+
+@pytest.mark.parametrize("key, case", sorted(M.CASES.items()), ids=lambda x: str(x))
+def test_a_case_runs_its_row_and_column(key: tuple[str, bool, str], case: str) -> None:
+    recipe_name, param_gather, feature_name = key
+    row = M.Row(recipe_name, param_gather)
+    (feature,) = [f for f in M.FEATURES if f.name == feature_name]
+    r = load_recipe(CASES / case)
+    assert {k: r.model_args.get(k) for k in row.flags} == row.flags, case
+    assert ("--fp8-param-gather" in r.model_args) == param_gather, case
+    assert {k: r.model_args[k] for k in FEATURE_FLAGS if k in r.model_args} == dict(feature.flags), case
+    if "--megatron-fsdp-max-pool-double-buffer" in feature.flags:
+        assert r.nproc >= 2, f"{case}: a pool is allocated only at DP >= 2"
+
+
+def test_every_fp8_case_is_a_cell() -> None:
+    found = {f"{p.parent.parent.name}/{p.parent.name}" for p in CASES.glob("*/*_fp8_*/model_config.yaml")}
+    assert found == set(M.CASES.values())
+
+
+@pytest.mark.parametrize("row, feature", CELLS, ids=[f"{r.recipe}-{'pg' if r.param_gather else 'bf16'}-{f.name}"
+                                                      for r, f in CELLS])
+def test_refused_cells_and_only_they_are_refused_by_validate_args(megatron_args, row, feature) -> None:
+    args = megatron_args([*BASE, *argv(row.flags), *argv(dict(feature.flags))])
+    problems = te_arg_problems(args, environ={}, device_arch=9)
+    found = M.cell(row, feature)
+    if isinstance(found, M.Refusal):
+        assert len(problems) == 1 and found.check_words in problems[0], problems
+    else:
+        assert problems == [], problems
+
+
+def test_a_cell_is_a_case_or_a_refusal_not_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = ("blockwise", True, "max-pool")
+    monkeypatch.setattr(M, "CASES", {**M.CASES, key: "moe/some_case"})
+    with pytest.raises(ValueError, match=r"is both a case \(moe/some_case\) and a refusal"):
+        M.cell(M.Row("blockwise", True), M.FEATURES[2])
+
+
+def test_the_table_says_cases_refusals_and_mxfp8() -> None:
+    text = M.table()
+    assert "`moe/moe_mcore_te_fsdp_1gpu_fp8_delayed_eager_no_db` (no golden yet)" in text
+    assert text.count("refused (a)") == 3 and "(a) After each optimizer step" in text
+    assert "`mxfp8` has no row" in text
