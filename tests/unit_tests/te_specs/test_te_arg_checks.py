@@ -181,3 +181,34 @@ def test_every_problem_is_reported_at_once(parsed):
     assert len(te_arg_problems(args, environ={"NVTE_UNFUSED_ATTN": "0"})) == 3
     args.transformer_impl = "local"
     assert len(te_arg_problems(args, environ={"NVTE_UNFUSED_ATTN": "0"})) == 3
+
+
+HYBRID = ["--hybrid-layer-pattern", "M*", "--num-layers", "2"]
+
+
+@pytest.mark.parametrize("hidden, heads, refused", [
+    (64, None, True),  # 2 heads of 64: 2 * 128 + 2 * 8 * 128 + 2 = 2306
+    (64, 16, False),  # 16 heads: 2 * 1024 + 2048 + 16 = 4112 = 16 x 257
+    (4096, None, False),  # the realistic preset: 128 heads, 18,560 wide
+])
+def test_fp8_mamba_projection_width(parsed, hidden, heads, refused):
+    flags = TE + HYBRID + ["--hidden-size", str(hidden), "--fp8-format", "e4m3"]
+    if heads is not None:
+        flags += ["--mamba-num-heads", str(heads)]
+    problems = te_arg_problems(parsed(flags), environ={})
+    assert bool(problems) == refused, problems
+    if refused:
+        assert "this one is 2306" in problems[0] and "Pass --mamba-num-heads 16" in problems[0], problems[0]
+
+
+def test_fp8_mamba_width_is_megatrons(parsed):
+    """The width the check computes is the one MambaMixer asserts on (its own arithmetic, read back)."""
+    import inspect
+
+    from megatron.core.ssm import mamba_mixer
+
+    source = inspect.getsource(mamba_mixer.MambaMixer.__init__)
+    assert "(2 * self.d_inner + 2 * self.ngroups * self.d_state + self.nheads) % 16 == 0" in source
+    assert "self.d_inner = int(self.expand * self.d_model)" in source
+    assert inspect.signature(mamba_mixer.MambaMixer.__init__).parameters["expand"].default == 2
+    assert not te_arg_problems(parsed(TE + HYBRID + ["--hidden-size", "64"]), environ={})  # bf16: no check

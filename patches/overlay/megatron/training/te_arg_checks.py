@@ -27,6 +27,9 @@ the checks the first three fail after the process groups are up, while the model
   double buffer], failure modes: too many live units); 0.18.2's FixedPool asserts "No buffer
   found" on the third unit of its pooled class; NCCL user buffers imply one of the two.
   Without a double buffer the buckets are allocated as needed.
+* FP8 with Mamba layers whose input projection is not a multiple of 16 wide
+  (``2 * d_inner + 2 * groups * state + heads``): ``MambaMixer.__init__`` asserts it while the
+  model is built. The check names the nearest ``--mamba-num-heads`` that satisfies it.
 * ``--fp8-recipe mxfp8`` on a GPU below compute capability 10 (Hopper): TE's FP8 autocast
   checks MXFP8 support when it is entered, so the first forward step raises. MXFP8 is
   Blackwell's recipe; on Hopper the recipes are delayed, tensorwise and blockwise.
@@ -47,6 +50,9 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy impor
 DOUBLE_BUFFER_FLAGS = f"--fsdp-double-buffer, {FLAGS.max_pool} or --use-nccl-ub"
 MXFP8_MIN_ARCH = 10  # TE's check_mxfp8_support: compute capability 10.0 or higher
 ATTENTION_SYMBOL = "*"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.ATTENTION
+MAMBA_SYMBOL = "M"  # ... Symbols.MAMBA
+MAMBA_EXPAND = 2  # MambaMixer's default expand, which the hybrid specs keep
+FP8_WIDTH = 16  # MambaMixer: the FP8 input projection's output width must be a multiple of this
 ATTN_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 # The values LanguageModule._set_attention_backend gives ATTN_ENV for each --attention-backend,
 # in the order a matching backend is suggested.
@@ -60,6 +66,34 @@ BACKEND_ENV: dict[str, dict[str, str]] = {
         ("local", ("0", "0", "0")),  # last: it also needs --spec local
     )
 }
+
+
+def mamba_in_proj_width(hidden_size: int, head_dim: int, groups: int, state: int, heads: int | None) -> int:
+    """The width of a Mamba layer's input projection output, as ``MambaMixer`` computes it."""
+    if heads is None:
+        heads = MAMBA_EXPAND * hidden_size // head_dim
+    d_inner = heads * head_dim
+    return 2 * d_inner + 2 * groups * state + heads
+
+
+def _mamba_fp8_problem(args: Any) -> str | None:
+    if not args.fp8 or MAMBA_SYMBOL not in (args.hybrid_layer_pattern or ""):
+        return None
+    dims = (args.hidden_size, args.mamba_head_dim, args.mamba_num_groups, args.mamba_state_dim)
+    width = mamba_in_proj_width(*dims, args.mamba_num_heads)
+    if width % FP8_WIDTH == 0:
+        return None
+    heads = args.mamba_num_heads or MAMBA_EXPAND * args.hidden_size // args.mamba_head_dim
+    fit = next((n for n in range(heads + 1, heads + 8 * FP8_WIDTH + 1)
+                if mamba_in_proj_width(*dims, n) % FP8_WIDTH == 0), None)
+    way = (f"Pass --mamba-num-heads {fit} (or change --mamba-head-dim, --mamba-num-groups or "
+           "--mamba-state-dim)" if fit else "Change --mamba-head-dim, --mamba-num-groups or --mamba-state-dim")
+    return (
+        f"FP8 (--fp8-format) with Mamba layers needs their input projection to be a multiple of "
+        f"{FP8_WIDTH} wide, and this one is {width} (2 x d_inner + 2 x groups x state + heads, with "
+        f"{heads} heads of {args.mamba_head_dim}): MambaMixer refuses to be built otherwise. {way}, "
+        "or train the hybrid model in bf16."
+    )
 
 
 def _has_te_attention(args: Any) -> bool:
@@ -157,6 +191,9 @@ def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None,
             "pool's buffer groups. Use another --fp8-recipe, drop --fp8-param-gather, or train "
             "without a double buffer."
         )
+    mamba_fp8 = _mamba_fp8_problem(args)
+    if mamba_fp8 is not None:
+        problems.append(mamba_fp8)
     if args.fp8 and args.fp8_recipe == "mxfp8":
         arch = _device_arch() if device_arch is None else device_arch
         if arch < MXFP8_MIN_ARCH:
