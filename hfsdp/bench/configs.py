@@ -55,8 +55,15 @@ BF16_RS_FLAG = "--grad-reduce-in-bf16"
 FUSION_FLAGS = ("--moe-permute-fusion", "--moe-router-fusion", "--cross-entropy-loss-fusion",
                 "--cross-entropy-fusion-impl", "native")
 PAO_FLAG = "--use-precision-aware-optimizer"
+FP8_FLAG = "--fp8-format"
+# Hopper's FP8 recipes ([FP8 recipes] in docs/transformer-engine.md): format and recipe flags.
+FP8_RECIPES = {
+    "delayed": (FP8_FLAG, "hybrid", "--fp8-recipe", "delayed"),
+    "tensorwise": (FP8_FLAG, "hybrid", "--fp8-recipe", "tensorwise"),
+    "blockwise": (FP8_FLAG, "e4m3", "--fp8-recipe", "blockwise"),
+}
 # Flags that change a run's numbers, not only its speed and memory: see loss_baseline.
-NUMERICS_FLAGS = frozenset({BF16_RS_FLAG, *FUSION_FLAGS, PAO_FLAG})
+NUMERICS_FLAGS = frozenset({BF16_RS_FLAG, *FUSION_FLAGS, PAO_FLAG, FP8_FLAG, "--fp8-param-gather"})
 # The realistic preset's best flags: TE specs, graphed max-pool, NCCL user buffers, bf16 reduce-scatter.
 TE_MAXPOOL_UB_GRAPH_BF16RS = (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS,
                               BF16_RS_FLAG)
@@ -148,6 +155,18 @@ CONFIGS = {
         "te_maxpool_ub_graph_bf16rs_fused_pao_prev", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
         "te_maxpool_ub_graph_bf16rs_fused_pao_fill with per-parameter main-to-model copies",
         "maxpool", "te", ((ZERO_GRAD_FILL_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"))),
+    # The same in FP8, one configuration per Hopper recipe (GEMMs in FP8, parameters and optimizer as
+    # before), and tensorwise with FP8 parameters (--fp8-param-gather: FP8 all-gathers and pool).
+    # Blockwise FP8 parameters with a double buffer are refused (te_arg_checks.py).
+    **{f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}": BenchConfig(
+        f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}",
+        (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, *flags),
+        f"te_maxpool_ub_graph_bf16rs_fused_pao in FP8, {recipe} scaling", "maxpool", "te")
+       for recipe, flags in FP8_RECIPES.items()},
+    "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg": BenchConfig(
+        "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg",
+        (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, *FP8_RECIPES["tensorwise"], "--fp8-param-gather"),
+        "te_maxpool_ub_graph_bf16rs_fused_pao in FP8, tensorwise scaling, FP8 parameters", "maxpool", "te"),
     # The same with three lanes: one more unit live, so all-gathers may run two units ahead.
     "te_maxpool_ub_lanes3_graph_bf16rs": BenchConfig(
         "te_maxpool_ub_lanes3_graph_bf16rs", (*TE_MAXPOOL_UB_GRAPH_BF16RS, LANES_FLAG, "3"),

@@ -19,7 +19,9 @@ not model FLOPs). A multiply-add is 2 FLOPs. Per token and layer, with hidden si
 * the output layer ``2hV`` for the padded vocabulary V (the embedding is a lookup: 0).
 
 MFU = tokens per second per GPU x training FLOPs per token / the GPU's dense bf16 peak. The peak
-of H100 SXM and H200 is 989 TFLOP/s; for other devices it is unknown unless given.
+of H100 SXM and H200 is 989 TFLOP/s; for other devices it is unknown unless given. A run in FP8
+(``--fp8-format``) is also reported against the dense FP8 peak, 1,979 TFLOP/s on both: its GEMMs
+may run at that rate, the rest of the step cannot, so the two bracket it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM boards
+PEAK_FP8_TFLOPS = {"H100": 1979.0, "H200": 1979.0}  # dense FP8, SXM boards
 TRAINING_PASSES = 3  # forward + backward (two products per weight)
 MAMBA_EXPAND, MAMBA_CONV, MAMBA_CHUNK = 2, 4, 128  # MambaMixer's defaults
 
@@ -98,12 +101,12 @@ def model_flops(args: argparse.Namespace) -> ModelFlops:
     return ModelFlops(float(attention), float(mlp), float(moe), float(mamba), float(2 * h * padded_vocab(args)))
 
 
-def peak_flops(device: str | None, given_tflops: float | None = None) -> float | None:
-    """FLOP/s of one GPU at dense bf16: ``given_tflops`` if given, else by the device's name
-    (None: unknown, so no MFU is reported)."""
+def peak_flops(device: str | None, given_tflops: float | None = None, fp8: bool = False) -> float | None:
+    """FLOP/s of one GPU at dense bf16 (``fp8``: dense FP8): ``given_tflops`` if given, else by the
+    device's name (None: unknown, so no MFU is reported)."""
     if given_tflops is not None:
         return given_tflops * 1e12
-    for name, tflops in PEAK_BF16_TFLOPS.items():
+    for name, tflops in (PEAK_FP8_TFLOPS if fp8 else PEAK_BF16_TFLOPS).items():
         if device and name in device:
             return tflops * 1e12
     return None

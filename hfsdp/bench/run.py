@@ -656,13 +656,20 @@ def model_speed(flags: Sequence[str], summaries: Sequence[res.ConfigSummary], ru
     device = res.machine(runs).get("device")
     peak = flops.peak_flops(device, opts.peak_tflops)
     per_config = {s.config: flops.mfu(s.tokens_per_s, opts.nproc, model.training, peak) for s in summaries}
+    # FP8 configurations against the FP8 peak as well (a given --peak-tflops is the bf16 one).
+    fp8_peak = flops.peak_flops(device, fp8=True) if opts.peak_tflops is None else None
+    per_fp8 = {s.config: flops.mfu(s.tokens_per_s, opts.nproc, model.training, fp8_peak) for s in summaries
+               if cfgs.FP8_FLAG in cfgs.CONFIGS[s.config].flags}
     where = f"{peak / 1e12:.0f} TFLOP/s a GPU" if peak else f"no MFU: the peak of {device or 'this GPU'} is unknown"
     print(f"model FLOPs per token, training: {model.training / 1e9:.2f} GFLOP ({where}; --peak-tflops gives one)")
     for config, value in per_config.items():
         if value is not None:
-            print(f"  {config:<20} MFU {value * 100:.1f} %")
+            fp8 = per_fp8.get(config)
+            against = f" (bf16 peak); {fp8 * 100:.1f} % of the FP8 peak" if fp8 is not None else ""
+            print(f"  {config:<20} MFU {value * 100:.1f} %{against}")
     return {"model_flops_per_token": model.training, "model_flops_forward": dataclasses.asdict(model),
-            "peak_flops_per_gpu": peak, "mfu": per_config}
+            "peak_flops_per_gpu": peak, "mfu": per_config,
+            **({"peak_fp8_flops_per_gpu": fp8_peak, "mfu_fp8_peak": per_fp8} if per_fp8 else {})}
 
 
 def gpus(n: Any) -> str:

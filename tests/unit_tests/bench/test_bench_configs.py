@@ -139,6 +139,10 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fill",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_prev",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_delayed",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_blockwise",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg",
                                                               "te_maxpool_ub_lanes3_graph_bf16rs",
                                                               "te_maxpool_ub_nosymm_graph_bf16rs",
                                                               "no_db_graph_validate",
@@ -273,3 +277,13 @@ def test_realistic_1gpu_preset_is_the_realistic_model_cut_to_12_layers():
     assert flags[-2:] == ["--global-batch-size", "2"]
     assert [f if f != "M*E" * 4 else "M*E" * 8 for f in flags[:-2]] == realistic
     assert C.PRESET_NEEDS["realistic_1gpu"] == C.PRESET_NEEDS["realistic"] and C.parallel_flags("realistic_1gpu", 1) == []
+
+
+def test_fp8_configurations_are_the_best_bf16_one_plus_a_hopper_recipe():
+    best = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao"].flags
+    for recipe in ("delayed", "tensorwise", "blockwise"):
+        flags = C.CONFIGS[f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}"].flags
+        assert flags[:len(best)] == best and flags[flags.index("--fp8-recipe") + 1] == recipe
+        assert C.loss_baseline(f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}").endswith(recipe)  # its own
+    pg = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg"].flags
+    assert "--fp8-param-gather" in pg and "blockwise" not in pg  # blockwise FP8 parameters: refused with a pool

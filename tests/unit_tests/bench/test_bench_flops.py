@@ -70,3 +70,11 @@ def test_the_peak_is_known_for_h100_and_h200_or_given(device, given, expected) -
 def test_mfu_is_per_gpu() -> None:
     assert flops.mfu(4000.0, 4, 1e12, 1e15) == pytest.approx(1.0)
     assert flops.mfu(4000.0, 4, 1e12, None) is None
+
+
+@pytest.mark.parametrize("device, expected", [("NVIDIA H200", 1979e12), ("NVIDIA H100 80GB HBM3", 1979e12),
+                                              ("NVIDIA A100", None)])
+def test_the_fp8_peak_is_twice_the_bf16_one_on_hopper(device, expected) -> None:
+    assert flops.peak_flops(device, fp8=True) == expected
+    if expected is not None:
+        assert expected / flops.peak_flops(device) == 1979 / 989

@@ -395,3 +395,24 @@ def test_stopping_the_plans_ends_running_planners(tmp_path, monkeypatch):
     procs = [run.proc for _, run in plans._jobs]
     plans.stop()
     assert all(p.returncode is not None for p in procs)
+
+
+def test_fp8_configurations_get_mfu_against_both_peaks(monkeypatch, capsys):
+    """An FP8 configuration's MFU is printed and kept against the bf16 and the FP8 peak; bf16 ones
+    against the bf16 peak only."""
+    import argparse
+    from types import SimpleNamespace
+
+    from hfsdp.bench import flops as F
+    from hfsdp.bench import results as R
+    from hfsdp.bench import run as RUN
+
+    monkeypatch.setattr(R, "machine", lambda runs: {"device": "NVIDIA H200"})
+    monkeypatch.setattr(F, "model_flops", lambda args: F.ModelFlops(1e9 / 3, 0.0, 0.0, 0.0, 0.0))  # 1 GFLOP a token
+    bf16, fp8 = "te_maxpool_ub_graph_bf16rs_fused_pao", "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise"
+    summaries = [SimpleNamespace(config=bf16, tokens_per_s=98_900.0), SimpleNamespace(config=fp8, tokens_per_s=197_900.0)]
+    meta = RUN.model_speed(["--num-layers", "2"], summaries, [], argparse.Namespace(nproc=1, peak_tflops=None))
+    assert meta["mfu"] == pytest.approx({bf16: 0.1, fp8: 197_900e9 / 989e12})
+    assert meta["mfu_fp8_peak"] == pytest.approx({fp8: 0.1})
+    out = capsys.readouterr().out
+    assert "MFU 20.0 % (bf16 peak); 10.0 % of the FP8 peak" in out and "MFU 10.0 %\n" in out
