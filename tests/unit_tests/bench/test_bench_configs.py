@@ -263,7 +263,8 @@ def test_step_path_configs_switch_back_one_change_each():
     from megatron.core.distributed.fsdp.src.megatron_fsdp import foreach_copy, single_rank_grads
 
     best = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao"]
-    fill, prev = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_fill"], C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_prev"]
+    fill = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_fill"]
+    prev = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_prev"]
     assert fill.flags == prev.flags == best.flags and best.env == ()
     assert dict(fill.env) == {single_rank_grads.ZERO_GRAD_FILL_ENV: "1"}
     assert dict(prev.env) == {single_rank_grads.ZERO_GRAD_FILL_ENV: "1", foreach_copy.PER_PARAM_ENV: "1"}
@@ -276,7 +277,8 @@ def test_realistic_1gpu_preset_is_the_realistic_model_cut_to_12_layers():
     realistic = C.model_flags("realistic")
     assert flags[-2:] == ["--global-batch-size", "2"]
     assert [f if f != "M*E" * 4 else "M*E" * 8 for f in flags[:-2]] == realistic
-    assert C.PRESET_NEEDS["realistic_1gpu"] == C.PRESET_NEEDS["realistic"] and C.parallel_flags("realistic_1gpu", 1) == []
+    assert C.PRESET_NEEDS["realistic_1gpu"] == C.PRESET_NEEDS["realistic"]
+    assert C.parallel_flags("realistic_1gpu", 1) == []
 
 
 def test_fp8_configurations_are_the_best_bf16_one_plus_a_hopper_recipe():

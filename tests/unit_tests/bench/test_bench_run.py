@@ -410,7 +410,8 @@ def test_fp8_configurations_get_mfu_against_both_peaks(monkeypatch, capsys):
     monkeypatch.setattr(R, "machine", lambda runs: {"device": "NVIDIA H200"})
     monkeypatch.setattr(F, "model_flops", lambda args: F.ModelFlops(1e9 / 3, 0.0, 0.0, 0.0, 0.0))  # 1 GFLOP a token
     bf16, fp8 = "te_maxpool_ub_graph_bf16rs_fused_pao", "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise"
-    summaries = [SimpleNamespace(config=bf16, tokens_per_s=98_900.0), SimpleNamespace(config=fp8, tokens_per_s=197_900.0)]
+    summaries = [SimpleNamespace(config=bf16, tokens_per_s=98_900.0),
+                 SimpleNamespace(config=fp8, tokens_per_s=197_900.0)]
     meta = RUN.model_speed(["--num-layers", "2"], summaries, [], argparse.Namespace(nproc=1, peak_tflops=None))
     assert meta["mfu"] == pytest.approx({bf16: 0.1, fp8: 197_900e9 / 989e12})
     assert meta["mfu_fp8_peak"] == pytest.approx({fp8: 0.1})

@@ -21,8 +21,13 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.single_rank_grads import (
     overwrites_main_grad,
     take_first_write,
 )
-from tests.unit_tests.megatron_fsdp.test_one_rank_grad_groups import OneRankBuffer, fake_cuda, pipeline  # noqa: F401
-from tests.unit_tests.megatron_fsdp.test_wgrad_fusion_apex import _linear, apex_kernel  # noqa: F401
+from tests.unit_tests.megatron_fsdp import test_one_rank_grad_groups as one_rank
+from tests.unit_tests.megatron_fsdp import test_wgrad_fusion_apex as apex
+from tests.unit_tests.megatron_fsdp.test_one_rank_grad_groups import OneRankBuffer, pipeline
+from tests.unit_tests.megatron_fsdp.test_wgrad_fusion_apex import _linear
+
+fake_cuda = one_rank.fake_cuda  # the fixtures, shared with those tests
+apex_kernel = apex.apex_kernel
 
 
 def _buffer(params, gbuf, enabled: bool, hybrid: bool = False):

@@ -18,9 +18,9 @@ def test_copy_all_equals_copy_and_groups_by_dtype(monkeypatch):
     launches = []
     real = torch._foreach_copy_
     monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (launches.append(len(d)), real(d, s)))
-    assert copy_all(zip(dsts, srcs)) == 2
+    assert copy_all(zip(dsts, srcs, strict=True)) == 2
     assert sorted(launches) == [1, 2]
-    for dst, src in zip(dsts, srcs):
+    for dst, src in zip(dsts, srcs, strict=True):
         assert torch.equal(dst, src.to(dst.dtype))
 
 
