@@ -23,7 +23,6 @@ only at DP >= 2: their cases run two ranks.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,10 +30,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from hfsdp.atomic import write_text_atomic
 from hfsdp.functional import goldens_table, selection
 from hfsdp.functional.recipe import load_recipe
-from hfsdp.usererror import run_cli
 
 START, END = "<!-- fp8-recipes:start -->", "<!-- fp8-recipes:end -->"
 RECIPES = ("delayed", "tensorwise", "blockwise")
@@ -138,24 +135,7 @@ def table(cases_root: Path = goldens_table.CASES) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hfsdp.functional.fp8_matrix",
-                                     description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--write", type=Path, default=None, help="replace the table in this Markdown file")
-
-    def run() -> int:
-        ns = parser.parse_args(argv)
-        body = table()
-        if ns.write is None:
-            sys.stdout.write(body)
-            return 0
-        text = ns.write.read_text(encoding="utf-8")
-        new = goldens_table.replaced(text, body, ns.write, START, END)
-        if new != text:
-            write_text_atomic(ns.write, new)
-            print(f"wrote the FP8 recipe table into {ns.write}")
-        return 0
-
-    return run_cli("fp8_matrix", run, lambda: "nothing was written")
+    return goldens_table.block_main("fp8_matrix", "the FP8 recipe table", table, START, END, argv)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hfsdp.atomic import write_text_atomic
@@ -83,25 +83,31 @@ def replaced(text: str, body: str, where: Path, start: str = START, end: str = E
     return f"{head}{start}\n{body}{end}{tail}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hfsdp.functional.goldens_table",
-                                     description=__doc__.split("\n")[0])
+def block_main(prog: str, what: str, body: Callable[[], str], start: str, end: str,
+               argv: Sequence[str] | None = None) -> int:
+    """The command of a generated Markdown block: print ``body()``, or with ``--write FILE``
+    replace the block between ``start`` and ``end`` in FILE (written only when it changed)."""
+    parser = argparse.ArgumentParser(prog=f"python -m hfsdp.functional.{prog}", description=f"Print {what}.")
     parser.add_argument("--write", type=Path, default=None, help="replace the table in this Markdown file")
 
     def run() -> int:
         ns = parser.parse_args(argv)
-        body = table()
+        text_body = body()
         if ns.write is None:
-            sys.stdout.write(body)
+            sys.stdout.write(text_body)
             return 0
         text = ns.write.read_text(encoding="utf-8")
-        new = replaced(text, body, ns.write)
+        new = replaced(text, text_body, ns.write, start, end)
         if new != text:
             write_text_atomic(ns.write, new)
-            print(f"wrote the goldens table into {ns.write}")
+            print(f"wrote {what} into {ns.write}")
         return 0
 
-    return run_cli("goldens_table", run, lambda: "nothing was written")
+    return run_cli(prog, run, lambda: "nothing was written")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return block_main("goldens_table", "the goldens table", table, START, END, argv)
 
 
 if __name__ == "__main__":
