@@ -659,7 +659,7 @@ def model_speed(flags: Sequence[str], summaries: Sequence[res.ConfigSummary], ru
     # FP8 configurations against the FP8 peak as well (a given --peak-tflops is the bf16 one).
     fp8_peak = flops.peak_flops(device, fp8=True) if opts.peak_tflops is None else None
     per_fp8 = {s.config: flops.mfu(s.tokens_per_s, opts.nproc, model.training, fp8_peak) for s in summaries
-               if cfgs.FP8_FLAG in cfgs.CONFIGS[s.config].flags}
+               if cfgs.FP8_FLAG in bases.config(s.config).flags}
     where = f"{peak / 1e12:.0f} TFLOP/s a GPU" if peak else f"no MFU: the peak of {device or 'this GPU'} is unknown"
     print(f"model FLOPs per token, training: {model.training / 1e9:.2f} GFLOP ({where}; --peak-tflops gives one)")
     for config, value in per_config.items():
