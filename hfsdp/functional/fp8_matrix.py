@@ -10,7 +10,10 @@ keeps and all-gathers the weights in FP8). Columns: the fork's features on Trans
 A cell is one of
 
 * a functional case, with the GPU kinds its golden was recorded on, or "no golden yet" (the case
-  exists and validates on CPU; only a GPU run can say it trains, and then its golden says so);
+  exists and validates on CPU; only a GPU run can say it trains, and then its golden says so). The
+  cases are found, not listed (:func:`cases`): an ``*_fp8_*`` case sits in every cell of its row whose
+  feature it runs (a graph over max-pool with user buffers shows the graph, max-pool and UB columns),
+  and a cell shows its most specific case;
 * a refusal: ``validate_args`` rejects the combination before any GPU work, naming the way out
   ([Note: TE combinations] in megatron/training/te_arg_checks.py; the unit test holds each refused
   cell to that check, and every other cell to its silence);
@@ -31,7 +34,7 @@ from types import MappingProxyType
 from typing import Any
 
 from hfsdp.functional import goldens_table, selection
-from hfsdp.functional.recipe import load_recipe
+from hfsdp.functional.recipe import Recipe, load_recipe
 
 START, END = "<!-- fp8-recipes:start -->", "<!-- fp8-recipes:end -->"
 RECIPES = ("delayed", "tensorwise", "blockwise")
@@ -71,6 +74,9 @@ FEATURES = (
     Feature("nccl-ub", "max-pool + NCCL UB", MappingProxyType({**MAX_POOL, "--use-nccl-ub": True})),
 )
 ROWS = tuple(Row(recipe, pg) for recipe in RECIPES for pg in (False, True))
+FEATURE_FLAGS = frozenset(k for f in FEATURES for k in f.flags)
+MAX_POOL_FLAG = "--megatron-fsdp-max-pool-double-buffer"
+CASE_MARK = "_fp8_"
 
 
 @dataclass(frozen=True)
@@ -93,26 +99,59 @@ BLOCKWISE_DOUBLE_BUFFER = Refusal(
 OPEN = "open"
 LEGEND = ("A case cell gives the GPU kinds of its golden, or \"no golden yet\": only a GPU run tells. Open: no case\n"
           "yet, and nothing in the code says it fails.")
-CASES: Mapping[tuple[str, bool, str], str] = MappingProxyType({
-    ("delayed", False, "eager"): "moe/moe_mcore_te_fsdp_1gpu_fp8_delayed_eager_no_db",
-    ("delayed", False, "graph"): "moe/moe_mcore_te_fsdp_1gpu_fp8_delayed_graph_no_db",
-    ("tensorwise", True, "eager"): "moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_eager_no_db",
-    ("tensorwise", True, "max-pool"): "moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_maxpool",
-    ("blockwise", True, "eager"): "moe/moe_mcore_te_fsdp_1gpu_fp8_blockwise_pg_eager_no_db",
-    ("blockwise", True, "graph"): "moe/moe_mcore_te_fsdp_1gpu_fp8_blockwise_pg_graph_no_db",
-})
 REFUSED: Mapping[tuple[str, bool, str], Refusal] = MappingProxyType(
     {("blockwise", True, feature): BLOCKWISE_DOUBLE_BUFFER for feature in ("max-pool", "lanes", "nccl-ub")})
 MXFP8 = ("`mxfp8` has no row: it is Blackwell's recipe, and below compute capability 10 `validate_args` refuses\n"
          "it (TE would raise in the first forward step); on Hopper use `delayed`, `tensorwise` or `blockwise`.")
 
 
-def cell(row: Row, feature: Feature) -> str | Refusal | None:
-    """The case (its path under test_cases), the refusal, or None (open) of one cell."""
+def row_of(recipe: Recipe) -> Row | None:
+    """The table row a case trains in, or None for a case without an FP8 recipe of the table."""
+    name = recipe.model_args.get("--fp8-recipe")
+    return Row(name, recipe.model_args.get("--fp8-param-gather") is True) if name in RECIPES else None
+
+
+def covers(recipe: Recipe, feature: Feature) -> bool:
+    """Whether a case's run shows ``feature`` working: it sets the feature's flags (``eager``: no
+    graph and no double buffer), and a pool-based feature runs at DP >= 2, where the pool exists."""
+    args = recipe.model_args
+    if feature.name == "eager":
+        return not any(k in args for f in FEATURES for k in f.flags)
+    if any(args.get(k) != v for k, v in feature.flags.items()):
+        return False
+    return recipe.nproc >= 2 or MAX_POOL_FLAG not in feature.flags
+
+
+def extra_features(recipe: Recipe, feature: Feature) -> int:
+    """How many feature flags a case sets beyond ``feature``'s: the cell shows its most specific case."""
+    return sum(k in recipe.model_args for k in FEATURE_FLAGS if k not in feature.flags)
+
+
+def cases(cases_root: Path = goldens_table.CASES) -> dict[tuple[str, bool, str], str]:
+    """Each cell's case, found from the cases themselves: every ``*/*_fp8_*`` case under ``cases_root``,
+    in the cells of its row that it covers, the most specific case first, then by name."""
+    found: dict[tuple[str, bool, str], tuple[int, str]] = {}
+    for config in sorted(cases_root.glob(f"*/*{CASE_MARK}*/model_config.yaml")):
+        recipe = load_recipe(config.parent)
+        row = row_of(recipe)
+        if row is None:
+            raise ValueError(f"{config}: an FP8 case (its name has {CASE_MARK!r}) without --fp8-recipe "
+                             f"{' | '.join(RECIPES)}")
+        name = f"{config.parent.parent.name}/{config.parent.name}"
+        for feature in FEATURES:
+            if covers(recipe, feature):
+                key = (row.recipe, row.param_gather, feature.name)
+                found[key] = min(found.get(key, (len(FEATURES), "")), (extra_features(recipe, feature), name))
+    return {key: name for key, (_, name) in found.items()}
+
+
+def cell(row: Row, feature: Feature, found: Mapping[tuple[str, bool, str], str]) -> str | Refusal | None:
+    """The case (its path under test_cases), the refusal, or None (open) of one cell, given
+    :func:`cases`."""
     key = (row.recipe, row.param_gather, feature.name)
-    if key in CASES and key in REFUSED:
-        raise ValueError(f"cell {key} is both a case ({CASES[key]}) and a refusal")
-    return CASES.get(key) or REFUSED.get(key)
+    if key in found and key in REFUSED:
+        raise ValueError(f"cell {key} is both a case ({found[key]}) and a refusal")
+    return found.get(key) or REFUSED.get(key)
 
 
 def case_text(case: str, cases_root: Path) -> str:
@@ -122,13 +161,14 @@ def case_text(case: str, cases_root: Path) -> str:
 
 
 def table(cases_root: Path = goldens_table.CASES) -> str:
+    found = cases(cases_root)
     rows = ["| recipe | " + " | ".join(f.heading for f in FEATURES) + " |", "|---|" + "---|" * len(FEATURES)]
     for row in ROWS:
         cells = []
         for feature in FEATURES:
-            found = cell(row, feature)
-            cells.append(OPEN if found is None else found.mark if isinstance(found, Refusal)
-                         else case_text(found, cases_root))
+            here = cell(row, feature, found)
+            cells.append(OPEN if here is None else here.mark if isinstance(here, Refusal)
+                         else case_text(here, cases_root))
         rows.append(f"| {row.label} | " + " | ".join(cells) + " |")
     refusals = sorted({r.says for r in REFUSED.values()})
     return "\n".join([*rows, "", LEGEND, "", *refusals, "", MXFP8]) + "\n"
