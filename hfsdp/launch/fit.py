@@ -23,6 +23,8 @@ from hfsdp.usererror import UserError
 # Per process, beside what the planner sees: the CUDA context, cuBLAS/cuDNN workspaces and NCCL's
 # buffers (each rank of the shared mode has its own of all three).
 CONTEXT_BYTES = 1 * GIB
+# Switches that only Transformer Engine's specs take; the plan, made with local specs, leaves them out.
+TE_SPEC_ONLY = frozenset({"--moe-grouped-gemm"})
 
 
 def _flag(flags: Sequence[str], name: str, default: str) -> str:
@@ -55,15 +57,17 @@ def rank_memory(flags: Sequence[str], world_size: int, environ: Mapping[str, str
     (``$HFSDP_FSDP_UNIT_MODULES``) read; it applies during the parse and the plan only.
 
     The model is planned with local layer specs: Transformer Engine's give each unit the same
-    parameters. Pools: the lanes training holds (``--megatron-fsdp-max-pool-lanes`` 3 or more with
-    the max-pool double buffer), else the max-pool plan (also what two live unsharded units take
-    without double buffering).
+    parameters. Flags that only TE specs take (:data:`TE_SPEC_ONLY`) are left out of the plan:
+    ``--moe-grouped-gemm`` holds the experts' weights as TE's grouped GEMM does, and the local specs'
+    per-expert layers hold the same ones. Pools: the lanes training holds
+    (``--megatron-fsdp-max-pool-lanes`` 3 or more with the max-pool double buffer), else the max-pool
+    plan (also what two live unsharded units take without double buffering).
     """
     from hfsdp.planner import cli, setup
     from hfsdp.training import fsdp_units
 
     with mock.patch.dict(os.environ, dict(environ or {})):
-        args = setup.parse([*flags, "--transformer-impl", "local",
+        args = setup.parse([*(f for f in flags if f not in TE_SPEC_ONLY), "--transformer-impl", "local",
                             "--plan-dp-size", str(data_parallel_size(flags, world_size))])
         layout, results = cli.plan_from_args(args)
     return planned_memory(args, layout, results, fsdp_units.training_lanes(args))

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -224,3 +225,28 @@ def test_auto_is_named_where_only_a_count_is_taken(value, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--ranks-per-gpu", value])
     assert "'auto' is taken only by `python -m hfsdp.launch`" in capsys.readouterr().err
+
+
+CASES_ROOT = Path(__file__).resolve().parents[3] / "tests/functional_tests/test_cases"
+TWO_RANK_CASES = sorted(p.parent for p in CASES_ROOT.glob("*/*/model_config.yaml") if "_2gpu_" in p.parent.name)
+
+
+@pytest.mark.parametrize("case", TWO_RANK_CASES, ids=lambda p: p.name)
+def test_every_two_rank_case_can_be_planned_for_ranks_sharing_a_gpu(case, monkeypatch):
+    """run_case plans a shared-mode launch before it starts (fit.preflight): the plan takes every
+    two-rank case's flags, TE-only ones (--moe-grouped-gemm) included."""
+    from hfsdp.functional.recipe import args_to_argv, load_recipe
+    from hfsdp.functional.run_case import path_variables
+
+    recipe = load_recipe(case)
+    argv = args_to_argv(recipe.model_args, path_variables(Path("/nonexistent/out")))
+    if importlib.util.find_spec("transformer_engine") is None:  # run_case plans where the case runs: TE 2.x
+        import megatron.core.transformer.transformer_config as transformer_config
+        import megatron.training.arguments as arguments
+
+        for module in (arguments, transformer_config):
+            monkeypatch.setattr(module, "is_te_min_version", lambda version, check_equality=True: True)
+        if "--no-rope-fusion" not in argv:
+            argv.append("--no-rope-fusion")  # validate_args asks TE for RoPE fusion; the plan does not change
+    environ = {k: v for k, v in recipe.env_vars.items() if v is not None}
+    assert fit.rank_memory(argv, recipe.nproc, environ).total > 0
