@@ -112,6 +112,14 @@ def test_a_cell_is_a_case_or_a_refusal_not_both() -> None:
 
 def test_the_table_says_cases_refusals_and_mxfp8() -> None:
     text = M.table()
-    assert "`moe/moe_mcore_te_fsdp_1gpu_fp8_delayed_eager_no_db` (no golden yet)" in text
+    assert "`moe/moe_mcore_te_fsdp_1gpu_fp8_delayed_eager_no_db` (golden: h200)" in text
+    assert "`moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_maxpool` (golden: h200 shared)" in text
     assert text.count("refused (a)") == 3 and "(a) After each optimizer step" in text
     assert "`mxfp8` has no row" in text
+
+
+def test_a_case_without_a_golden_says_so(tmp_path: Path) -> None:
+    case = tmp_path / "moe" / "moe_x_fp8_delayed_eager"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text("MODEL_ARGS:\n  --fp8-format: e4m3\n  --fp8-recipe: delayed\n")
+    assert "`moe/moe_x_fp8_delayed_eager` (no golden yet)" in M.table(tmp_path)
