@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 
 from hfsdp.flagsets import GRAPH_FLAGS, LANES_FLAG, MAXPOOL_FLAG
 from hfsdp.planner.setup import DEFAULT_MODEL_FLAGS
+from hfsdp.usererror import UserError
 
 # no_db_d1's --suggested-communication-unit-size (elements); see CONFIGS.
 D1_UNIT_SIZE = 2_000_000
@@ -301,6 +303,17 @@ def model_flags(preset: str, extra: Sequence[str] = ()) -> list[str]:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     base = [f for f in DEFAULT_MODEL_FLAGS if f not in PRESET_DROPS.get(preset, ())]
     return override_flags(override_flags(base, PRESETS[preset]), extra)
+
+
+def with_data(flags: Sequence[str], prefix: str) -> list[str]:
+    """``flags`` training on the indexed dataset ``prefix`` instead of mock data (refused, before
+    any run, when ``prefix.bin`` or ``prefix.idx`` is not a file)."""
+    if missing := [prefix + s for s in (".bin", ".idx") if not os.path.isfile(prefix + s)]:
+        raise UserError(f"--data-path {prefix}: {', '.join(missing)} "
+                        f"{'is not a file' if len(missing) == 1 else 'are not files'}",
+                        "give the prefix of an indexed dataset (python -m hfsdp.bench.markov_data "
+                        "--out PREFIX writes one)")
+    return override_flags([f for f in flags if f != "--mock-data"], ["--data-path", prefix])
 
 
 def parallel_flags(preset: str, nproc: int) -> list[str]:

@@ -89,6 +89,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="With --keep-logs DIR: take every run DIR already holds that counts (read as --from-logs "
                         "reads it) and launch only the others, on the machine that ran those ([Note: resumed "
                         "invocations] in hfsdp/bench/run_logs.py). Give the same arguments as before.")
+    p.add_argument("--data-path", default=None, metavar="PREFIX",
+                   help="Train on this indexed dataset (PREFIX.bin/.idx, e.g. from python -m "
+                        "hfsdp.bench.markov_data) instead of --mock-data: losses compared over many steps "
+                        "(hfsdp.bench.loss_compare) need text a model does not learn within a few steps.")
     p.add_argument("--no-prime", action="store_true",
                    help="Skip the discarded priming run (it fills the Triton compile/autotune "
                         "caches so the first timed run is not slower than the rest).")
@@ -480,6 +484,8 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
     flags = cfgs.model_flags(opts.preset, cfgs.override_flags(
         cfgs.override_flags(cfgs.parallel_flags(opts.preset, opts.nproc),
                             te_determinism.argv() if opts.deterministic else []), extra))
+    if opts.data_path is not None:
+        flags = cfgs.with_data(flags, opts.data_path)
     check_counted_flags(flags)
     wanted = wanted_configs(opts.configs)
     if refusal := cfgs.preset_refusal(opts.preset, wanted):
