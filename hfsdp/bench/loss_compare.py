@@ -47,9 +47,12 @@ def compare(runs: Sequence[RunResult], config: str, baseline: str, from_step: in
     n = min(len(base.lm_loss), len(other.lm_loss))
     rel: list[float] = []
     for step, (b, o) in enumerate(zip(base.lm_loss[:n], other.lm_loss[:n], strict=True), start=1):
-        if b is None or o is None or not b:
+        if b is None or o is None:
             raise UserError(f"{source}: step {step} has no lm loss in {config if o is None else baseline}",
                             "compare runs that logged every step (--log-interval 1, as the benchmark runs)")
+        if b == 0:
+            raise UserError(f"{source}: {baseline}'s lm loss is 0 at step {step}, so no relative difference exists",
+                            "compare on data the model does not learn exactly (python -m hfsdp.bench.markov_data)")
         rel.append((o - b) / b)
     if from_step > n:
         raise UserError(f"--from-step {from_step} is past the runs' {n} steps", "give a smaller --from-step")

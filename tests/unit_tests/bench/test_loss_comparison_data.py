@@ -92,6 +92,9 @@ def test_loss_compare_refuses_what_it_cannot_compare(tmp_path) -> None:
         loss_compare.main([str(path), "--config", "c", "--baseline", "a"])
     with pytest.raises(UserError, match="past the runs' 2 steps"):
         loss_compare.main([str(path), "--config", "b", "--baseline", "a", "--from-step", "3"])
+    write_json_atomic(path, {"runs": [_run("a", [2.0, 0.0]), _run("b", [2.0, 1.0])]})
+    with pytest.raises(UserError, match="lm loss is 0 at step 2"):
+        loss_compare.main([str(path), "--config", "b", "--baseline", "a", "--from-step", "1"])
     (tmp_path / "bad.json").write_text("[1]")
     with pytest.raises(UserError, match="not a benchmark results JSON"):
         loss_compare.main([str(tmp_path / "bad.json"), "--config", "b", "--baseline", "a"])
