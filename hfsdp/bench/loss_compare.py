@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from hfsdp.atomic import loads_strict
 from hfsdp.bench.results import RunResult, run_from_dict
-from hfsdp.usererror import UserError, positive, run_cli
+from hfsdp.usererror import UserError, not_a_regular_file, positive, run_cli
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--every", type=positive(int), default=25, help="Print every N-th step.")
     opts = p.parse_args(argv)
     path = Path(opts.results)
+    if os.path.exists(path) and (why := not_a_regular_file(path)):  # a named pipe would block the read
+        raise UserError(f"{path} {why}", "give a benchmark results JSON")
     try:
         doc = loads_strict(path.read_bytes())
         runs = [run_from_dict(d) for d in doc["runs"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -95,6 +96,9 @@ def test_loss_compare_refuses_what_it_cannot_compare(tmp_path) -> None:
     write_json_atomic(path, {"runs": [_run("a", [2.0, 0.0]), _run("b", [2.0, 1.0])]})
     with pytest.raises(UserError, match="lm loss is 0 at step 2"):
         loss_compare.main([str(path), "--config", "b", "--baseline", "a", "--from-step", "1"])
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(UserError, match="not a regular file"):
+        loss_compare.main([str(tmp_path / "pipe"), "--config", "b", "--baseline", "a"])
     (tmp_path / "bad.json").write_text("[1]")
     with pytest.raises(UserError, match="not a benchmark results JSON"):
         loss_compare.main([str(tmp_path / "bad.json"), "--config", "b", "--baseline", "a"])
