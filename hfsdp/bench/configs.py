@@ -44,8 +44,6 @@ class BenchConfig:
 # copies (megatron_fsdp/single_rank_grads.py, foreach_copy.py; the product never imports this module).
 ZERO_GRAD_FILL_ENV = "HFSDP_ZERO_GRAD_FILL"
 PER_PARAM_COPIES_ENV = "HFSDP_PER_PARAM_COPIES"
-# The opt-in row-wise re-quantization of per-tensor FP8 parameter shards (megatron_fsdp/fp8_shard_quantize.py).
-FP8_ROWWISE_ENV = "HFSDP_FP8_ROWWISE_SHARDS"
 # Megatron's default rerun mode, given explicitly so that a graphed run keeps it.
 VALIDATE_FLAGS = ("--rerun-mode", "validate_results")
 # Transformer Engine layer specs (replaces the presets' --transformer-impl local; argparse keeps
@@ -171,11 +169,6 @@ CONFIGS = {
         "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg",
         (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, *FP8_RECIPES["tensorwise"], "--fp8-param-gather"),
         "te_maxpool_ub_graph_bf16rs_fused_pao in FP8, tensorwise scaling, FP8 parameters", "maxpool", "te"),
-    "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg_rowwise": BenchConfig(
-        "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg_rowwise",
-        (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, *FP8_RECIPES["tensorwise"], "--fp8-param-gather"),
-        "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg with the shards re-quantized row-wise only",
-        "maxpool", "te", ((FP8_ROWWISE_ENV, "1"),)),
     # The same with three lanes: one more unit live, so all-gathers may run two units ahead.
     "te_maxpool_ub_lanes3_graph_bf16rs": BenchConfig(
         "te_maxpool_ub_lanes3_graph_bf16rs", (*TE_MAXPOOL_UB_GRAPH_BF16RS, LANES_FLAG, "3"),

@@ -143,7 +143,6 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_blockwise",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg",
-                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg_rowwise",
                                                               "te_maxpool_ub_lanes3_graph_bf16rs",
                                                               "te_maxpool_ub_nosymm_graph_bf16rs",
                                                               "no_db_graph_validate",
@@ -292,10 +291,3 @@ def test_fp8_configurations_are_the_best_bf16_one_plus_a_hopper_recipe():
     assert "--fp8-param-gather" in pg and "blockwise" not in pg  # blockwise FP8 parameters: refused with a pool
 
 
-def test_rowwise_fp8_configuration_differs_from_its_twin_by_the_products_switch_only():
-    from megatron.core.distributed.fsdp.src.megatron_fsdp import fp8_shard_quantize
-
-    twin = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg"]
-    rowwise = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg_rowwise"]
-    assert rowwise.flags == twin.flags and twin.env == ()
-    assert dict(rowwise.env) == {fp8_shard_quantize.ENV: "1"}

@@ -100,18 +100,18 @@ def _inputs():
     return weights, mains, [0, 0, None, 0, 0, 0], shards
 
 
-def test_off_unless_switched_on_and_then_nothing_is_touched(te) -> None:
+def test_without_the_pieces_of_te_it_needs_everything_is_left_to_te(te, monkeypatch) -> None:
     weights, mains, offsets, shards = _inputs()
     made_before = len(Quantizer.made)
-    assert fsq.quantize_rowwise(weights, mains, offsets, None, shards, environ={}) == list(range(6))
-    assert fsq.quantize_rowwise(weights, mains, offsets, None, shards, environ={fsq.ENV: "0"}) == list(range(6))
+    monkeypatch.setattr(fsq, "HAVE_ROWWISE_PATH", False)
+    assert fsq.quantize_rowwise(weights, mains, offsets, None, shards) == list(range(6))
     assert not te.reduces and not te.validated and len(Quantizer.made) == made_before
 
 
 def test_per_tensor_shards_go_row_wise_and_the_rest_to_te(te) -> None:
     weights, mains, offsets, shards = _inputs()
     made_before = len(Quantizer.made)
-    rest = fsq.quantize_rowwise(weights, mains, offsets, None, shards, environ={fsq.ENV: "1"})
+    rest = fsq.quantize_rowwise(weights, mains, offsets, None, shards)
     # blockwise, and a shard that comes with a transpose shard, are TE's
     assert rest == [1, 5]
     new = Quantizer.made[made_before:]

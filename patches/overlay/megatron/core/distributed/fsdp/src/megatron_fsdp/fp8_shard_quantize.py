@@ -1,5 +1,5 @@
 # Copyright (c) 2026, hfsdp authors. Licensed under the Apache License, Version 2.0.
-"""Per-tensor FP8 parameters re-quantized from their main weights, row-wise only (opt-in).
+"""Per-tensor FP8 parameters re-quantized from their main weights, row-wise only.
 
 [Note: row-wise shard quantization] With ``--fp8-param-gather`` Megatron-FSDP keeps each FP8
 parameter's bytes in its weight buffer and, after every optimizer step, re-quantizes the shard
@@ -14,9 +14,9 @@ each all-gather (``post_all_gather_processing``). docs/results.md has what it co
 :func:`quantize_rowwise` does TE's per-tensor work with row-wise quantizers: the main weight cast
 to the model's dtype first, the same amaxes, the same reduction of them over the data-parallel
 group, the same scales and scale-inverses, and the same cast, so the FP8 bytes and
-scale-inverses should be TE's and losses bit-identical; only the unread transpose is left out.
-It has not been run on a GPU yet, so it is off unless ``HFSDP_FP8_ROWWISE_SHARDS=1``. It takes
-the per-tensor parameters whose shard is one plain tensor, and only where TE's post-all-gather
+scale-inverses are TE's and losses bit-identical (the DP=2 FP8-parameter functional cases hold
+their goldens, recorded with TE's path); only the unread transpose is left out. It takes the
+per-tensor parameters whose shard is one plain tensor, and only where TE's post-all-gather
 processing exists; everything else (blockwise, MXFP8, a separate transpose shard) is returned
 for TE's function.
 
@@ -27,8 +27,7 @@ takes part in the reduction, so every rank issues the same collectives in the sa
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,8 +46,6 @@ try:
     HAVE_ROWWISE_PATH = hasattr(tex, "multi_tensor_compute_scale_and_scale_inv")
 except ImportError:  # TE absent or too old: TE's own function (or the fallback) does all of it
     HAVE_ROWWISE_PATH = False
-
-ENV = "HFSDP_FP8_ROWWISE_SHARDS"
 
 # (FP8 model weight, main-weight shard or None, offset, shard storage): TE's types, hence Any.
 Param = tuple[Any, torch.Tensor | None, int | None, Any]
@@ -143,13 +140,12 @@ def quantize_rowwise(
     start_offsets: Sequence[int | None],
     data_parallel_group,
     fsdp_shard_model_params: Sequence[object],
-    environ: Mapping[str, str] = os.environ,
 ) -> list[int]:
     """Quantize the per-tensor FP8 parameters among the inputs row-wise (see the note); returns the
-    indices left for TE's ``cast_master_weights_to_fp8`` (all of them when the path is absent or
-    ``HFSDP_FP8_ROWWISE_SHARDS`` is not ``1``)."""
+    indices left for TE's ``cast_master_weights_to_fp8`` (all of them when TE lacks the pieces the
+    row-wise path needs)."""
     everything = list(range(len(model_params)))
-    if not HAVE_ROWWISE_PATH or environ.get(ENV) != "1":
+    if not HAVE_ROWWISE_PATH:
         return everything
     groups: dict = {"delayed": [], "current": []}
     rest = []
