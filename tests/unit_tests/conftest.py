@@ -281,7 +281,8 @@ def fake_dp_world(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture
 def cpu_fsdp_buffer(fake_dp_world: None) -> Callable[..., Any]:
-    """``build(model, unit_classes, **ddp_config_fields)`` -> a ParamAndGradBuffer on CPU."""
+    """``build(model, unit_classes, pool_scope="", **ddp_config_fields)`` -> a ParamAndGradBuffer on CPU
+    (``pool_scope``: its double-buffer policy's, megatron_fsdp/model_pools.py)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -289,13 +290,17 @@ def cpu_fsdp_buffer(fake_dp_world: None) -> Callable[..., Any]:
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
     from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import FSDPDistributedIndex
 
-    def build(model: torch.nn.Module, unit_classes: Sequence[type], **ddp_kwargs: Any) -> Any:
+    def build(model: torch.nn.Module, unit_classes: Sequence[type], pool_scope: str = "", **ddp_kwargs: Any) -> Any:
         mesh = init_device_mesh("cpu", (FAKE_DP, 1), mesh_dim_names=("dp", "tp"))
         index = FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
                                      expt_device_mesh=mesh)
         cfg = DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params", use_distributed_optimizer=True,
             use_megatron_fsdp=True, fsdp_double_buffer=True, **ddp_kwargs)
+        if pool_scope:
+            from megatron.core.distributed.fsdp.src.megatron_fsdp.model_pools import with_pool_scope
+
+            with_pool_scope(cfg, pool_scope)
         policy = pgb.BucketingPolicy(fsdp_unit_modules=list(unit_classes))
         return pgb.ParamAndGradBuffer(cfg, model, policy, index, device=torch.device("cpu"))
 

@@ -110,6 +110,7 @@ def make_buffer(events, groups=None, manual=False, ubr_groups=("dp", "dp_outer")
         device=CPU,
         parameter_groups=groups,
         already_registered=False,
+        nccl_mem_pool=SimpleNamespace(name="this buffer's pool"),  # each buffer registers its own
     )
 
 
@@ -258,15 +259,15 @@ def test_manual_registration_rendezvous_follows_registration(events, monkeypatch
     monkeypatch.setattr(
         pgb.nccl_allocator,
         "register_mem_pool",
-        lambda pool, group, symmetric=True: events.log.append(f"register:{group.group_desc}:{symmetric}"),
+        lambda pool, group, symmetric=True: events.log.append(f"register:{pool.name}:{group.group_desc}:{symmetric}"),
     )
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     pgb.ParamAndGradBuffer.manual_buffer_registration(buf)  # the real method, patched hook
     assert buf.already_registered
     assert events.log == [
         "barrier:world",
-        "register:dp:True",
-        "register:dp_outer:True",
+        "register:this buffer's pool:dp:True",
+        "register:this buffer's pool:dp_outer:True",
         "barrier:dp",
         "barrier:dp_outer",
     ]

@@ -138,37 +138,34 @@ def test_failure_teardown_is_bounded_when_abort_hangs(monkeypatch, init_single_r
     assert elapsed < 10.0, f"failure teardown took {elapsed:.1f} s with a hung abort"
 
 
-def test_deregisters_shared_pool_once_per_group(monkeypatch, init_single_rank):
+def test_deregisters_each_buffers_own_pool_once_per_group(monkeypatch, init_single_rank):
     from megatron.core import nccl_allocator
-    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
 
     init_single_rank()
-    pool = object()
+    pool_a, pool_b, pool_c = object(), object(), object()
     g1, g2, g3, g4 = (SimpleNamespace(name=f"g{i}") for i in range(1, 5))
     auto = SimpleNamespace(fsdp_manual_registration=False)
     manual = SimpleNamespace(fsdp_manual_registration=True)
+
+    def buf(pool, groups, cfg=auto):
+        return SimpleNamespace(nccl_mem_pool=pool, ubr_groups=groups, ddp_config=cfg, already_registered=False)
+
+    first, second = buf(pool_a, [g1, g2]), buf(pool_b, [g2, g3])
     chunks = [
-        SimpleNamespace(param_and_grad_buffer=SimpleNamespace(
-            ubr_groups=[g1, g2], ddp_config=auto, already_registered=False)),
-        SimpleNamespace(param_and_grad_buffer=SimpleNamespace(
-            ubr_groups=[g2, g3], ddp_config=auto, already_registered=False)),
-        # manual registration that never ran: nothing is registered on g4
-        SimpleNamespace(param_and_grad_buffer=SimpleNamespace(
-            ubr_groups=[g4], ddp_config=manual, already_registered=False)),
-        SimpleNamespace(param_and_grad_buffer=SimpleNamespace(
-            ubr_groups=None, ddp_config=auto, already_registered=False)),  # no nccl_ub
+        SimpleNamespace(param_and_grad_buffer=first),
+        SimpleNamespace(param_and_grad_buffer=second),  # another model: its own pool, a shared group
+        SimpleNamespace(param_and_grad_buffer=buf(pool_c, [g4], manual)),  # manual registration never ran
+        SimpleNamespace(param_and_grad_buffer=buf(None, None)),  # no nccl_ub
         SimpleNamespace(),  # not a Megatron-FSDP chunk
     ]
     undone: list[Any] = []
-    monkeypatch.setattr(pgb, "NCCL_MEMORY_POOL", pool)
-    monkeypatch.setattr(
-        nccl_allocator, "deregister_mem_pool", lambda p, g: undone.append((p, g.name))
-    )
+    monkeypatch.setattr(nccl_allocator, "deregister_mem_pool", lambda p, g: undone.append((p, g.name)))
     teardown.track_model_for_teardown(chunks)
-    assert teardown.deregister_fsdp_nccl_pool() == 3
-    assert undone == [(pool, "g1"), (pool, "g2"), (pool, "g3")]
+    teardown.track_model_for_teardown([chunks[0]])  # tracked twice: still once per (pool, group)
+    assert teardown.deregister_fsdp_nccl_pool() == 4
+    assert undone == [(pool_a, "g1"), (pool_a, "g2"), (pool_b, "g2"), (pool_b, "g3")]
     assert teardown.deregister_fsdp_nccl_pool() == 0  # idempotent
-    assert len(undone) == 3
+    assert len(undone) == 4
 
 
 # ---------------------------------------------------------------- a failing rank ends the job

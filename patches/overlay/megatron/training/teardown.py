@@ -9,8 +9,9 @@ finished, and a Megatron-FSDP --use-nccl-ub pool that is still registered makes
 ProcessGroupNCCL's destructor fail ("Deregister: Could not find handle").
 
 ``tear_down_distributed_on_exit`` wraps pretrain():
-- success (return or SystemExit(0)): world barrier, deregister the Megatron-FSDP NCCL memory
-  pool from every group it was registered with, destroy_model_parallel, destroy_process_group;
+- success (return or SystemExit(0)): world barrier, deregister each Megatron-FSDP buffer's NCCL
+  memory pool from every group it was registered with, destroy_model_parallel,
+  destroy_process_group;
 - failure: no barrier and no deregistration (both are collective and peers may be gone); one
   line naming the error goes to stderr first, then model-parallel state is dropped and the
   process groups are aborted on a daemon thread joined with a timeout, so teardown can
@@ -31,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.core import nccl_allocator, parallel_state
-from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+from megatron.core import parallel_state
+from megatron.core.distributed.fsdp.src.megatron_fsdp import model_pools
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
 logger = logging.getLogger(__name__)
@@ -62,27 +63,17 @@ def track_model_for_teardown(model: list[torch.nn.Module]) -> None:
 
 
 def deregister_fsdp_nccl_pool() -> int:
-    """Deregister the shared Megatron-FSDP NCCL pool from each group it was registered with.
-
-    All model chunks share one process-global pool, so a group shared by several chunks is
-    deregistered once. Manual-registration buffers count only after their registration ran.
-    Returns the number of (pool, group) registrations undone.
+    """Deregister each tracked Megatron-FSDP buffer's own NCCL pool from each group it was
+    registered with ([Note: one model's pools] in megatron_fsdp/model_pools.py): once per (pool,
+    group); manual-registration buffers count only after their registration ran. Returns the
+    number of (pool, group) registrations undone.
     """
     if not _tracked_fsdp_buffers or not dist.is_initialized():
         _tracked_fsdp_buffers.clear()
         return 0
-    pool = pgb.NCCL_MEMORY_POOL
-    done: set = set()
-    for buffer in _tracked_fsdp_buffers:
-        manual = buffer.ddp_config.fsdp_manual_registration
-        if pool is None or (manual and not buffer.already_registered):
-            continue
-        for group in buffer.ubr_groups:
-            if id(group) not in done:
-                done.add(id(group))
-                nccl_allocator.deregister_mem_pool(pool, group)
+    undone = model_pools.deregister_pools(_tracked_fsdp_buffers)
     _tracked_fsdp_buffers.clear()
-    return len(done)
+    return undone
 
 
 def _run_step(name: str, step: Callable[[], Any]) -> None:

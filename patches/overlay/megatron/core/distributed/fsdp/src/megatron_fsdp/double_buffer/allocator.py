@@ -116,7 +116,8 @@ class MaxPool:
         self.size = buffer_groups(size)
         self.fallback_to_persistent_buffer = fallback_to_persistent_buffer
         self.dtype_fn = dtype_fn if dtype_fn is not None else planned_param_dtype
-        self.numel_fn = numel_fn if numel_fn is not None else PADDED_NUMEL.get(name, _unpadded_numel)
+        role = name.rpartition(".")[2]  # the pool's name without its model's scope (DoubleBufferPolicy.scoped)
+        self.numel_fn = numel_fn if numel_fn is not None else PADDED_NUMEL.get(role, _unpadded_numel)
         self.fail_on_home_miss = fail_on_home_miss
         self.align_bytes = align_bytes
         unit_ids = {g.fsdp_unit_id for g in fsdp_param_groups if g.fsdp_unit_id is not None}
@@ -126,6 +127,7 @@ class MaxPool:
         self.fsdp_double_buffer_units = sorted(unit_ids)
         self.backup_allocator = self.backup_type()
         self._plan: MaxPoolPlan | LanePlan | None = None  # LanePlan: the LaneMaxPool subclass
+        self.released = False  # release(): the model's pools were freed
         self._planned = False
         self.group_owner: dict[int, int | None] = {g: None for g in range(self.size)}
         self.unit_group: dict[int, int] = {}  # live unit -> buffer group it owns
@@ -177,6 +179,9 @@ class MaxPool:
         None when this allocator serves no unit bucket (e.g. the MXFP8 transpose pool of a
         model without FP8): then it never allocates pool memory.
         """
+        if self.released:
+            raise RuntimeError(f"[{self.name}] was released (model_pools.release_model_pools): its model's "
+                               "pools are freed and it is not run again")
         if not self._planned:
             specs = self.bucket_specs()
             if any(s.unit_id is not None for s in specs):
@@ -190,6 +195,12 @@ class MaxPool:
         for line in format_plan(plan, name=self.name):
             log_single_rank(logger, logging.INFO, line)
         return plan
+
+    def release(self) -> None:
+        """Forget the arenas and the plan (model_pools.release_model_pools drops the memory); a
+        released allocator refuses every later request."""
+        self.arenas.clear()
+        self._plan, self.released = None, True
 
     def _single_plan(self) -> MaxPoolPlan:
         """The plan of this class (one arena size per dtype, shared by every group)."""

@@ -9,12 +9,15 @@ files the setting passes through on its way to the allocator.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .plan import SHARED_LANES, buffer_groups
 
 UNIT_STRATEGY = "optim_grads_params"  # the only sharding strategy with FSDP units
+SCOPE = re.compile(r"[A-Za-z0-9_]*")  # a pool scope: letters, digits and _ ("" is the process's default)
+POOL_SCOPE = "megatron_fsdp_pool_scope"  # the DDP config attribute model_pools.with_pool_scope sets
 T = TypeVar("T")
 
 
@@ -53,6 +56,15 @@ class DoubleBufferPolicy:
     nccl_ub: bool = False  # the pool is registered as NCCL user buffers
     symmetric_registration: bool = True  # symmetric (window) registration under nccl_ub
     manual_registration: bool = False  # registration deferred to manual_buffer_registration
+    pool_scope: str = ""  # names this model's pools apart from another model's (model_pools.py)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pool_scope, str) or not SCOPE.fullmatch(self.pool_scope):
+            raise ValueError(f"pool_scope must be letters, digits and _ (or empty), got {self.pool_scope!r}: it "
+                             "prefixes the names of the model's double-buffer arenas.")
+
+    def scoped(self, name: str) -> str:  # an allocator's name within this model's scope
+        return f"{self.pool_scope}.{name}" if self.pool_scope else name
 
     @property
     def round_robin(self) -> bool:  # three or more lanes: LaneMaxPool ([Note: double buffer], lanes and homes)
@@ -73,7 +85,8 @@ class DoubleBufferPolicy:
 
 
 def build_policy(n: Names, *, double_buffer: Any, max_pool: Any, lanes: Any, persistent_fallback: Any,
-                 nccl_ub: Any, disable_symmetric: Any, manual_registration: Any, strategy: Any) -> DoubleBufferPolicy:
+                 nccl_ub: Any, disable_symmetric: Any, manual_registration: Any, strategy: Any,
+                 pool_scope: Any = "") -> DoubleBufferPolicy:
     """Check the settings (ValueError in ``n``'s spelling, with the offending value) and build."""
     if max_pool and strategy != UNIT_STRATEGY:
         raise ValueError(f"{n.max_pool} requires {n.strategy} {UNIT_STRATEGY} (the only strategy with FSDP "
@@ -91,7 +104,7 @@ def build_policy(n: Names, *, double_buffer: Any, max_pool: Any, lanes: Any, per
     return DoubleBufferPolicy(double_buffer=on, max_pool=bool(max_pool), lanes=lanes,
                               persistent_fallback=bool(persistent_fallback), nccl_ub=bool(nccl_ub),
                               symmetric_registration=not disable_symmetric,
-                              manual_registration=bool(manual_registration))
+                              manual_registration=bool(manual_registration), pool_scope=pool_scope)
 
 
 def policy_from_config(config: Any) -> DoubleBufferPolicy:
@@ -104,7 +117,8 @@ def _from(source: Any, n: Names, nccl_ub: Any) -> DoubleBufferPolicy:
         n, double_buffer=source.fsdp_double_buffer, max_pool=source.megatron_fsdp_max_pool_double_buffer,
         lanes=source.megatron_fsdp_max_pool_lanes, persistent_fallback=source.fsdp_db_use_persist_buf_on_alloc_fail,
         nccl_ub=nccl_ub, disable_symmetric=source.disable_symmetric_registration,
-        manual_registration=source.fsdp_manual_registration, strategy=source.data_parallel_sharding_strategy)
+        manual_registration=source.fsdp_manual_registration, strategy=source.data_parallel_sharding_strategy,
+        pool_scope=getattr(source, POOL_SCOPE, ""))  # set on a config by model_pools.with_pool_scope
 
 
 def policy_from_keywords(*, zero_dp_strategy: Any = "no_shard", fsdp_double_buffer: Any = False,
