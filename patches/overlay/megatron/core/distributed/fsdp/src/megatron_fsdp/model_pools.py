@@ -19,6 +19,7 @@ frozen reference, a student and its teacher). What each owns:
   groups (collective: every rank frees the model at the same step), drops its arenas from the
   global memory buffer and empties its allocators. The other model's arenas, pool and
   registrations are untouched, so its addresses, and a graph captured over them, stay valid.
+  The model's own weights, main weights and gradients go when the caller drops the model.
 
 Invariants: a scope is owned by one model at a time; a released model is not run again (its
 allocators hold nothing and refuse to allocate); a model whose forward is inside a captured
