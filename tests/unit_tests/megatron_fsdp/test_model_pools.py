@@ -6,6 +6,7 @@ double buffer; arenas are created as staging creates them (``presize``).
 
 from __future__ import annotations
 
+from dataclasses import replace as dataclasses_replace
 from types import SimpleNamespace
 
 import pytest
@@ -119,3 +120,17 @@ def test_a_scope_that_is_not_a_name_is_refused_with_its_value(scope) -> None:
 def test_the_scope_names_allocators_and_the_default_keeps_todays_names() -> None:
     assert DoubleBufferPolicy().scoped("fsdp_params") == "fsdp_params"
     assert DoubleBufferPolicy(pool_scope="ref").scoped("fsdp_params") == "ref.fsdp_params"
+
+
+def test_a_bad_scope_leaves_the_config_as_it_was() -> None:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    cfg = DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params",
+                                        use_distributed_optimizer=True, use_megatron_fsdp=True,
+                                        megatron_fsdp_max_pool_double_buffer=True)
+    before = cfg.double_buffer_policy
+    with pytest.raises(ValueError, match="pool_scope must be letters"):
+        model_pools.with_pool_scope(cfg, "a b")
+    assert cfg.double_buffer_policy is before and not hasattr(cfg, "megatron_fsdp_pool_scope")
+    model_pools.with_pool_scope(cfg, "ref")
+    assert cfg.double_buffer_policy == dataclasses_replace(before, pool_scope="ref")

@@ -11,7 +11,7 @@ from hfsdp.usererror import UserError
 
 LOG = """\
 $ /usr/bin/python -m torch.distributed.run --nproc-per-node 2 -m hfsdp.launch.shared_gpu --ranks-per-gpu 2 -- \
-/work/pretrain_gpt.py --hidden-size 256 --num-layers 4 --fp8-param-gather --tensorboard-dir '/tmp/a b'
+pretrain_gpt.py --hidden-size 256 --num-layers 4 --fp8-param-gather --tensorboard-dir '/tmp/a b'
 using world size: 2, data-parallel size: 2, context-parallel size: 1
 INFO:x.allocator:[fsdp_params] max-pool plan: 4 units, pool 2629632 B = 2.51 MiB (2 groups)
 INFO:x.allocator:[fsdp_grads] max-pool plan: 4 units, pool 10502144 B = 10.02 MiB (2 groups)

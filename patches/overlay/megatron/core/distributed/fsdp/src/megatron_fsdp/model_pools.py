@@ -28,12 +28,13 @@ full-iteration graph is not released while that graph lives (the replay would re
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .double_buffer.allocator import ALLOCATOR_ATTRS, MaxPool
+from .double_buffer.allocator import ALLOCATOR_ATTRS, MaxPool, model_buffers
 from .double_buffer.policy import POOL_SCOPE, DoubleBufferPolicy, policy_from_config
 from .utils import get_global_memory_buffer
 
@@ -57,24 +58,13 @@ class Released:
 
 
 def with_pool_scope(ddp_config: Any, scope: str) -> Any:
-    """``ddp_config`` with its models' pools in ``scope`` (checked: letters, digits, _), its
-    double-buffer policy rebuilt. Build the second model's config with it before wrapping that
-    model; ParamAndGradBuffer reads the scope from the policy (both bases)."""
+    """``ddp_config`` with its models' pools in ``scope`` (letters, digits, _; checked before the
+    config changes), its double-buffer policy rebuilt. Build the second model's config with it
+    before wrapping that model; ParamAndGradBuffer reads the scope from the policy (both bases)."""
+    policy = dataclasses.replace(policy_from_config(ddp_config), pool_scope=scope)
     setattr(ddp_config, POOL_SCOPE, scope)
-    ddp_config.double_buffer_policy = policy_from_config(ddp_config)
+    ddp_config.double_buffer_policy = policy
     return ddp_config
-
-
-def model_buffers(model: Any) -> list[Any]:
-    """The ParamAndGradBuffers of ``model`` (a module or a list of chunks), each once."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    found: list[Any] = []
-    for chunk in chunks:
-        for mod in chunk.modules() if hasattr(chunk, "modules") else [chunk]:
-            buffer = getattr(mod, "param_and_grad_buffer", None)
-            if buffer is not None and all(buffer is not b for b in found):
-                found.append(buffer)
-    return found
 
 
 def _scope(buffer: Any) -> str:

@@ -437,21 +437,29 @@ def buffer_max_pool_allocators(buffer: Any) -> list[MaxPool]:
     return found
 
 
-def model_max_pool_allocators(model: Any) -> list[MaxPool]:
-    """The max-pool allocators of every Megatron-FSDP buffer reachable from model chunk(s).
+def model_buffers(model: Any) -> list[Any]:
+    """The Megatron-FSDP buffers reachable from model chunk(s), each once.
 
     ``model`` is a module or a list of model chunks (as passed to forward_backward_func);
     any submodule with a ``param_and_grad_buffer`` (MegatronFSDP and its adapter) counts.
     """
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    found: list[MaxPool] = []
+    found: list[Any] = []
     for chunk in chunks:
-        mods = chunk.modules() if isinstance(chunk, torch.nn.Module) else [chunk]
-        for mod in mods:
+        for mod in chunk.modules() if isinstance(chunk, torch.nn.Module) else [chunk]:
             buffer = getattr(mod, "param_and_grad_buffer", None)
-            for alloc in buffer_max_pool_allocators(buffer) if buffer is not None else []:
-                if all(alloc is not a for a in found):
-                    found.append(alloc)
+            if buffer is not None and all(buffer is not b for b in found):
+                found.append(buffer)
+    return found
+
+
+def model_max_pool_allocators(model: Any) -> list[MaxPool]:
+    """The max-pool allocators of every Megatron-FSDP buffer of model chunk(s) (model_buffers)."""
+    found: list[MaxPool] = []
+    for buffer in model_buffers(model):
+        for alloc in buffer_max_pool_allocators(buffer):
+            if all(alloc is not a for a in found):
+                found.append(alloc)
     return found
 
 
