@@ -60,6 +60,7 @@ STEP_FIELDS = {
     "elapsed time per iteration (ms)": "iteration-time",
     "grad norm": "grad-norm",
     "load_balancing_loss": "load_balancing_loss",
+    "reference kl": "reference kl",  # examples/reference_kl/train.py
 }
 VALIDATED = ("lm loss",)  # the validation line's losses that are read, each as "<key> validation"
 # [Note: metric names] Every name :func:`parse_log` gives a metric, and so every name a golden or

@@ -61,6 +61,7 @@ from hfsdp.functional.environment import Environment
 from hfsdp.functional.recipe import Recipe, args_to_argv, load_recipe, merged_args, merged_env
 from hfsdp.launch import fit, torchrun
 from hfsdp.launch.env import add_env_option, job_env, parse_assignments
+from hfsdp.training import entries
 from hfsdp.usererror import Interrupted, UserError, not_a_regular_file, positive, quoted, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -170,14 +171,13 @@ def script_target(recipe: Recipe) -> list[str]:
     return [str((REPO_ROOT / script[0]).resolve()), *script[1:]]
 
 
-TRAINING_ENTRIES = ("pretrain_gpt.py", "pretrain_hybrid.py")  # they train on CUDA GPUs only (entry.py)
 CPU_CASE = "tests/functional_tests/test_cases/smoke/cpu_gloo_smoke"
 
 
 def trains_on_gpus(recipe: Recipe) -> bool:
     """Whether the case's ``TRAINING_SCRIPT`` is one of the training entry points, which need CUDA GPUs."""
     first = recipe.training_script.split()[0]
-    return first != "-m" and Path(first).name in TRAINING_ENTRIES
+    return first != "-m" and entries.training_entry(first) is not None
 
 
 def check_gpus_for(recipe: Recipe, env: Mapping[str, str]) -> None:
@@ -441,7 +441,8 @@ def run_case(case_dir: Path, *, launch: Launch | None = None, record: bool = Fal
         outdir.check(out)
         runlock.hold(out, result.case)
         if shared:
-            print(f"run_case: {fit.preflight(launch.placement, argv1, environ=env1)}", flush=True)
+            flags = entries.megatron_flags(recipe.training_script.split()[0], argv1)
+            print(f"run_case: {fit.preflight(launch.placement, flags, environ=env1)}", flush=True)
         else:
             check_gpus_for(recipe, env1)
         outdir.prepare(out, clear=True)  # a stale checkpoint would turn run 1 into a resume

@@ -16,10 +16,10 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from hfsdp.launch import fit, torchrun
 from hfsdp.proc import run_group
+from hfsdp.training import entries
 from hfsdp.usererror import UserError, not_a_regular_file, positive, run_cli
 
 
@@ -70,8 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             ranks_per_gpu = int(ns.ranks_per_gpu)
         placement = torchrun.Placement(nproc=ns.nproc, ranks_per_gpu=ranks_per_gpu)
-        pretrain = Path(target[0]).name.startswith("pretrain_") and target[0].endswith(".py")
-        line = fit.preflight(placement, target[1:] if pretrain else None, gpus)
+        pretrain = entries.training_entry(target[0]) is not None
+        line = fit.preflight(placement, entries.megatron_flags(target[0], target[1:]) if pretrain else None, gpus)
         if line:
             print(f"hfsdp.launch: {line}", file=sys.stderr, flush=True)
         check_target(target)

@@ -23,11 +23,11 @@ from pathlib import Path
 
 from hfsdp import te_determinism
 from hfsdp.planner import pools
+from hfsdp.training import entries
 from hfsdp.usererror import UserError, not_a_regular_file, run_cli
 
-ENTRY_POINTS = ("pretrain_gpt.py", "pretrain_hybrid.py")
 DP_LINE = re.compile(r"using world size: \d+, data-parallel size: (\d+)")
-POOL_LINE = re.compile(r"\[(\w+)\] max-pool plan: \d+ units, pool (\d+) B")
+POOL_LINE = re.compile(r"\[([\w.]+)\] max-pool plan: \d+ units, pool (\d+) B")  # scope.name for a scoped model
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,9 @@ def read_log(text: str, source: str) -> RunPools:
         if not line.startswith("$ "):
             continue
         argv = shlex.split(line[2:])
-        entry = next((i for i, tok in enumerate(argv) if tok.endswith(ENTRY_POINTS)), None)
-        if entry is not None:
-            flags = tuple(argv[entry + 1:])
+        entry = next((i for i, tok in enumerate(argv) if entries.training_entry(tok)), None)
+        if entry is not None:  # the reference example's own flags split off; its reference holds no pool
+            flags = tuple(entries.megatron_flags(argv[entry], argv[entry + 1:]))
             break
     if flags is None:
         raise UserError(f"{source} has no '$ ... pretrain_gpt.py FLAGS' command line",

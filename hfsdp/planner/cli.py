@@ -22,6 +22,7 @@ stderr: a larger ``--plan-dp-size`` shrinks the shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -34,7 +35,15 @@ from hfsdp.planner import fp8 as fp8_mod
 from hfsdp.planner import layout as layout_mod
 from hfsdp.planner import model as model_mod
 from hfsdp.planner import report, setup
-from hfsdp.planner.memory import GIB, LARGEST_GPU, LARGEST_GPU_BYTES, grad_dtypes, planned_memory
+from hfsdp.planner.memory import (
+    GIB,
+    LARGEST_GPU,
+    LARGEST_GPU_BYTES,
+    grad_dtypes,
+    planned_memory,
+    reference_memory,
+    two_models_lines,
+)
 from hfsdp.training import fsdp_units
 from hfsdp.training.spec_error import SpecError
 from hfsdp.usererror import UserError, output_file, rejection, run_cli
@@ -226,12 +235,20 @@ def _plan(argv: list[str]) -> int:
     lay, results = plan_from_args(args)
     warning = check_fits(args, lay, results)
     print("\n".join(report.format_report(lay, results)))
+    trained = planned_memory(args, lay, results, fsdp_units.training_lanes(args))
+    if args.plan_reference:
+        print("\n".join(two_models_lines(trained)))
     if warning:
         print(f"fsdp_memory_planner: {warning}", file=sys.stderr, flush=True)
     if args.plan_json is not None:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(args.plan_json)), exist_ok=True)
-            write_json_atomic(args.plan_json, report.report_dict(lay, results))
+            plan = report.report_dict(lay, results)
+            if args.plan_reference:
+                parts = {"trained": trained, "reference": reference_memory(trained)}
+                plan["models"] = {k: {**dataclasses.asdict(m), "total": m.total} for k, m in parts.items()}
+                plan["models_total_bytes"] = sum(m.total for m in parts.values())
+            write_json_atomic(args.plan_json, plan)
         except OSError as exc:  # what no check beforehand can tell: a full disk, a folder that takes no file
             raise UserError(f"--plan-json {args.plan_json} could not be written ({exc.strerror or exc}); the "
                             "plan above is complete, and no file was left half-written",

@@ -15,6 +15,7 @@ from typing import Any
 from hfsdp.planner.pools import pool_allocated
 
 GIB = 2**30
+MIB = 2**20
 # The largest memory of one GPU we know of: NVIDIA H200, 141 GiB. A plan above it fits no GPU.
 LARGEST_GPU = "H200"
 LARGEST_GPU_BYTES = 141 * GIB
@@ -37,10 +38,12 @@ class RankMemory:
     def total(self) -> int:
         return sum(getattr(self, f.name) for f in fields(self))
 
-    def describe(self) -> str:
-        parts = ", ".join(f"{f.name.replace('_', ' ')} {getattr(self, f.name) / GIB:.2f}" for f in fields(self)
+    def describe(self, unit: int = GIB) -> str:
+        """Total and parts in GiB, or MiB (``unit=MIB``)."""
+        name = "GiB" if unit == GIB else "MiB"
+        parts = ", ".join(f"{f.name.replace('_', ' ')} {getattr(self, f.name) / unit:.2f}" for f in fields(self)
                           if f.name != "fp8_scales" or self.fp8_scales)
-        return f"{self.total / GIB:.2f} GiB ({parts})"
+        return f"{self.total / unit:.2f} {name} ({parts})"
 
 
 def _itemsize(dtype: Any, fallback: int) -> int:
@@ -103,3 +106,22 @@ def planned_memory(args: Any, layout: Any, results: list[dict[str, Any]], lane_c
         pools += (plan or result["maxpool"]).pool_bytes()
     fp8_scales = layout.fp8.held_bytes() if layout.fp8 is not None else 0  # [Note: FP8 parameters in the plan]
     return RankMemory(pools=pools, fp8_scales=fp8_scales, **memory)
+
+
+def reference_memory(trained: RankMemory) -> RankMemory:
+    """What the frozen reference of ``examples/reference_kl/train.py`` holds on the rank: a copy of the
+    trained model's weight shards (and FP8 scales), with no gradient, main weight or optimizer state
+    (its parameters are frozen) and no pool (it runs without a double buffer)."""
+    return RankMemory(weights=trained.weights, main_params=0, main_grads=0, optimizer=0, pools=0,
+                      fp8_scales=trained.fp8_scales)
+
+
+def two_models_lines(trained: RankMemory) -> list[str]:
+    """The planner's report of both models of the reference example: each one's part and the sum."""
+    ref = reference_memory(trained)
+    unit = GIB if trained.total >= GIB else MIB
+    total = RankMemory(*(getattr(trained, f.name) + getattr(ref, f.name) for f in fields(RankMemory)))
+    return ["two models on each rank (examples/reference_kl/train.py), before activations:",
+            f"  trained:   {trained.describe(unit)}",
+            f"  reference: {ref.describe(unit)}",
+            f"  sum:       {total.describe(unit)}", ""]

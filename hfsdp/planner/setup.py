@@ -174,12 +174,15 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--plan-device-arch", type=positive(), default=ASSUMED_ARCH, metavar="N",
                    help="GPU major arch assumed by validate_args on a CPU box.")
     g.add_argument("--plan-json", type=str, default=None, metavar="FILE", help="Also write the plan as JSON.")
+    g.add_argument("--plan-reference", action="store_true",
+                   help="Also plan the frozen reference of examples/reference_kl/train.py (its weight shards, no "
+                        "pool) and report each model's memory and the sum.")
     return parser
 
 
 HELP_MEGATRON = "--help-megatron"
-USAGE = ("%(prog)s [--plan-dp-size N] [--plan-lanes N[,N...]] [--plan-json FILE] [--fsdp-unit-modules LIST] "
-         "[--plan-align-bytes N] [--plan-device-arch N] [pretrain flags ...]")
+USAGE = ("%(prog)s [--plan-dp-size N] [--plan-lanes N[,N...]] [--plan-json FILE] [--plan-reference] "
+         "[--fsdp-unit-modules LIST] [--plan-align-bytes N] [--plan-device-arch N] [pretrain flags ...]")
 MEGATRON_FLAGS = ("Every flag of pretrain_gpt.py / pretrain_hybrid.py is taken too (the model to plan; without "
                   "--num-layers or --hybrid-layer-pattern they change the default model): "
                   f"`scripts/fsdp_memory_planner.py {HELP_MEGATRON}` lists them, as does "

@@ -24,9 +24,10 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from hfsdp.diagnostics import install_stack_dump_signal
 from hfsdp.patchset.guard import ensure_fork
@@ -212,15 +213,26 @@ def require_cuda() -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None, forced_family: str | None = None) -> None:
+@dataclass(frozen=True)
+class Hooks:
+    """How an entry point built on this one (examples/) changes the run; each None keeps the usual."""
+
+    check_args: Callable[[Any], None] | None = None  # after validation: a UserError for what it does not support
+    model_provider: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None  # wraps the usual provider
+    datasets_provider: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None  # wraps the usual one
+    forward_step: Callable[..., Any] | None = None  # replaces the usual forward step
+
+
+def main(argv: Sequence[str] | None = None, forced_family: str | None = None, hooks: Hooks | None = None) -> None:
     """Run pretraining; ``forced_family='hybrid'`` is ``pretrain_hybrid.py``. Exits 2 on bad input."""
     prog = os.path.basename(sys.argv[0]) or "pretrain"
-    rc = run_cli(prog, lambda: _main(argv, forced_family))
+    rc = run_cli(prog, lambda: run(argv, forced_family, hooks or Hooks()))
     if rc:
         sys.exit(rc)
 
 
-def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
+def run(argv: Sequence[str] | None, forced_family: str | None, hooks: Hooks) -> None:
+    """:func:`main` without its exit: a UserError propagates (for entry points built on this one)."""
     program_start = time.time()
     install_stack_dump_signal()  # `kill -USR1 <pid>` prints this rank's stacks (hung jobs)
     from hfsdp.autotune_cache import pin_cache_dir
@@ -250,6 +262,8 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
         args, family = parse_args(argv, forced_family)
     except SpecError as exc:  # a MissingPackage carries its own way out: the extra, or a flag that avoids it
         raise exc.user_error(flags_fix()) from exc
+    if hooks.check_args is not None:
+        hooks.check_args(args)
     if base is not None:
         no_unit_override()
     units = unit_override() if base is None else None  # an environment setting: checked before the GPU is
@@ -269,13 +283,17 @@ def _main(argv: Sequence[str] | None, forced_family: str | None) -> None:
         # We pass a model_provider function on purpose (the ModelConfig path is hybrid-only).
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
         cfg = pretrain_cfg_container_from_args(args)
+    provider = model_provider.make_model_provider(family)
+    datasets: Callable[..., Any] = data.train_valid_test_datasets_provider
+    if hooks.datasets_provider is not None:
+        datasets = hooks.datasets_provider(datasets)
     try:
         pretrain(  # by keyword: 0.19 moved model_provider behind forward_step_func
             cfg,
-            train_valid_test_dataset_provider=data.train_valid_test_datasets_provider,
-            model_provider=model_provider.make_model_provider(family),
+            train_valid_test_dataset_provider=datasets,
+            model_provider=hooks.model_provider(provider) if hooks.model_provider else provider,
             model_type=ModelType.encoder_or_decoder,
-            forward_step_func=forward_step.forward_step,
+            forward_step_func=hooks.forward_step or forward_step.forward_step,
         )
     except lanes_errors(base) as exc:  # a flag error only the built model reveals (unit count)
         raise UserError(str(exc), flags_fix()) from exc

@@ -26,14 +26,16 @@ def _stage_needs_data(vp_stage: int | None) -> bool:
 
 
 def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]] | None,
-              vp_stage: int | None = None) -> dict[str, torch.Tensor | None]:
-    """Next micro-batch on this rank's device, split for TP (broadcast) and CP (sequence)."""
+              vp_stage: int | None = None, extra_keys: tuple[str, ...] = ()) -> dict[str, torch.Tensor | None]:
+    """Next micro-batch on this rank's device, split for TP (broadcast) and CP (sequence);
+    ``extra_keys``: more of the batch's tensors to hand on (TP and CP size 1 only)."""
     from megatron.core import mpu
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
 
+    keys = _KEYS + extra_keys
     if not _stage_needs_data(vp_stage):
-        return {k: None for k in _KEYS}
+        return {k: None for k in keys}
     args = get_args()
     tp_size = mpu.get_tensor_model_parallel_world_size()
     tp_rank = mpu.get_tensor_model_parallel_rank()
@@ -42,7 +44,7 @@ def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]] | None,
         assert data_iterator is not None, "TP rank 0 of a data stage has no data iterator"
         raw = next(data_iterator)
         batch = {k: (raw[k].cuda(non_blocking=True) if raw.get(k) is not None else None)
-                 for k in _KEYS}
+                 for k in keys}
     if tp_size > 1:
         batch = get_batch_on_this_tp_rank(
             batch,

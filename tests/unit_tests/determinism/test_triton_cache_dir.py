@@ -58,7 +58,7 @@ def test_the_entry_pins_it_before_anything_else(tmp_path: Path) -> None:
         "import os\n"
         "from hfsdp.training import entry\n"
         "try:\n"
-        "    entry._main(['--no-such-flag'], None)\n"
+        "    entry.run(['--no-such-flag'], None, entry.Hooks())\n"
         "except BaseException:\n"
         "    pass\n"
         "print(os.environ.get('TRITON_CACHE_DIR'))\n"

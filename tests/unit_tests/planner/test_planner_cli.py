@@ -138,3 +138,18 @@ def test_more_lanes_than_units_is_refused_like_the_runtime(capsys):
     err = capsys.readouterr().err
     assert "--plan-lanes 7 asks for 7 lanes, more than the 6 FSDP units of this model chunk" in err
     assert "-> pass lane counts between 2 and the model's number of units" in err
+
+
+def test_the_reference_example_is_planned_as_two_models(capsys, tmp_path):
+    out = tmp_path / "two.json"
+    assert cli.main(TINY + ["--plan-reference", "--plan-json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "two models on each rank (examples/reference_kl/train.py)" in text
+    models = json.loads(out.read_text())["models"]
+    trained, ref = models["trained"], models["reference"]
+    assert ref["weights"] == trained["weights"] > 0  # a copy of the weight shards
+    assert ref["main_params"] == ref["main_grads"] == ref["optimizer"] == ref["pools"] == 0  # frozen, no pool
+    assert trained["optimizer"] > 0 and trained["pools"] > 0
+    assert json.loads(out.read_text())["models_total_bytes"] == trained["total"] + ref["total"]
+    sums = [line for line in text.splitlines() if line.strip().startswith(("trained:", "reference:", "sum:"))]
+    assert len(sums) == 3
