@@ -5,10 +5,11 @@ Usage: ``python -m hfsdp.planner.against_log RUN.log [RUN.log ...]`` (a function
 with (the ``$ ... pretrain_*.py FLAGS`` line the functional driver writes first), its data-parallel
 size (Megatron's ``using world size: ..., data-parallel size: D`` line) and the pools its max-pool
 allocators logged (``[fsdp_params] max-pool plan: U units, pool N B``), runs the planner on the
-same flags at that size (:func:`hfsdp.planner.pools.planned_maxpool_bytes`, a CPU-only process) and
+same flags at that size (:func:`hfsdp.planner.pools.planned_maxpool_bytes`, no GPU work) and
 prints one line: ``= plan`` or ``!= plan`` with both figures. Exit 0 when every log matches, 1 when
 one does not, 2 for a log it cannot read. The planner builds Transformer Engine layers only where
-TE imports, so run it where the run ran.
+TE imports, and TE's layers need CUDA to be built (on the meta device all the same), so run it
+where the run ran, with its GPUs visible.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = True
     for name, run in runs:
         env = planner_env(run.flags, os.environ)
-        same, said = verdict(run, pools.planned_maxpool_bytes(list(run.flags), run.dp_size, env))
+        # After the runs, the GPUs are free: Transformer Engine's layers need CUDA to be built.
+        same, said = verdict(run, pools.planned_maxpool_bytes(list(run.flags), run.dp_size, env, see_gpus=True))
         ok &= same
         print(f"{name}: {said}")
     return 0 if ok else 1

@@ -43,14 +43,17 @@ class PlannerRun:
     """One planner run (:func:`planner_command`) started now, in a temporary folder of its own: without a
     GPU (``CUDA_VISIBLE_DEVICES`` empty), at a lower CPU priority (it yields the CPU to the runs it
     overlaps), its output in a file (nobody reads it while the runs go on). :meth:`result` waits for
-    it; :meth:`stop` ends it if it still runs and removes its folder."""
+    it; :meth:`stop` ends it if it still runs and removes its folder. ``see_gpus``: leave the GPUs
+    visible, for a plan made after the runs whose Transformer Engine layers need CUDA to be built."""
 
-    def __init__(self, flags: Sequence[str], dp_size: int, env: Mapping[str, str], lanes: Sequence[int] = ()) -> None:
+    def __init__(self, flags: Sequence[str], dp_size: int, env: Mapping[str, str], lanes: Sequence[int] = (),
+                 see_gpus: bool = False) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="hfsdp-plan-")
         self.path = os.path.join(self._tmp.name, "plan.json")
         with open(self.path + ".err", "w") as err:
             self.proc = subprocess.Popen(planner_command(flags, dp_size, self.path, lanes),
-                                         env={**env, "CUDA_VISIBLE_DEVICES": ""}, stdout=subprocess.DEVNULL,
+                                         env=dict(env) if see_gpus else {**env, "CUDA_VISIBLE_DEVICES": ""},
+                                         stdout=subprocess.DEVNULL,
                                          stderr=err, preexec_fn=lambda: os.nice(PLAN_NICENESS))
 
     def result(self) -> tuple[dict[str, Any] | None, str]:
@@ -66,10 +69,11 @@ class PlannerRun:
         self._tmp.cleanup()
 
 
-def planned_maxpool_bytes(flags: Sequence[str], dp_size: int, env: Mapping[str, str] | None = None) -> int | None:
+def planned_maxpool_bytes(flags: Sequence[str], dp_size: int, env: Mapping[str, str] | None = None,
+                          see_gpus: bool = False) -> int | None:
     """The max-pool double buffer's planned pool (weights + grads) for ``flags`` at ``dp_size``: one
-    :class:`PlannerRun` to its end; None, what the planner said printed, when it failed."""
-    run = PlannerRun(flags, dp_size, os.environ if env is None else env)
+    :class:`PlannerRun` (``see_gpus`` as there) to its end; None, what the planner said printed, when it failed."""
+    run = PlannerRun(flags, dp_size, os.environ if env is None else env, see_gpus=see_gpus)
     try:
         plan, said = run.result()
     finally:

@@ -28,8 +28,9 @@ this module is its machinery, on top of the usual entry (entry.py):
   gradients are the cross entropy's exactly (``g + 0 == g``), so the run is bit-identical to the
   same script with ``--no-reference``.
 
-Limits: tensor, pipeline and context parallel size 1, no multi-token prediction (refused in one
-sentence by :func:`check_args`); the reference has the trained model's architecture and flags.
+Limits: tensor, pipeline and context parallel size 1, no multi-token prediction, no per-layer
+CUDA graphs (refused in one sentence by :func:`check_args`); the reference has the trained model's
+architecture and flags.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def check_args(args: Any) -> None:
                         "drop --mtp-num-layers")
     if not args.use_megatron_fsdp:
         raise UserError("the reference example wraps both models with Megatron-FSDP", "add --use-megatron-fsdp")
+    graphs = getattr(args, "cuda_graph_impl", "none")
+    if graphs not in ("none", "full_iteration"):
+        raise UserError(f"--cuda-graph-impl {graphs} captures per-layer graphs, and the reference model, built from "
+                        "the same flags, would capture its layers too", "give --cuda-graph-impl full_iteration, "
+                        "which keeps the reference's forward eager, or none")
 
 
 # --- RNG -------------------------------------------------------------------------------------------
@@ -158,6 +164,20 @@ def loss_func(loss_mask: torch.Tensor, labels: torch.Tensor, ref_logits: torch.T
     return ce_sum + kl_weight.reshape(()) * kl_sum, num_tokens, report
 
 
+_claimed: list[Any] = []  # the trained model, once its scope is claimed
+
+
+def _claim_scope(model: Any) -> None:
+    """Claim the trained model's pool scope at its first forward (model_pools.check_scopes): a
+    second model in that scope is refused, as the reference's was checked when it was wrapped."""
+    if any(m is model for m in _claimed):
+        return
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import model_pools
+
+    model_pools.check_scopes(model)
+    _claimed.append(model)
+
+
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]] | None, model: Any,
                  return_schedule_plan: bool = False) -> tuple[torch.Tensor, Any]:
     """The trained model's forward: its logits, and :func:`loss_func` over them."""
@@ -166,6 +186,7 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]] | None, model:
 
     assert not return_schedule_plan, "combined 1F1B schedule plans are not supported here"
     run_report.note_forward_step(model)
+    _claim_scope(model)
     batch = fs.get_batch(data_iterator, getattr(model, "vp_stage", None), extra_keys=EXTRA_KEYS)
     logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
     if batch["loss_mask"] is None or batch["labels"] is None:

@@ -53,14 +53,14 @@ def test_main_plans_each_log_at_its_size_and_fails_on_a_mismatch(tmp_path, monke
     log.write_text(LOG)
     asked = []
 
-    def planned(flags, dp_size, env):
-        asked.append((tuple(flags), dp_size))
+    def planned(flags, dp_size, env, see_gpus=False):
+        asked.append((tuple(flags), dp_size, see_gpus))
         return planned.value
 
     monkeypatch.setattr(al.pools, "planned_maxpool_bytes", planned)
     planned.value = 13131776
     assert al.main([str(log)]) == 0 and "= plan" in capsys.readouterr().out
-    assert asked == [(al.read_log(LOG, "x").flags, 2)]
+    assert asked == [(al.read_log(LOG, "x").flags, 2, True)]  # after the run: TE's layers may need the GPU
     planned.value = 1
     assert al.main([str(log)]) == 1 and "!= plan" in capsys.readouterr().out
 
@@ -70,7 +70,7 @@ def test_unreadable_input_is_refused_before_any_planner_runs(tmp_path, monkeypat
     good.write_text(LOG)
     fifo = tmp_path / "pipe.log"
     os.mkfifo(fifo)
-    monkeypatch.setattr(al.pools, "planned_maxpool_bytes", lambda *a: pytest.fail("planner ran"))
+    monkeypatch.setattr(al.pools, "planned_maxpool_bytes", lambda *a, **k: pytest.fail("planner ran"))
     for bad in (tmp_path / "missing.log", fifo):
         with pytest.raises(UserError, match="does not exist|named pipe"):
             al.main([str(good), str(bad)])
@@ -80,3 +80,16 @@ def test_a_deterministic_runs_plan_gets_the_variables_megatron_checks_unless_giv
     assert al.planner_env(["--deterministic-mode"], {})["NCCL_ALGO"] == "Ring"
     assert al.planner_env(["--deterministic-mode"], {"NCCL_ALGO": "Tree"})["NCCL_ALGO"] == "Tree"
     assert "NCCL_ALGO" not in al.planner_env(["--bf16"], {})
+
+
+def test_the_reference_examples_own_flags_are_left_to_it() -> None:
+    example = LOG.replace("pretrain_gpt.py", "examples/reference_kl/train.py", 1)
+    first = next(line for line in example.splitlines() if line.startswith("$ "))
+    assert "reference_kl/train.py" in first
+    example = example.replace(first, first + " --reference-kl-weight 0 --reference-free-after 10", 1)
+    assert al.read_log(example, "x").flags == al.read_log(LOG, "x").flags
+
+
+def test_a_scoped_models_pool_lines_are_read_under_their_scope() -> None:
+    scoped = LOG + "[reference.fsdp_params] max-pool plan: 2 units, pool 512 B\n"
+    assert al.read_log(scoped, "x").pools["reference.fsdp_params"] == 512

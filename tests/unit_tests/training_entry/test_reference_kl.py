@@ -68,9 +68,12 @@ def _args(**over: Any) -> SimpleNamespace:
     ({"context_parallel_size": 2}, "--context-parallel-size 2"),
     ({"mtp_num_layers": 1}, "no multi-token prediction"),
     ({"use_megatron_fsdp": False}, "add --use-megatron-fsdp"),
+    ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local captures per-layer graphs"),
+    ({"cuda_graph_impl": "transformer_engine"}, "would capture its layers too"),
 ])
 def test_layouts_the_example_does_not_support_are_refused(over: dict[str, Any], said: str) -> None:
     reference.check_args(_args())
+    reference.check_args(_args(cuda_graph_impl="full_iteration"))
     with pytest.raises(UserError, match=said):
         reference.check_args(_args(**over))
 
@@ -177,11 +180,34 @@ def test_a_reference_in_training_mode_or_drawing_random_numbers_is_refused() -> 
 def test_the_references_config_has_its_own_scope_and_no_double_buffer() -> None:
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    trained = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
-                                            megatron_fsdp_max_pool_double_buffer=True, nccl_ub=True)
+    trained = DistributedDataParallelConfig(use_megatron_fsdp=True, megatron_fsdp_max_pool_double_buffer=True,
+                                            data_parallel_sharding_strategy="optim_grads_params", nccl_ub=True)
     snapshot = dataclasses.asdict(trained)
     ref = reference.reference_ddp_config(trained)
     assert ref is not trained and dataclasses.asdict(trained) == snapshot  # the trained model's is untouched
     assert not (ref.fsdp_double_buffer or ref.megatron_fsdp_max_pool_double_buffer or ref.nccl_ub)
     assert ref.double_buffer_policy.pool_scope == reference.SCOPE and not ref.double_buffer_policy.double_buffer
     assert trained.double_buffer_policy.pool_scope == "" and trained.double_buffer_policy.max_pool
+
+
+def test_the_trained_model_claims_its_scope_once_and_a_second_model_there_is_refused(cpu_fsdp_buffer,
+                                                                                      monkeypatch) -> None:
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import model_pools
+
+    monkeypatch.setattr(model_pools, "_owners", {})
+    monkeypatch.setattr(reference, "_claimed", [])
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def model() -> SimpleNamespace:
+        return SimpleNamespace(param_and_grad_buffer=cpu_fsdp_buffer(Net(), [torch.nn.Linear]))
+
+    trained, other = model(), model()
+    reference._claim_scope(trained)
+    reference._claim_scope(trained)  # every later forward: nothing new
+    assert reference._claimed == [trained]
+    with pytest.raises(ValueError, match="pool scope '' already belongs to another Megatron-FSDP model"):
+        model_pools.check_scopes(other)
