@@ -135,6 +135,14 @@ PRETRAIN = (
         "capture checks, capture memory report, rerun mode off, evaluation graphs (docs/cuda-graphs.md)", BASES),
 )
 
+EXAMPLE = "examples/reference_kl/train.py"
+EXAMPLES = (  # beside every pretrain_gpt.py flag (hfsdp/training/reference_flags.py)
+    Row("--reference-kl-weight", "W", "0.1", "Weight of the KL(reference || trained) term in the loss; 0 trains on "
+        "the cross entropy alone.", (EXAMPLE,)),
+    Row("--reference-free-after", "N", "unset", "Free the reference model after training step N.", (EXAMPLE,)),
+    Row("--no-reference", "", "off", "No reference model: the same loss path without the KL term.", (EXAMPLE,)),
+)
+
 LAUNCHER_NAMES = {
     "run_case": "python -m hfsdp.functional.run_case",
     "batch": "python -m hfsdp.functional.batch",
@@ -174,6 +182,8 @@ def lines() -> list[str]:
         "The fork's options: option, default, meaning [where]. Every Megatron flag: python pretrain_gpt.py --help.",
         f"pretrain_gpt.py, pretrain_hybrid.py and scripts/fsdp_memory_planner.py (group {GROUP_TITLE!r}):",
         *table(PRETRAIN, bases),
+        f"{EXAMPLE}, beside every pretrain_gpt.py flag (docs/reference-model.md):",
+        *table(EXAMPLES, lambda r: "example"),
         "Our launchers (" + "; ".join(f"{k}: {v}" for k, v in LAUNCHER_NAMES.items())
         + "; each one's --help lists its other options):",
         *table(LAUNCHERS, lambda r: ", ".join(r.where)),

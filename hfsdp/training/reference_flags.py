@@ -30,12 +30,22 @@ class ReferenceSettings:
                             "drop one of the two flags")
 
 
+def flag_parser() -> argparse.ArgumentParser:
+    """The example's own flags (``python -m hfsdp.flags`` lists them from here)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--reference-kl-weight", type=float, default=ReferenceSettings.kl_weight, metavar="W",
+                        help="Weight of the KL(reference || trained) term in the loss; 0 trains on the cross "
+                             "entropy alone.")
+    parser.add_argument("--reference-free-after", type=int, default=None, metavar="N",
+                        help="Free the reference model after training step N.")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="No reference model: the same loss path without the KL term.")
+    return parser
+
+
 def split_flags(argv: Sequence[str]) -> tuple[ReferenceSettings, list[str]]:
     """The example's flags and the rest (Megatron's), which the usual entry parses."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--no-reference", action="store_true")
-    parser.add_argument("--reference-kl-weight", type=float, default=ReferenceSettings.kl_weight)
-    parser.add_argument("--reference-free-after", type=int, default=None)
+    parser = flag_parser()
     try:
         ns, rest = parser.parse_known_args(list(argv))
     except SystemExit:  # argparse already printed which value it could not read

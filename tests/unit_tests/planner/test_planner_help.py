@@ -14,7 +14,7 @@ from hfsdp.planner import setup
 REPO_ROOT = Path(__file__).resolve().parents[3]
 PLANNER = [sys.executable, str(REPO_ROOT / "scripts/fsdp_memory_planner.py")]
 OWN = ("--plan-dp-size", "--plan-lanes", "--plan-json", "--fsdp-unit-modules", "--plan-align-bytes",
-       "--plan-device-arch")
+       "--plan-device-arch", "--plan-reference")
 
 
 def own_options() -> set[str]:

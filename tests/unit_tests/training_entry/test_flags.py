@@ -134,6 +134,16 @@ def test_every_launcher_takes_the_options_listed_for_it(name, monkeypatch):
     assert listed & set(by_option) == {r.option for r in rows}
 
 
+def test_the_reference_examples_rows_are_its_parser():
+    from hfsdp.training.reference_flags import flag_parser
+
+    parser = flag_parser()
+    by_option = {s: a for a in parser._actions for s in a.option_strings}
+    assert set(by_option) == {r.option for r in flags.EXAMPLES}
+    for row in flags.EXAMPLES:
+        holds(parser, by_option[row.option], row)
+
+
 def test_the_cli_lists_every_row_without_megatron_or_torch(tmp_path):
     """The listing imports neither Megatron nor torch: it runs with torch unimportable, quickly."""
     blocker = tmp_path / "sitecustomize.py"
@@ -145,8 +155,8 @@ def test_the_cli_lists_every_row_without_megatron_or_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", check], cwd="/", env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert len(lines) == 3 + len(flags.PRETRAIN) + len(flags.LAUNCHERS)  # three headers, a line a row
-    for row in (*flags.PRETRAIN, *flags.LAUNCHERS):
+    assert len(lines) == 4 + len(flags.PRETRAIN) + len(flags.EXAMPLES) + len(flags.LAUNCHERS)  # headers, rows
+    for row in (*flags.PRETRAIN, *flags.EXAMPLES, *flags.LAUNCHERS):
         assert any(line.split()[:1] == [row.option] and row.meaning in line for line in lines), row
     warmup = next(line for line in lines if line.split()[0] == "--nccl-comm-warmup")
     assert warmup.split()[1:3] == ["off", "Before"]  # the default, then what it does
