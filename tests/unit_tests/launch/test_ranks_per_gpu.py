@@ -238,8 +238,11 @@ def test_every_two_rank_case_can_be_planned_for_ranks_sharing_a_gpu(case, monkey
     from hfsdp.functional.recipe import args_to_argv, load_recipe
     from hfsdp.functional.run_case import path_variables
 
+    from hfsdp.training import entries
+
     recipe = load_recipe(case)
     argv = args_to_argv(recipe.model_args, path_variables(Path("/nonexistent/out")))
+    argv = entries.megatron_flags(recipe.training_script.split()[0], argv)  # as run_case plans them
     if importlib.util.find_spec("transformer_engine") is None:  # run_case plans where the case runs: TE 2.x
         import megatron.core.transformer.transformer_config as transformer_config
         import megatron.training.arguments as arguments
