@@ -11,6 +11,7 @@ import torch
 
 import megatron.training.arguments as arguments
 from hfsdp.functional import recipe
+from hfsdp.training import entries
 
 CASES = Path(__file__).resolve().parents[2] / "functional_tests" / "test_cases"
 GPU_CASES = sorted(p.parent for p in CASES.glob("*/*/model_config.yaml")
@@ -42,13 +43,19 @@ def test_case_arguments_validate(case, monkeypatch, tmp_path):
     paths = {k: str(tmp_path / k) for k in ("OUTPUT_PATH", "CHECKPOINT_SAVE_PATH",
                                             "CHECKPOINT_LOAD_PATH", "TENSORBOARD_PATH",
                                             "DATA_PATH", "DATA_CACHE_PATH")}
-    monkeypatch.setattr(sys, "argv", ["pretrain"] + recipe.args_to_argv(rec.model_args, paths))
+    script = rec.training_script.split()[0]  # the reference example's own flags are its, not Megatron's
+    argv = entries.megatron_flags(script, recipe.args_to_argv(rec.model_args, paths))
+    monkeypatch.setattr(sys, "argv", ["pretrain", *argv])
     args = arguments.parse_args()
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             arguments.validate_args(args, {})
     finally:
         torch.use_deterministic_algorithms(deterministic)
+    if entries.training_entry(script) == entries.REFERENCE_EXAMPLE:
+        from hfsdp.training import reference
+
+        reference.check_args(args)  # the layouts the example takes
     if "graph" in case.name:
         assert args.cuda_graph_impl == "full_iteration"
         assert args.global_batch_size // (args.micro_batch_size * rec.nproc) >= 2, \

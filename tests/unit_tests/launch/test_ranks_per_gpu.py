@@ -237,7 +237,6 @@ def test_every_two_rank_case_can_be_planned_for_ranks_sharing_a_gpu(case, monkey
     two-rank case's flags, TE-only ones (--moe-grouped-gemm) included."""
     from hfsdp.functional.recipe import args_to_argv, load_recipe
     from hfsdp.functional.run_case import path_variables
-
     from hfsdp.training import entries
 
     recipe = load_recipe(case)

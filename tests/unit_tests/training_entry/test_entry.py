@@ -198,8 +198,12 @@ def test_recipe_args_pass_megatron_validation(case: str) -> None:
         os.environ["WORLD_SIZE"] = str(r.nproc)
         os.environ.update({{k: v for k, v in r.env_vars.items() if v is not None}})
         known = {{s for a in megatron_parser()._actions for s in a.option_strings}}
+        from hfsdp.training import entries
+        from hfsdp.training.reference_flags import flag_parser
+        example = entries.training_entry(r.training_script.split()[0]) == entries.REFERENCE_EXAMPLE
+        own = {{s for a in flag_parser()._actions for s in a.option_strings}} if example else set()
         for extra in (r.model_args_2,):
-            margs = merged_args(r.model_args, extra)
+            margs = {{k: v for k, v in merged_args(r.model_args, extra).items() if k not in own}}
             unknown = [k for k in margs if k not in known]
             assert set(unknown) <= {FORK_FLAGS!r}, unknown
             argv = args_to_argv({{k: v for k, v in margs.items() if k in known}},
