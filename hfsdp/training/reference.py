@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import gc
 import random
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -164,18 +165,18 @@ def loss_func(loss_mask: torch.Tensor, labels: torch.Tensor, ref_logits: torch.T
     return ce_sum + kl_weight.reshape(()) * kl_sum, num_tokens, report
 
 
-_claimed: list[Any] = []  # the trained model, once its scope is claimed
+_claimed: weakref.WeakSet[Any] = weakref.WeakSet()  # the trained model, once its scope is claimed
 
 
 def _claim_scope(model: Any) -> None:
     """Claim the trained model's pool scope at its first forward (model_pools.check_scopes): a
     second model in that scope is refused, as the reference's was checked when it was wrapped."""
-    if any(m is model for m in _claimed):
+    if model in _claimed:
         return
     from megatron.core.distributed.fsdp.src.megatron_fsdp import model_pools
 
     model_pools.check_scopes(model)
-    _claimed.append(model)
+    _claimed.add(model)
 
 
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]] | None, model: Any,
@@ -338,21 +339,15 @@ EXTERNAL = "external"  # Megatron's --dataloader-type that takes the provider's 
 def _loader_type(argv: list[str]) -> tuple[str, list[str]]:
     """The user's ``--dataloader-type`` (default single), and argv with ``external`` in its place:
     the example builds the loaders of that type itself and hands Megatron iterators."""
-    rest, kind, i = [], "single", 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--dataloader-type" and i + 1 < len(argv):
-            kind, i = argv[i + 1], i + 2
-            continue
-        if a.startswith("--dataloader-type="):
-            kind = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-        i += 1
-    if kind not in ("single", "cyclic"):
-        raise UserError(f"--dataloader-type {kind}: the reference example builds the data loaders itself",
-                        "give single or cyclic, or leave the flag out")
-    return kind, [*rest, "--dataloader-type", EXTERNAL]
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--dataloader-type", default="single")
+    ns, rest = parser.parse_known_args(argv)
+    if ns.dataloader_type not in ("single", "cyclic"):
+        raise UserError(f"--dataloader-type {ns.dataloader_type}: the reference example builds the data loaders "
+                        "itself", "give single or cyclic, or leave the flag out")
+    return ns.dataloader_type, [*rest, "--dataloader-type", EXTERNAL]
 
 
 def _iterators(loaders: tuple[Any, Any, Any], kind: str) -> list[Iterator[Any] | None]:

@@ -5,6 +5,7 @@ trained model gets and when the reference is freed, and the reference's own DDP 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -195,19 +196,23 @@ def test_the_trained_model_claims_its_scope_once_and_a_second_model_there_is_ref
     from megatron.core.distributed.fsdp.src.megatron_fsdp import model_pools
 
     monkeypatch.setattr(model_pools, "_owners", {})
-    monkeypatch.setattr(reference, "_claimed", [])
+    monkeypatch.setattr(reference, "_claimed", weakref.WeakSet())
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
 
-    def model() -> SimpleNamespace:
-        return SimpleNamespace(param_and_grad_buffer=cpu_fsdp_buffer(Net(), [torch.nn.Linear]))
+    class Wrapped:  # a wrapped chunk as model_buffers finds it (and weakly referable, as modules are)
+        def __init__(self) -> None:
+            self.param_and_grad_buffer = cpu_fsdp_buffer(Net(), [torch.nn.Linear])
+
+    def model() -> Wrapped:
+        return Wrapped()
 
     trained, other = model(), model()
     reference._claim_scope(trained)
     reference._claim_scope(trained)  # every later forward: nothing new
-    assert reference._claimed == [trained]
+    assert list(reference._claimed) == [trained]
     with pytest.raises(ValueError, match="pool scope '' already belongs to another Megatron-FSDP model"):
         model_pools.check_scopes(other)
