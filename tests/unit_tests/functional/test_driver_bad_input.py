@@ -315,7 +315,7 @@ def test_every_metric_name_is_one_the_log_parser_gives():
     from hfsdp.functional import logparse
 
     lines = [" iteration        1/       1 | elapsed time per iteration (ms): 50.0 | lm loss: 9.0E+00 | "
-             "load_balancing_loss: 1.0E+00 | grad norm: 2.0 | num zeros: 0 | other: 3 |",
+             "load_balancing_loss: 1.0E+00 | grad norm: 2.0 | num zeros: 0 | reference kl: 1.0E-02 | other: 3 |",
              "[Rank 0] (after 1 iterations) memory (MB) | allocated: 1.0 | max allocated: 2.0 | reserved: 3.0 | "
              "max reserved: 4.0",
              " validation loss at iteration 1 | lm loss value: 8.0E+00 | mtp loss value: 7.0E+00 | lm loss PPL: 1 |"]
