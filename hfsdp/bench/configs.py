@@ -40,10 +40,12 @@ class BenchConfig:
         return int(self.flags[self.flags.index(LANES_FLAG) + 1]) if LANES_FLAG in self.flags else 2
 
 
-# The product's diagnostic switches back to the step path before first writes and multi-tensor
-# copies (megatron_fsdp/single_rank_grads.py, foreach_copy.py; the product never imports this module).
+# The product's diagnostic switches back to the step path before first writes, multi-tensor
+# main-to-model copies and batched gradient writes (megatron_fsdp/single_rank_grads.py,
+# foreach_copy.py; the product never imports this module).
 ZERO_GRAD_FILL_ENV = "HFSDP_ZERO_GRAD_FILL"
 PER_PARAM_COPIES_ENV = "HFSDP_PER_PARAM_COPIES"
+PER_PARAM_GRAD_WRITES_ENV = "HFSDP_PER_PARAM_GRAD_WRITES"
 # Megatron's default rerun mode, given explicitly so that a graphed run keeps it.
 VALIDATE_FLAGS = ("--rerun-mode", "validate_results")
 # Transformer Engine layer specs (replaces the presets' --transformer-impl local; argparse keeps
@@ -146,17 +148,19 @@ CONFIGS = {
         "te_maxpool_ub_graph_bf16rs_fused_pao", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 gradient "
         "reduce-scatter, the fusions, precision-aware optimizer", "maxpool", "te"),
-    # The same with the step path before first writes and multi-tensor copies, each switched back
-    # alone ([Note: one-rank gradient groups], 4; foreach_copy.py): _fill fills the gradient
-    # buffers every step, _prev also copies the main weights one parameter at a time.
-    "te_maxpool_ub_graph_bf16rs_fused_pao_fill": BenchConfig(
-        "te_maxpool_ub_graph_bf16rs_fused_pao_fill", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
-        "te_maxpool_ub_graph_bf16rs_fused_pao with the per-step zero fill of the gradient buffers",
-        "maxpool", "te", ((ZERO_GRAD_FILL_ENV, "1"),)),
-    "te_maxpool_ub_graph_bf16rs_fused_pao_prev": BenchConfig(
-        "te_maxpool_ub_graph_bf16rs_fused_pao_prev", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
-        "te_maxpool_ub_graph_bf16rs_fused_pao_fill with per-parameter main-to-model copies",
-        "maxpool", "te", ((ZERO_GRAD_FILL_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"))),
+    # The same with the step path before first writes, multi-tensor copies and batched gradient
+    # writes, each switched back alone ([Note: one-rank gradient groups], 4 and 5; foreach_copy.py):
+    # _fill fills the gradient buffers every step, _ppc copies the main weights one parameter at a
+    # time, _pgw writes each autograd gradient into its main grad at once; _prev does all three.
+    **{f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}": BenchConfig(
+        f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
+        f"te_maxpool_ub_graph_bf16rs_fused_pao {what}", "maxpool", "te", env)
+       for suffix, what, env in (
+           ("fill", "with the per-step zero fill of the gradient buffers", ((ZERO_GRAD_FILL_ENV, "1"),)),
+           ("ppc", "with per-parameter main-to-model copies", ((PER_PARAM_COPIES_ENV, "1"),)),
+           ("pgw", "with per-parameter gradient writes", ((PER_PARAM_GRAD_WRITES_ENV, "1"),)),
+           ("prev", "with the zero fill, per-parameter copies and per-parameter gradient writes",
+            ((ZERO_GRAD_FILL_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"), (PER_PARAM_GRAD_WRITES_ENV, "1"))))},
     # The same in FP8, one configuration per Hopper recipe (GEMMs in FP8, parameters and optimizer as
     # before), and tensorwise with FP8 parameters (--fp8-param-gather: FP8 all-gathers and pool).
     # Blockwise FP8 parameters with a double buffer are refused (te_arg_checks.py).

@@ -138,6 +138,8 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_ub_graph_bf16rs_fused",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fill",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_ppc",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_pgw",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_prev",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_delayed",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise",
@@ -258,16 +260,19 @@ def test_every_configuration_has_a_loss_baseline_of_its_spec():
 
 
 def test_step_path_configs_switch_back_one_change_each():
-    """_fill and _prev differ from their configuration only by the product's diagnostic switches,
-    named as the product names them (the product never imports the benchmark)."""
+    """_fill, _ppc, _pgw and _prev differ from their configuration only by the product's diagnostic
+    switches, named as the product names them (the product never imports the benchmark)."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp import foreach_copy, single_rank_grads
 
     best = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao"]
-    fill = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_fill"]
-    prev = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_prev"]
-    assert fill.flags == prev.flags == best.flags and best.env == ()
-    assert dict(fill.env) == {single_rank_grads.ZERO_GRAD_FILL_ENV: "1"}
-    assert dict(prev.env) == {single_rank_grads.ZERO_GRAD_FILL_ENV: "1", foreach_copy.PER_PARAM_ENV: "1"}
+    fill, ppc = single_rank_grads.ZERO_GRAD_FILL_ENV, foreach_copy.PER_PARAM_ENV
+    pgw = foreach_copy.PER_PARAM_GRAD_WRITES_ENV
+    want = {"fill": {fill}, "ppc": {ppc}, "pgw": {pgw}, "prev": {fill, ppc, pgw}}
+    assert best.env == ()
+    for suffix, switches in want.items():
+        config = C.CONFIGS[f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}"]
+        assert config.flags == best.flags, suffix
+        assert dict(config.env) == dict.fromkeys(switches, "1"), suffix
 
 
 def test_realistic_1gpu_preset_is_the_realistic_model_cut_to_12_layers():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
-from megatron.core.distributed.fsdp.src.megatron_fsdp.foreach_copy import copy_all
+from megatron.core.distributed.fsdp.src.megatron_fsdp.foreach_copy import PER_PARAM_GRAD_WRITES_ENV, add_all, copy_all
 
 
 def test_copy_all_equals_copy_and_groups_by_dtype(monkeypatch):
@@ -53,3 +53,29 @@ def test_copy_main_weights_to_model_weights_copies_every_parameter():
                                             transpose_weight_buffer=None, is_expert_param=False, params=params)]
     buf.copy_main_weights_to_model_weights()
     assert torch.equal(wbuf.data, mbuf.data.to(torch.bfloat16))
+
+
+def test_add_all_equals_add_and_groups_by_dtype(monkeypatch):
+    torch.manual_seed(1)
+    srcs = [torch.randn(4, dtype=torch.bfloat16), torch.randn(3, 2, dtype=torch.bfloat16), torch.randn(6)]
+    dsts = [torch.randn(4, dtype=torch.bfloat16), torch.randn(3, 2), torch.randn(6)]
+    want = [d.clone().add_(s) for d, s in zip(dsts, srcs, strict=True)]
+    launches = []
+    real = torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda d, s: (launches.append(len(d)), real(d, s)))
+    assert add_all(zip(dsts, srcs, strict=True)) == 3
+    assert sorted(launches) == [1, 1, 1]
+    for got, exp in zip(dsts, want, strict=True):
+        assert torch.equal(got, exp)
+
+
+def test_add_all_per_param_switch_adds_one_pair_at_a_time(monkeypatch):
+    monkeypatch.setattr(torch, "_foreach_add_", lambda d, s: pytest.fail("a multi-tensor add under the switch"))
+    dsts, srcs = [torch.ones(2), torch.ones(3)], [torch.ones(2), torch.ones(3)]
+    assert add_all(zip(dsts, srcs, strict=True), {PER_PARAM_GRAD_WRITES_ENV: "1"}) == 2
+    assert all(torch.equal(d, torch.full_like(d, 2.0)) for d in dsts)
+
+
+def test_add_all_refuses_a_shape_mismatch():
+    with pytest.raises(ValueError, match=r"add_all: destination shape \(2,\) != source shape \(1, 2\)"):
+        add_all([(torch.empty(2), torch.empty(1, 2))])

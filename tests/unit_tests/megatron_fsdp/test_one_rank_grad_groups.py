@@ -138,10 +138,11 @@ def test_micro_batches_accumulate_then_scale_once(fake_cuda):
     param = object()
     held = HeldGrads(lambda p: reduces_alone(gbuf, use_hybrid_fsdp=False))
     pipe = pipeline(gbuf, None)
-    for k, g in enumerate(micro):
+    for g in micro:
         gbuf.data += g  # the backward accumulates into the unsharded buffer
-        if held.select([param], final=k == len(micro) - 1):
-            pipe._bucket_group_gradient_reduce([0], async_op=False)
+        assert held.select([param]) == [], "a one-rank parameter is held"
+    assert held.release() == [param]  # the last backward's end
+    pipe._bucket_group_gradient_reduce([0], async_op=False)
     assert torch.equal(gbuf.data, sum(g / DP for g in micro))
     assert len(held) == 0 and fake_cuda == []
 
@@ -174,14 +175,10 @@ def test_scale_alone_follows_the_reduce_op(factor, avg, expected):
 def test_held_grads_select_and_release():
     alone, shared = "expert", "dense"
     held = HeldGrads(lambda p: p == alone)
-    assert held.select([alone, shared], final=False) == [shared]
-    assert held.select([alone, shared], final=False) == [shared]
+    assert held.select([alone, shared]) == [shared]
+    assert held.select([alone, shared]) == [shared]
     assert len(held) == 1  # held once, however many micro-batches
-    assert held.select([alone, shared], final=True) == [alone, shared]
-    assert held.release() == []
-    # No backward marked last: finish_grad_sync gets the held parameter, once.
-    held.select([alone], final=False)
-    assert held.release() == [alone] and held.release() == []
+    assert held.release() == [alone] and held.release() == []  # once
 
 
 def test_overwrite_main_grad_only_for_sharded_buckets():
@@ -193,22 +190,24 @@ def test_overwrite_main_grad_only_for_sharded_buckets():
 
 
 def test_finish_grad_sync_reduces_what_was_held():
-    """finish_grad_sync reduces held one-rank parameters before it waits on the reductions."""
+    """finish_grad_sync writes the queued gradients, then reduces held one-rank parameters, then
+    waits on the reductions."""
     order = []
     fsdp = object.__new__(MegatronFSDP)
     object.__setattr__(fsdp, "_held_grads", HeldGrads(lambda p: True))
+    object.__setattr__(fsdp, "_grad_writes", SimpleNamespace(flush=lambda: order.append(("flush",))))
     object.__setattr__(fsdp, "grad_reduce_pipeline", SimpleNamespace(
         reduce_gradients=lambda params, **kw: order.append(("reduce", list(params)))))
     object.__setattr__(fsdp, "ddp_config", SimpleNamespace(overlap_param_gather=False))
     object.__setattr__(fsdp, "synchronize_gradient_reduce", lambda: order.append(("wait",)))
     object.__setattr__(fsdp, "attach_grad_to_optimizer_state", lambda: None)
     object.__setattr__(fsdp, "_replace_param_with_distributed_if_needed", lambda: None)
-    fsdp._held_grads.select(["w"], final=False)
+    fsdp._held_grads.select(["w"])
     fsdp.finish_grad_sync()
-    assert order == [("reduce", ["w"]), ("wait",)]
+    assert order == [("flush",), ("reduce", ["w"]), ("wait",)]
     order.clear()
     fsdp.finish_grad_sync()  # nothing held: nothing extra
-    assert order == [("wait",)]
+    assert order == [("flush",), ("wait",)]
 
 
 @pytest.mark.parametrize("distributed,accumulate", [(True, False), (False, True)])

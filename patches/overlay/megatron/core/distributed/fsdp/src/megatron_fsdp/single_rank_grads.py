@@ -19,9 +19,11 @@ micro-batch. Applied to the accumulated one-rank buffer, that per-micro-batch re
 
 Invariants kept here:
 
-1. A one-rank buffer is reduced once per optimization cycle: at the backward of the last
-   micro-batch when the caller marks it (``no_sync``, as Megatron's schedules do) or syncs
-   every micro-batch (``model_auto_sync``), else in ``finish_grad_sync`` (``HeldGrads``).
+1. A one-rank buffer is reduced once per optimization cycle: at the end of the last
+   micro-batch's backward (the root post-backward hook) when the caller marks it (``no_sync``,
+   as Megatron's schedules do) or syncs every micro-batch (``model_auto_sync``), else in
+   ``finish_grad_sync`` (``HeldGrads``). A one-rank reduction exchanges nothing, so holding it
+   to the end of the backward hides no communication.
 2. Its reduction is the pre-scale alone, in place and in the buffer's dtype (``scale_alone``): a
    group of one has nothing to exchange, so no collective runs and no communication copy is
    made. SUM and AVG over one rank are the identity; only a scaling factor (when
@@ -45,6 +47,18 @@ Invariants kept here:
    element of ``main_grad``, an expert with no tokens included: the contract upstream's sharded
    buckets (fresh per micro-batch, stale bytes) already rely on.
 
+5. Batched writes (``GradWrites``): the autograd gradients written into one-rank buffers
+   (parameters the fused weight-gradient GEMMs do not write: norms, biases, Mamba's small
+   parameters, routers) are queued and written together at the end of the backward (the root
+   post-backward hook, and ``finish_grad_sync`` before it reduces), before the reduction that
+   reads them (1): one ``torch._foreach_copy_`` for the first writes, one
+   ``torch._foreach_add_`` for the rest, per dtype pair (foreach_copy.py), instead of one
+   launch a parameter. Every value is that of the per-parameter ``copy_`` / ``add_``: the
+   queued main grads are disjoint views, and a main grad already queued is written before it is
+   queued again. The queue holds the gradients it has not written: a gradient of
+   ``GradWrites.LARGE`` elements or more is written at once (its launch is not the cost), and
+   the queue is written whenever it holds more than ``GradWrites.CAP_BYTES``.
+
 Hybrid FSDP (an outer data-parallel group) keeps upstream's path: its outer reduction runs on the
 last micro-batch only, and a one-rank inner group is not special-cased there.
 """
@@ -54,6 +68,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+from .foreach_copy import PER_PARAM_GRAD_WRITES_ENV, add_all, copy_all
 
 # Diagnostic switch: "1" keeps upstream's per-cycle zero fill (first writes off), for comparisons.
 ZERO_GRAD_FILL_ENV = "HFSDP_ZERO_GRAD_FILL"
@@ -160,14 +176,9 @@ class HeldGrads:
             self._cache[param] = self._alone(param)
         return self._cache[param]
 
-    def select(self, params: Iterable[Any], final: bool) -> list[Any]:
-        """The parameters to reduce now: all of them on the cycle's last backward (``final``),
-        else those of multi-rank buffers; the others are held."""
-        params = list(params)
-        if final:
-            for param in params:
-                self._held.pop(param, None)
-            return params
+    def select(self, params: Iterable[Any]) -> list[Any]:
+        """The parameters to reduce now, those of multi-rank buffers; the others are held until
+        :meth:`release` (at the end of the cycle's last backward, or in ``finish_grad_sync``)."""
         now = []
         for param in params:
             if self._is_alone(param):
@@ -177,10 +188,53 @@ class HeldGrads:
         return now
 
     def release(self) -> list[Any]:
-        """The held parameters, emptied: ``finish_grad_sync`` reduces them when no backward was
-        marked last."""
+        """The held parameters, emptied: the root post-backward hook reduces them at the end of
+        the cycle's last backward, ``finish_grad_sync`` when no backward was marked last."""
         held, self._held = list(self._held), {}
         return held
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+class GradWrites:
+    """Invariant 5: gradient writes into one-rank main grads, queued by :meth:`write` and done
+    by :meth:`flush` as multi-tensor launches (``HFSDP_PER_PARAM_GRAD_WRITES=1`` writes each at
+    once, as upstream does)."""
+
+    LARGE = 1 << 20  # elements: a gradient this large is written at once
+    CAP_BYTES = 64 << 20  # the queue is written when its gradients hold more than this
+
+    def __init__(self, environ: Mapping[str, str] = os.environ) -> None:
+        self._environ = environ
+        self._now = environ.get(PER_PARAM_GRAD_WRITES_ENV) == "1"
+        self._copies: list[tuple[Any, Any]] = []
+        self._adds: list[tuple[Any, Any]] = []
+        self._queued: set[int] = set()  # the queued main grads' addresses
+        self._bytes = 0
+
+    def write(self, main_grad: Any, grad: Any, first: bool) -> None:
+        """``main_grad.copy_(grad)`` when ``first`` (the cycle's first write), else ``add_``:
+        queued, or at once for a large gradient or under the switch."""
+        if self._now or grad.numel() >= self.LARGE:
+            (main_grad.copy_ if first else main_grad.add_)(grad)
+            return
+        if main_grad.data_ptr() in self._queued:
+            self.flush()
+        (self._copies if first else self._adds).append((main_grad, grad))
+        self._queued.add(main_grad.data_ptr())
+        self._bytes += grad.numel() * grad.element_size()
+        if self._bytes > self.CAP_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Do the queued writes, first writes before adds; the queue is empty afterwards."""
+        copies, adds = self._copies, self._adds
+        self._copies, self._adds, self._queued, self._bytes = [], [], set(), 0
+        if copies:
+            copy_all(copies, self._environ, PER_PARAM_GRAD_WRITES_ENV)
+        if adds:
+            add_all(adds, self._environ)
+
+    def __len__(self) -> int:
+        return len(self._copies) + len(self._adds)
