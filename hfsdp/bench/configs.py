@@ -66,8 +66,12 @@ FP8_RECIPES = {
     "tensorwise": (FP8_FLAG, "hybrid", "--fp8-recipe", "tensorwise"),
     "blockwise": (FP8_FLAG, "e4m3", "--fp8-recipe", "blockwise"),
 }
+# Adam's moments stored in bf16 (the precision-aware optimizer's --exp-avg-dtype, --exp-avg-sq-dtype;
+# TE's FusedAdam computes in fp32): 8 fewer bytes per parameter read and written each step.
+BF16_MOMENTS_FLAGS = ("--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16")
 # Flags that change a run's numbers, not only its speed and memory: see loss_baseline.
-NUMERICS_FLAGS = frozenset({BF16_RS_FLAG, *FUSION_FLAGS, PAO_FLAG, FP8_FLAG, "--fp8-param-gather"})
+NUMERICS_FLAGS = frozenset({BF16_RS_FLAG, *FUSION_FLAGS, PAO_FLAG, FP8_FLAG, "--fp8-param-gather",
+                            *BF16_MOMENTS_FLAGS[::2]})
 # The realistic preset's best flags: TE specs, graphed max-pool, NCCL user buffers, bf16 reduce-scatter.
 TE_MAXPOOL_UB_GRAPH_BF16RS = (*TE_FLAGS, "--fsdp-double-buffer", MAXPOOL_FLAG, "--use-nccl-ub", *GRAPH_FLAGS,
                               BF16_RS_FLAG)
@@ -161,6 +165,11 @@ CONFIGS = {
            ("pgw", "with per-parameter gradient writes", ((PER_PARAM_GRAD_WRITES_ENV, "1"),)),
            ("prev", "with the zero fill, per-parameter copies and per-parameter gradient writes",
             ((ZERO_GRAD_FILL_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"), (PER_PARAM_GRAD_WRITES_ENV, "1"))))},
+    # The same with Adam's moments in bf16: the optimizer step is memory-bound, so fewer bytes are the lever.
+    "te_maxpool_ub_graph_bf16rs_fused_pao_bf16m": BenchConfig(
+        "te_maxpool_ub_graph_bf16rs_fused_pao_bf16m",
+        (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, *BF16_MOMENTS_FLAGS),
+        "te_maxpool_ub_graph_bf16rs_fused_pao with Adam's moments in bf16", "maxpool", "te"),
     # The same in FP8, one configuration per Hopper recipe (GEMMs in FP8, parameters and optimizer as
     # before), and tensorwise with FP8 parameters (--fp8-param-gather: FP8 all-gathers and pool).
     # Blockwise FP8 parameters with a double buffer are refused (te_arg_checks.py).

@@ -141,6 +141,7 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_ppc",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_pgw",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_prev",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_bf16m",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_delayed",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_blockwise",
@@ -296,3 +297,14 @@ def test_fp8_configurations_are_the_best_bf16_one_plus_a_hopper_recipe():
     assert "--fp8-param-gather" in pg and "blockwise" not in pg  # blockwise FP8 parameters: refused with a pool
 
 
+
+
+def test_bf16_moments_config_is_the_best_one_with_megatrons_moment_dtypes(megatron_args):
+    best = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao"]
+    bf16m = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_bf16m"]
+    assert bf16m.flags == (*best.flags, *C.BF16_MOMENTS_FLAGS) and bf16m.env == ()
+    assert (bf16m.spec, bf16m.plan, bf16m.graphed) == (best.spec, best.plan, best.graphed)
+    # Other numbers than the best configuration's: its repeats are held to each other.
+    assert C.loss_baseline(bf16m.name) == bf16m.name != C.loss_baseline(best.name)
+    args = megatron_args([*C.model_flags("realistic_1gpu"), *bf16m.flags])
+    assert (args.exp_avg_dtype, args.exp_avg_sq_dtype, args.use_precision_aware_optimizer) == ("bf16", "bf16", True)
