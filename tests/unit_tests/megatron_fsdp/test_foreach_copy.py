@@ -69,6 +69,37 @@ def test_add_all_equals_add_and_groups_by_dtype(monkeypatch):
         assert torch.equal(got, exp)
 
 
+def test_add_all_widens_a_mixed_dtype_group_through_one_copy(monkeypatch):
+    """fp32 += bf16: the multi-tensor add needs one dtype, so the sources are widened into one
+    scratch first (one copy, one add); the values are add_'s, which widens exactly too."""
+    torch.manual_seed(2)
+    srcs = [torch.randn(5, dtype=torch.bfloat16), torch.randn(2, 3, dtype=torch.bfloat16)]
+    dsts = [torch.randn(5), torch.randn(2, 3)]
+    want = [d.clone().add_(s) for d, s in zip(dsts, srcs, strict=True)]
+    calls = []
+    real_copy, real_add = torch._foreach_copy_, torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (
+        calls.append(("copy", [t.dtype for t in d], [t.dtype for t in s])), real_copy(d, s)))
+    monkeypatch.setattr(torch, "_foreach_add_", lambda d, s: (
+        calls.append(("add", [t.dtype for t in d], [t.dtype for t in s])), real_add(d, s)))
+    assert add_all(zip(dsts, srcs, strict=True)) == 1
+    assert calls == [("copy", [torch.float32] * 2, [torch.bfloat16] * 2),
+                     ("add", [torch.float32] * 2, [torch.float32] * 2)]
+    for got, exp in zip(dsts, want, strict=True):
+        assert torch.equal(got, exp)
+
+
+def test_add_all_adds_wider_sources_one_pair_at_a_time(monkeypatch):
+    """bf16 += fp32 rounds once in add_; narrowing the sources into a scratch would round twice."""
+    monkeypatch.setattr(torch, "_foreach_add_", lambda d, s: pytest.fail("a narrowing multi-tensor add"))
+    src = torch.tensor([1.0 + 2.0**-8 + 2.0**-16])  # just above half a bf16 step past 1: rounds up alone
+    dst = torch.tensor([-(2.0**-15)], dtype=torch.bfloat16)  # the sum falls below half: rounds down
+    want = dst.clone().add_(src)
+    assert want.tolist() != dst.clone().add_(src.to(torch.bfloat16)).tolist(), "the two roundings differ here"
+    assert add_all([(dst, src)]) == 1
+    assert torch.equal(dst, want)
+
+
 def test_add_all_per_param_switch_adds_one_pair_at_a_time(monkeypatch):
     monkeypatch.setattr(torch, "_foreach_add_", lambda d, s: pytest.fail("a multi-tensor add under the switch"))
     dsts, srcs = [torch.ones(2), torch.ones(3)], [torch.ones(2), torch.ones(3)]

@@ -236,3 +236,14 @@ def test_local_layer_te_gemm_adds_into_an_unsharded_buffer(monkeypatch, distribu
     product = grad_output.float().t() @ x.detach().float()
     assert seen == [accumulate]
     assert torch.equal(bucket, earlier + product if accumulate else product)
+
+
+def test_zero_grad_buffer_discards_queued_writes_before_zeroing():
+    """A backward interrupted before its end leaves writes queued: the next cycle must not get them."""
+    order = []
+    fsdp = object.__new__(MegatronFSDP)
+    object.__setattr__(fsdp, "module", torch.nn.Linear(2, 2))
+    object.__setattr__(fsdp, "_grad_writes", SimpleNamespace(discard=lambda: order.append("discard")))
+    object.__setattr__(fsdp, "param_and_grad_buffer", SimpleNamespace(zero_grad=lambda: order.append("zero")))
+    fsdp.zero_grad_buffer()
+    assert order == ["discard", "zero"]

@@ -10,9 +10,14 @@ Two places write many small tensors one ``copy_`` or ``add_`` (one kernel launch
   add after ([Note: one-rank gradient groups], 4 and 5, in single_rank_grads.py).
 
 :func:`copy_all` and :func:`add_all` do them with ``torch._foreach_copy_`` / ``torch._foreach_add_``,
-one multi-tensor launch per (destination dtype, source dtype, device). The values are those of
-``copy_`` and ``add_`` (the same cast and rounding, element by element); the bytes moved are the
-same, only the launches change. Diagnostic switches, for comparisons, restore one launch per pair:
+per (destination dtype, source dtype, device) group. ``_foreach_copy_`` casts inside its
+multi-tensor kernel; ``_foreach_add_`` has one only for a single dtype (CUDA falls back to one
+``add_`` a tensor otherwise), so a group whose sources are narrower (an fp32 main grad plus a
+bf16 gradient) is first copied into one scratch buffer of the destination dtype: two launches,
+and the scratch's bytes moved twice. The values are those of ``copy_`` and ``add_``: ``add_``
+computes in the wider dtype, and widening a float is exact. Narrower destinations keep one
+``add_`` a pair (narrowing the sources first would round twice).
+Diagnostic switches, for comparisons, restore one launch per pair:
 ``HFSDP_PER_PARAM_COPIES=1`` for the main-to-model copies, ``HFSDP_PER_PARAM_GRAD_WRITES=1`` for the
 gradient writes.
 """
@@ -63,7 +68,26 @@ def copy_all(pairs: Pairs, environ: Mapping[str, str] = os.environ, switch: str 
     return _apply("copy_all", pairs, torch.Tensor.copy_, torch._foreach_copy_, environ.get(switch) == "1")
 
 
+def _add_widened(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``torch._foreach_add_(dsts, srcs)``, through a scratch of the destinations' dtype when the
+    sources' is narrower (the multi-tensor add needs one dtype); one ``add_`` a pair when it is
+    not: narrowing first would round twice where ``add_`` rounds once."""
+    dst_dtype, src_dtype = dsts[0].dtype, srcs[0].dtype
+    if dst_dtype != src_dtype and torch.promote_types(dst_dtype, src_dtype) != dst_dtype:
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.add_(src)
+        return
+    if dst_dtype != src_dtype:
+        scratch = torch.empty(sum(s.numel() for s in srcs), dtype=dsts[0].dtype, device=dsts[0].device)
+        widened = [v.view(s.shape) for v, s in zip(scratch.split([s.numel() for s in srcs]), srcs, strict=True)]
+        torch._foreach_copy_(widened, srcs)
+        srcs = widened
+    torch._foreach_add_(dsts, srcs)
+
+
 def add_all(pairs: Pairs, environ: Mapping[str, str] = os.environ,
             switch: str = PER_PARAM_GRAD_WRITES_ENV) -> int:
-    """``dst.add_(src)`` for every ``(dst, src)``, grouped as :func:`copy_all` groups copies."""
-    return _apply("add_all", pairs, torch.Tensor.add_, torch._foreach_add_, environ.get(switch) == "1")
+    """``dst.add_(src)`` for every ``(dst, src)``, grouped as :func:`copy_all` groups copies;
+    returns the number of groups (a group of two dtypes takes two launches), or of pairs when
+    ``switch`` is "1" in ``environ``."""
+    return _apply("add_all", pairs, torch.Tensor.add_, _add_widened, environ.get(switch) == "1")

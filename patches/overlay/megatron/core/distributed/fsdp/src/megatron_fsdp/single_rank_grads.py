@@ -51,13 +51,19 @@ Invariants kept here:
    (parameters the fused weight-gradient GEMMs do not write: norms, biases, Mamba's small
    parameters, routers) are queued and written together at the end of the backward (the root
    post-backward hook, and ``finish_grad_sync`` before it reduces), before the reduction that
-   reads them (1): one ``torch._foreach_copy_`` for the first writes, one
-   ``torch._foreach_add_`` for the rest, per dtype pair (foreach_copy.py), instead of one
-   launch a parameter. Every value is that of the per-parameter ``copy_`` / ``add_``: the
-   queued main grads are disjoint views, and a main grad already queued is written before it is
-   queued again. The queue holds the gradients it has not written: a gradient of
-   ``GradWrites.LARGE`` elements or more is written at once (its launch is not the cost), and
-   the queue is written whenever it holds more than ``GradWrites.CAP_BYTES``.
+   reads them (1): ``copy_all`` for the first writes, ``add_all`` for the rest
+   (foreach_copy.py), instead of one launch a parameter. Only held parameters are queued
+   (``HeldGrads.holds``): any other unsharded buffer (``no_shard`` and ``optim`` at DP > 1,
+   hybrid FSDP) may be reduced right after its hook, so its writes are done at once. Every value
+   is that of the per-parameter ``copy_`` / ``add_``: the queued main grads are disjoint views,
+   and a main grad already queued is written before it is queued again. The queue holds the
+   gradients it has not written: a gradient of ``GradWrites.LARGE`` elements or more is written
+   at once (its launch is not the cost), and the queue is written whenever it holds more than
+   ``GradWrites.CAP_BYTES``. Streams: a hook runs on the stream that produced its gradient; the
+   queue holds one stream's writes (another stream's write flushes it first) and writes them on
+   that stream, and the caller's stream then waits for it, so each write is ordered as the
+   per-parameter one was, and a gradient is freed on the stream that made it. ``zero_grad``
+   discards what an interrupted backward left.
 
 Hybrid FSDP (an outer data-parallel group) keeps upstream's path: its outer reduction runs on the
 last micro-batch only, and a one-rank inner group is not special-cased there.
@@ -67,7 +73,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from typing import Any
+
+import torch
 
 from .foreach_copy import PER_PARAM_GRAD_WRITES_ENV, add_all, copy_all
 
@@ -171,7 +180,8 @@ class HeldGrads:
         self._cache: dict[Any, bool] = {}
         self._held: dict[Any, None] = {}  # insertion-ordered set
 
-    def _is_alone(self, param: Any) -> bool:
+    def holds(self, param: Any) -> bool:
+        """Whether ``param``'s reduction waits for the cycle's end: its buffer reduces alone."""
         if param not in self._cache:
             self._cache[param] = self._alone(param)
         return self._cache[param]
@@ -181,7 +191,7 @@ class HeldGrads:
         :meth:`release` (at the end of the cycle's last backward, or in ``finish_grad_sync``)."""
         now = []
         for param in params:
-            if self._is_alone(param):
+            if self.holds(param):
                 self._held[param] = None
             else:
                 now.append(param)
@@ -197,30 +207,47 @@ class HeldGrads:
         return len(self._held)
 
 
+def _current_stream(device: Any) -> Any:
+    """The current CUDA stream of ``device``; None off CUDA."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _on_stream(stream: Any) -> Any:
+    """A context that makes ``stream`` current."""
+    return torch.cuda.stream(stream)
+
+
 class GradWrites:
-    """Invariant 5: gradient writes into one-rank main grads, queued by :meth:`write` and done
-    by :meth:`flush` as multi-tensor launches (``HFSDP_PER_PARAM_GRAD_WRITES=1`` writes each at
-    once, as upstream does)."""
+    """Invariant 5: gradient writes into main grads, queued by :meth:`write` where ``holds(param)``
+    (the parameter's reduction waits for the cycle's end, :meth:`HeldGrads.holds`) and done by
+    :meth:`flush` as multi-tensor launches; other writes, and every write under
+    ``HFSDP_PER_PARAM_GRAD_WRITES=1``, are done at once, as upstream does."""
 
     LARGE = 1 << 20  # elements: a gradient this large is written at once
     CAP_BYTES = 64 << 20  # the queue is written when its gradients hold more than this
 
-    def __init__(self, environ: Mapping[str, str] = os.environ) -> None:
+    def __init__(self, holds: Callable[[Any], bool], environ: Mapping[str, str] = os.environ) -> None:
+        self._holds = holds
         self._environ = environ
         self._now = environ.get(PER_PARAM_GRAD_WRITES_ENV) == "1"
         self._copies: list[tuple[Any, Any]] = []
         self._adds: list[tuple[Any, Any]] = []
         self._queued: set[int] = set()  # the queued main grads' addresses
+        self._stream: Any = None  # the stream the queued writes were made on (None off CUDA)
+        self._device: Any = None
         self._bytes = 0
 
-    def write(self, main_grad: Any, grad: Any, first: bool) -> None:
-        """``main_grad.copy_(grad)`` when ``first`` (the cycle's first write), else ``add_``:
-        queued, or at once for a large gradient or under the switch."""
-        if self._now or grad.numel() >= self.LARGE:
+    def write(self, param: Any, main_grad: Any, grad: Any, first: bool) -> None:
+        """``main_grad.copy_(grad)`` when ``first`` (the cycle's first write of ``param``), else
+        ``add_``: queued for a held parameter, at once otherwise, for a large gradient, or under
+        the switch."""
+        if self._now or grad.numel() >= self.LARGE or not self._holds(param):
             (main_grad.copy_ if first else main_grad.add_)(grad)
             return
-        if main_grad.data_ptr() in self._queued:
+        stream = _current_stream(grad.device)
+        if main_grad.data_ptr() in self._queued or (len(self) and stream != self._stream):
             self.flush()
+        self._stream, self._device = stream, grad.device
         (self._copies if first else self._adds).append((main_grad, grad))
         self._queued.add(main_grad.data_ptr())
         self._bytes += grad.numel() * grad.element_size()
@@ -228,13 +255,26 @@ class GradWrites:
             self.flush()
 
     def flush(self) -> None:
-        """Do the queued writes, first writes before adds; the queue is empty afterwards."""
-        copies, adds = self._copies, self._adds
-        self._copies, self._adds, self._queued, self._bytes = [], [], set(), 0
-        if copies:
-            copy_all(copies, self._environ, PER_PARAM_GRAD_WRITES_ENV)
-        if adds:
-            add_all(adds, self._environ)
+        """Do the queued writes, first writes before adds, on the stream they were queued on; the
+        current stream then waits for that one. The queue is empty afterwards."""
+        copies, adds, stream, device = self._copies, self._adds, self._stream, self._device
+        self.discard()
+        if not (copies or adds):
+            return
+        current = _current_stream(device)
+        with _on_stream(stream) if stream != current else nullcontext():
+            if copies:
+                copy_all(copies, self._environ, PER_PARAM_GRAD_WRITES_ENV)
+            if adds:
+                add_all(adds, self._environ)
+        if stream != current:
+            current.wait_stream(stream)
+
+    def discard(self) -> None:
+        """Empty the queue without writing (``zero_grad``: what an interrupted backward left)."""
+        self._copies, self._adds, self._queued = [], [], set()
+        self._stream = self._device = None
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._copies) + len(self._adds)
