@@ -195,3 +195,17 @@ def test_writes_are_done_on_the_stream_that_queued_them(monkeypatch):
     writes.flush()
     assert log == [("copy", "b", 1), ("wait", "caller", "b")]
     assert all(torch.equal(m, torch.ones(2)) for m in mains)
+
+
+def test_the_cap_counts_the_scratch_an_add_widens_into(monkeypatch):
+    """bf16 gradients added into fp32 main grads hold 2 bytes an element queued and 4 more in the
+    scratch at the flush: 6 a element against the cap; a first write (a cast copy) holds 2."""
+    monkeypatch.setattr(GradWrites, "CAP_BYTES", 40)
+    writes = held()
+    mains = [torch.zeros(4) for _ in range(4)]
+    writes.write(mains[0], mains[0], torch.ones(4, dtype=torch.bfloat16), True)
+    writes.write(mains[1], mains[1], torch.ones(4, dtype=torch.bfloat16), False)
+    assert len(writes) == 2, "8 + 24 bytes: under the cap"
+    writes.write(mains[2], mains[2], torch.ones(4, dtype=torch.bfloat16), False)
+    assert len(writes) == 0, "8 + 24 + 24 bytes: over the cap, written"
+    assert all(torch.equal(m, torch.ones(4)) for m in mains[:3])

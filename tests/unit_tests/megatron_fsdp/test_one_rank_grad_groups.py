@@ -247,3 +247,13 @@ def test_zero_grad_buffer_discards_queued_writes_before_zeroing():
     object.__setattr__(fsdp, "param_and_grad_buffer", SimpleNamespace(zero_grad=lambda: order.append("zero")))
     fsdp.zero_grad_buffer()
     assert order == ["discard", "zero"]
+
+
+def test_megatron_fsdp_queues_the_writes_of_held_parameters_only():
+    """A buffer that is not held is reduced right after its hook: its writes must not wait in the
+    queue (GradWrites asks the held-gradient set, test_grad_writes.py holds GradWrites to it)."""
+    import inspect
+
+    source = inspect.getsource(MegatronFSDP)
+    assert "self._grad_writes = GradWrites(self._held_grads.holds)" in source
+    assert source.index("self._held_grads = HeldGrads(") < source.index("self._grad_writes = GradWrites(")

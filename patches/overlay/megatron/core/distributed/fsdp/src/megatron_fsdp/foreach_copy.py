@@ -88,6 +88,6 @@ def _add_widened(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 def add_all(pairs: Pairs, environ: Mapping[str, str] = os.environ,
             switch: str = PER_PARAM_GRAD_WRITES_ENV) -> int:
     """``dst.add_(src)`` for every ``(dst, src)``, grouped as :func:`copy_all` groups copies;
-    returns the number of groups (a group of two dtypes takes two launches), or of pairs when
-    ``switch`` is "1" in ``environ``."""
+    returns the number of groups (narrower sources take two launches, a narrower destination one
+    a pair), or of pairs when ``switch`` is "1" in ``environ``."""
     return _apply("add_all", pairs, torch.Tensor.add_, _add_widened, environ.get(switch) == "1")

@@ -59,11 +59,11 @@ Invariants kept here:
    and a main grad already queued is written before it is queued again. The queue holds the
    gradients it has not written: a gradient of ``GradWrites.LARGE`` elements or more is written
    at once (its launch is not the cost), and the queue is written whenever it holds more than
-   ``GradWrites.CAP_BYTES``. Streams: a hook runs on the stream that produced its gradient; the
-   queue holds one stream's writes (another stream's write flushes it first) and writes them on
-   that stream, and the caller's stream then waits for it, so each write is ordered as the
-   per-parameter one was, and a gradient is freed on the stream that made it. ``zero_grad``
-   discards what an interrupted backward left.
+   ``GradWrites.CAP_BYTES`` (counting the scratch an add widens into). Streams: a hook runs on
+   the stream that produced its gradient; the queue holds one stream's writes (another stream's
+   write flushes it first) and writes them on that stream, and the caller's stream then waits
+   for it, so each write is ordered as the per-parameter one was, and a gradient is freed on the
+   stream that made it. ``zero_grad`` discards what an interrupted backward left.
 
 Hybrid FSDP (an outer data-parallel group) keeps upstream's path: its outer reduction runs on the
 last micro-batch only, and a one-rank inner group is not special-cased there.
@@ -224,7 +224,7 @@ class GradWrites:
     ``HFSDP_PER_PARAM_GRAD_WRITES=1``, are done at once, as upstream does."""
 
     LARGE = 1 << 20  # elements: a gradient this large is written at once
-    CAP_BYTES = 64 << 20  # the queue is written when its gradients hold more than this
+    CAP_BYTES = 64 << 20  # the queue is written when its gradients (and scratch) hold more than this
 
     def __init__(self, holds: Callable[[Any], bool], environ: Mapping[str, str] = os.environ) -> None:
         self._holds = holds
@@ -245,12 +245,15 @@ class GradWrites:
             (main_grad.copy_ if first else main_grad.add_)(grad)
             return
         stream = _current_stream(grad.device)
-        if main_grad.data_ptr() in self._queued or (len(self) and stream != self._stream):
+        elsewhere = len(self) and (grad.device, stream) != (self._device, self._stream)
+        if elsewhere or main_grad.data_ptr() in self._queued:
             self.flush()
         self._stream, self._device = stream, grad.device
         (self._copies if first else self._adds).append((main_grad, grad))
         self._queued.add(main_grad.data_ptr())
-        self._bytes += grad.numel() * grad.element_size()
+        # The gradient, and an add's widening scratch (foreach_copy.add_all), until the flush.
+        widened = not first and main_grad.dtype != grad.dtype
+        self._bytes += grad.numel() * (grad.element_size() + (main_grad.element_size() if widened else 0))
         if self._bytes > self.CAP_BYTES:
             self.flush()
 
