@@ -78,7 +78,7 @@ def _add_widened(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
             dst.add_(src)
         return
     if dst_dtype != src_dtype:
-        scratch = torch.empty(sum(s.numel() for s in srcs), dtype=dsts[0].dtype, device=dsts[0].device)
+        scratch = torch.empty(sum(s.numel() for s in srcs), dtype=dst_dtype, device=dsts[0].device)
         widened = [v.view(s.shape) for v, s in zip(scratch.split([s.numel() for s in srcs]), srcs, strict=True)]
         torch._foreach_copy_(widened, srcs)
         srcs = widened
