@@ -140,6 +140,7 @@ def check_prefixes(project: Project, sdist: Path | None = None, smoke: bool = Fa
     stop = threading.Event()
     running: set[subprocess.Popen[str]] = set()
     lock = threading.Lock()
+    adding = threading.Lock()
     results: dict[int, PrefixResult] = {}
     with tempfile.TemporaryDirectory(prefix="patchset-prefixes-") as tmp:
         queue = build_queue(pin, source, patches, Path(tmp) / "queue", overlay)
@@ -177,8 +178,11 @@ def check_prefixes(project: Project, sdist: Path | None = None, smoke: bool = Fa
 
         def work(index: int, ks: list[int]) -> None:
             tree = Path(tmp) / f"tree-{index}"
-            gitops.git(["worktree", "add", "-q", "--detach", str(tree), queue.commits[ks[0] - 1][1]],
-                       cwd=queue.repo)
+            # One `worktree add` at a time: git reads every work tree's metadata while it makes one, and
+            # a half-made one fails it ("failed to read .git/worktrees/tree-1/commondir").
+            with adding:
+                gitops.git(["worktree", "add", "-q", "--detach", str(tree), queue.commits[ks[0] - 1][1]],
+                           cwd=queue.repo)
             for k in ks:
                 if stop.is_set():
                     return

@@ -212,3 +212,36 @@ def test_smoke_forms() -> None:
     assert parse_smoke("python -c 'import x'").words == ("import x",)
     assert parse_smoke("python -m pkg.mod --flag 1").words == ("pkg.mod", "--flag", "1")
     assert parse_smoke("tests/unit_tests/x/test_y.py::test_z[a-b]").kind == "pytest"
+
+
+def test_prefixes_makes_one_work_tree_at_a_time(fake: Env, scratch: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys) -> None:
+    """`git worktree add` reads every work tree's metadata while it makes one, so two at once can fail
+    each other: the workers' adds never overlap (each is slowed here so that unserialized ones would)."""
+    import threading
+    import time
+
+    from hfsdp.patchset import gitops
+
+    real_git, active, overlaps = gitops.git, [0], []
+    guard = threading.Lock()
+
+    def git(args, *rest, **kwargs):
+        if args[:2] != ["worktree", "add"]:
+            return real_git(args, *rest, **kwargs)
+        with guard:
+            active[0] += 1
+            overlaps.append(active[0])
+        try:
+            time.sleep(0.3)
+            return real_git(args, *rest, **kwargs)
+        finally:
+            with guard:
+                active[0] -= 1
+
+    monkeypatch.setattr(gitops, "git", git)
+    assert cli(fake, "materialize") == 0
+    series(fake)
+    capsys.readouterr()
+    assert cli(fake, "prefixes", "--jobs", "2") == 0, capsys.readouterr()
+    assert overlaps == [1, 1], f"work trees made at once: {overlaps}"
