@@ -13,7 +13,7 @@ A cell is one of
   exists and validates on CPU; only a GPU run can say it trains, and then its golden says so). The
   cases are found, not listed (:func:`cases`): an ``*_fp8_*`` case sits in every cell of its row whose
   feature it runs (a graph over max-pool with user buffers shows the graph, max-pool and UB columns),
-  and a cell shows its most specific case;
+  and a cell shows its most specific case, one with a golden before one without;
 * a refusal: ``validate_args`` rejects the combination before any GPU work, naming the way out
   ([Note: TE combinations] in megatron/training/te_arg_checks.py; the unit test holds each refused
   cell to that check, and every other cell to its silence);
@@ -127,10 +127,16 @@ def extra_features(recipe: Recipe, feature: Feature) -> int:
     return sum(k in recipe.model_args for k in FEATURE_FLAGS if k not in feature.flags)
 
 
+def has_golden(recipe: Recipe) -> bool:
+    """Whether a case has a golden a run could be held to (one that records its environment)."""
+    return any(c.problem is None for c in selection.candidates(recipe))
+
+
 def cases(cases_root: Path = goldens_table.CASES) -> dict[tuple[str, bool, str], str]:
     """Each cell's case, found from the cases themselves: every ``*/*_fp8_*`` case under ``cases_root``,
-    in the cells of its row that it covers, the most specific case first, then by name."""
-    found: dict[tuple[str, bool, str], tuple[int, str]] = {}
+    in the cells of its row that it covers, the most specific case first, then one with a golden (a
+    cell shows what was run where there is a choice), then by name."""
+    found: dict[tuple[str, bool, str], tuple[int, bool, str]] = {}
     for config in sorted(cases_root.glob(f"*/*{CASE_MARK}*/model_config.yaml")):
         recipe = load_recipe(config.parent)
         row = row_of(recipe)
@@ -138,11 +144,13 @@ def cases(cases_root: Path = goldens_table.CASES) -> dict[tuple[str, bool, str],
             raise ValueError(f"{config}: an FP8 case (its name has {CASE_MARK!r}) without --fp8-recipe "
                              f"{' | '.join(RECIPES)}")
         name = f"{config.parent.parent.name}/{config.parent.name}"
+        unrun = not has_golden(recipe)
         for feature in FEATURES:
             if covers(recipe, feature):
                 key = (row.recipe, row.param_gather, feature.name)
-                found[key] = min(found.get(key, (len(FEATURES), "")), (extra_features(recipe, feature), name))
-    return {key: name for key, (_, name) in found.items()}
+                mine = (extra_features(recipe, feature), unrun, name)
+                found[key] = min(found[key], mine) if key in found else mine
+    return {key: name for key, (_, _, name) in found.items()}
 
 
 def cell(row: Row, feature: Feature, found: Mapping[tuple[str, bool, str], str]) -> str | Refusal | None:

@@ -123,3 +123,14 @@ def test_a_case_without_a_golden_says_so(tmp_path: Path) -> None:
     case.mkdir(parents=True)
     (case / "model_config.yaml").write_text("MODEL_ARGS:\n  --fp8-format: e4m3\n  --fp8-recipe: delayed\n")
     assert "`moe/moe_x_fp8_delayed_eager` (no golden yet)" in M.table(tmp_path)
+
+
+def test_among_equally_specific_cases_a_cell_shows_one_with_a_golden(tmp_path: Path) -> None:
+    golden = next((CASES / "moe" / "moe_mcore_te_fsdp_1gpu_fp8_delayed_eager_no_db").glob("golden_values_*.json"))
+    flags = "MODEL_ARGS:\n  --fp8-format: e4m3\n  --fp8-recipe: delayed\n  --cuda-graph-impl: full_iteration\n"
+    for name in ("moe_a_fp8_graph", "moe_b_fp8_graph"):
+        (tmp_path / "moe" / name).mkdir(parents=True)
+        (tmp_path / "moe" / name / "model_config.yaml").write_text(flags)
+    assert M.cases(tmp_path)["delayed", False, "graph"] == "moe/moe_a_fp8_graph"  # no golden either: by name
+    (tmp_path / "moe" / "moe_b_fp8_graph" / golden.name).write_bytes(golden.read_bytes())
+    assert M.cases(tmp_path)["delayed", False, "graph"] == "moe/moe_b_fp8_graph"

@@ -47,7 +47,7 @@ TE_CASES = {
     **{f"moe/moe_mcore_te_fsdp_2gpu_fp8_{row}_{kind}": None if kind == "eager_no_db"
        else f"moe/moe_mcore_te_fsdp_2gpu_fp8_{row}_eager_no_db"
        for row in ("delayed", "delayed_pg", "tensorwise", "blockwise")
-       for kind in ("eager_no_db", "graph_maxpool_nccl_ub")},
+       for kind in ("eager_no_db", "graph_maxpool_nccl_ub", "graph_maxpool_lanes3")},
     **{f"moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_{kind}":
        "moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_eager_no_db"
        for kind in ("graph_maxpool_nccl_ub", "graph_maxpool_lanes3")},
@@ -88,8 +88,9 @@ def test_the_te_cases_exist_and_take_the_deterministic_settings() -> None:
     ("moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_maxpool", MAXPOOL),
     *[(f"moe/moe_mcore_te_fsdp_2gpu_fp8_{row}_graph_maxpool_nccl_ub", {**GRAPH, **MAXPOOL, "--use-nccl-ub": True})
       for row in ("delayed", "delayed_pg", "tensorwise", "tensorwise_pg", "blockwise")],
-    ("moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_graph_maxpool_lanes3",
-     {**GRAPH, **MAXPOOL, "--megatron-fsdp-max-pool-lanes": 3}),
+    *[(f"moe/moe_mcore_te_fsdp_2gpu_fp8_{row}_graph_maxpool_lanes3",
+       {**GRAPH, **MAXPOOL, "--megatron-fsdp-max-pool-lanes": 3})
+      for row in ("delayed", "delayed_pg", "tensorwise", "tensorwise_pg", "blockwise")],
 ])
 def test_each_case_is_its_twin_plus_the_feature_under_test(case: str, added: dict) -> None:
     r, twin = recipe(case), recipe(TE_CASES[case])
