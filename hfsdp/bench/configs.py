@@ -46,6 +46,7 @@ class BenchConfig:
 ZERO_GRAD_FILL_ENV = "HFSDP_ZERO_GRAD_FILL"
 PER_PARAM_COPIES_ENV = "HFSDP_PER_PARAM_COPIES"
 PER_PARAM_GRAD_WRITES_ENV = "HFSDP_PER_PARAM_GRAD_WRITES"
+SEPARATE_MODEL_COPIES_ENV = "HFSDP_SEPARATE_MODEL_COPIES"
 # Megatron's default rerun mode, given explicitly so that a graphed run keeps it.
 VALIDATE_FLAGS = ("--rerun-mode", "validate_results")
 # Transformer Engine layer specs (replaces the presets' --transformer-impl local; argparse keeps
@@ -152,19 +153,24 @@ CONFIGS = {
         "te_maxpool_ub_graph_bf16rs_fused_pao", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 gradient "
         "reduce-scatter, the fusions, precision-aware optimizer", "maxpool", "te"),
-    # The same with the step path before first writes, multi-tensor copies and batched gradient
-    # writes, each switched back alone ([Note: one-rank gradient groups], 4 and 5; foreach_copy.py):
-    # _fill fills the gradient buffers every step, _ppc copies the main weights one parameter at a
-    # time, _pgw writes each autograd gradient into its main grad at once; _prev does all three.
+    # The same with the step path before first writes, multi-tensor copies, batched gradient writes
+    # and model-weight writes in the optimizer step, each switched back alone ([Note: one-rank
+    # gradient groups], 4 and 5; foreach_copy.py; [Note: Adam writes the model weights]): _fill fills
+    # the gradient buffers every step, _pgw writes each autograd gradient into its main grad at once,
+    # _smc copies the main weights to the model weights after the step, _ppc does so one parameter at
+    # a time; _prev does all four.
     **{f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}": BenchConfig(
         f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
         f"te_maxpool_ub_graph_bf16rs_fused_pao {what}", "maxpool", "te", env)
        for suffix, what, env in (
            ("fill", "with the per-step zero fill of the gradient buffers", ((ZERO_GRAD_FILL_ENV, "1"),)),
-           ("ppc", "with per-parameter main-to-model copies", ((PER_PARAM_COPIES_ENV, "1"),)),
+           ("smc", "with the main-to-model copy after the optimizer step", ((SEPARATE_MODEL_COPIES_ENV, "1"),)),
+           ("ppc", "with per-parameter main-to-model copies after the optimizer step",
+            ((SEPARATE_MODEL_COPIES_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"))),
            ("pgw", "with per-parameter gradient writes", ((PER_PARAM_GRAD_WRITES_ENV, "1"),)),
-           ("prev", "with the zero fill, per-parameter copies and per-parameter gradient writes",
-            ((ZERO_GRAD_FILL_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"), (PER_PARAM_GRAD_WRITES_ENV, "1"))))},
+           ("prev", "with the zero fill, per-parameter copies after the step and per-parameter gradient writes",
+            ((ZERO_GRAD_FILL_ENV, "1"), (SEPARATE_MODEL_COPIES_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"),
+             (PER_PARAM_GRAD_WRITES_ENV, "1"))))},
     # The same with Adam's moments in bf16: the optimizer step is memory-bound, so fewer bytes are the lever.
     "te_maxpool_ub_graph_bf16rs_fused_pao_bf16m": BenchConfig(
         "te_maxpool_ub_graph_bf16rs_fused_pao_bf16m",

@@ -138,6 +138,7 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_ub_graph_bf16rs_fused",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fill",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_smc",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_ppc",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_pgw",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_prev",
@@ -261,14 +262,15 @@ def test_every_configuration_has_a_loss_baseline_of_its_spec():
 
 
 def test_step_path_configs_switch_back_one_change_each():
-    """_fill, _ppc, _pgw and _prev differ from their configuration only by the product's diagnostic
+    """_fill, _smc, _ppc, _pgw and _prev differ from their configuration only by the product's diagnostic
     switches, named as the product names them (the product never imports the benchmark)."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp import foreach_copy, single_rank_grads
+    from megatron.core.optimizer import adam_model_writes
 
     best = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao"]
     fill, ppc = single_rank_grads.ZERO_GRAD_FILL_ENV, foreach_copy.PER_PARAM_ENV
-    pgw = foreach_copy.PER_PARAM_GRAD_WRITES_ENV
-    want = {"fill": {fill}, "ppc": {ppc}, "pgw": {pgw}, "prev": {fill, ppc, pgw}}
+    pgw, smc = foreach_copy.PER_PARAM_GRAD_WRITES_ENV, adam_model_writes.SEPARATE_COPIES_ENV
+    want = {"fill": {fill}, "smc": {smc}, "ppc": {smc, ppc}, "pgw": {pgw}, "prev": {fill, smc, ppc, pgw}}
     assert best.env == ()
     for suffix, switches in want.items():
         config = C.CONFIGS[f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}"]

@@ -48,10 +48,46 @@ def test_copy_main_weights_to_model_weights_copies_every_parameter():
     params = [torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(4))]
     mbuf, wbuf = Buf(params, torch.float32), Buf(params, torch.bfloat16)
     mbuf.data.copy_(torch.randn(10))
+    buf = buffer_of(params, mbuf, wbuf)
+    buf.copy_main_weights_to_model_weights()
+    assert torch.equal(wbuf.data, mbuf.data.to(torch.bfloat16))
+
+
+def buffer_of(params, mbuf, wbuf):
+    """A ParamAndGradBuffer of one parameter group, as far as the main-to-model copy reads it."""
     buf = object.__new__(pgb.ParamAndGradBuffer)
+    buf._main_to_model_pairs = None
+    buf.model_weight_writes = None
     buf.parameter_groups = [SimpleNamespace(main_weight_buffer=mbuf, model_weight_buffer=wbuf,
                                             transpose_weight_buffer=None, is_expert_param=False, params=params)]
+    return buf
+
+
+def test_main_to_model_pairs_keeps_its_views_until_storage_moves():
+    params = [torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(4))]
+    mbuf, wbuf = Buf(params, torch.float32), Buf(params, torch.bfloat16)
+    buf = buffer_of(params, mbuf, wbuf)
+    first = buf.main_to_model_pairs()
+    assert [tuple(m.shape) for m, _ in first] == [(6,), (4,)]
+    assert [m.data_ptr() for m, _ in first] == [wbuf.data.data_ptr(), wbuf.data[6:].data_ptr()]
+    assert buf.main_to_model_pairs() is first
+    wbuf.data = torch.zeros_like(wbuf.data)
+    moved = buf.main_to_model_pairs()
+    assert moved is not first and moved[0][0].data_ptr() == wbuf.data.data_ptr()
+
+
+def test_copy_main_weights_to_model_weights_skips_what_the_step_wrote_once():
+    from megatron.core.optimizer.adam_model_writes import ModelWeightWrites
+
+    params = [torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(4))]
+    mbuf, wbuf = Buf(params, torch.float32), Buf(params, torch.bfloat16)
+    mbuf.data.copy_(torch.arange(1.0, 11.0))
+    buf = buffer_of(params, mbuf, wbuf)
+    buf.model_weight_writes = writes = ModelWeightWrites([buf])
+    writes.mark([wbuf.data[:6]])  # the step wrote the first parameter's model weight (here: left at 0)
     buf.copy_main_weights_to_model_weights()
+    assert wbuf.data.tolist() == [0.0] * 6 + [7.0, 8.0, 9.0, 10.0]
+    buf.copy_main_weights_to_model_weights()  # no step since: every pair
     assert torch.equal(wbuf.data, mbuf.data.to(torch.bfloat16))
 
 

@@ -1,0 +1,166 @@
+# Copyright (c) 2026, hfsdp authors. Added by the hfsdp patch series.
+
+"""Transformer Engine's FusedAdam writes Megatron-FSDP's model weights in its update.
+
+[Note: Adam writes the model weights]
+Megatron-FSDP's optimizer steps the fp32 main weights; ``copy_main_weights_to_model_weights``
+then casts each into its model weight (bf16): one more pass over memory after the update,
+reading 4 bytes and writing 2 a parameter. TE's ``multi_tensor_adam`` also takes a fifth list,
+fp32 master weights: it then updates the master weights in place and writes each updated value,
+cast to the second list's dtype, in the same pass (TE's ``AdamFunctorMaster``). Given
+``[g, model, m, v, main]`` it moves 28 bytes a parameter where update and copy moved 32.
+
+:func:`install` hands a FusedAdam that holds no master weights (Megatron-FSDP's, with or without
+the precision-aware optimizer) a kernel that does so, and hands each buffer the
+:class:`ModelWeightWrites` record:
+
+* each ``multi_tensor_adam`` call's tensors whose main weight has a model weight
+  (``ParamAndGradBuffer.main_to_model_pairs``) go to the 5-list kernel, one call per model dtype;
+  the others to the 4-list call, as before;
+* the record keeps the model weights written; ``copy_main_weights_to_model_weights`` copies only
+  the other pairs and clears the record. A copy that follows no step (a checkpoint load) copies
+  every pair.
+
+Invariants:
+
+* Same bits. Both functors compute the update with the same fp32 code (TE's ``adam_update``); the
+  model weight is the updated fp32 value cast to its dtype, as ``copy_`` casts it (round to
+  nearest even). Bias corrections are computed on the host the same way for both.
+* Only TE's FusedAdam, with ``master_weights`` off and ``capturable`` off: its kernel is
+  ``multi_tensor_adam``, called through ``multi_tensor_applier`` with local tensors
+  (``(chunk_size, noop, [g, p, m, v], lr, beta1, beta2, eps, step, mode, bias_correction,
+  weight_decay)``). Anything else keeps the separate copy.
+* FP8 model weights keep their quantization path: ``main_to_model_pairs`` leaves them out.
+* ``HFSDP_SEPARATE_MODEL_COPIES=1`` keeps the separate copy, for comparisons.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SEPARATE_COPIES_ENV = "HFSDP_SEPARATE_MODEL_COPIES"
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # (model weight, main weight)
+_Key = tuple[int, int]
+
+
+class PairSource(Protocol):
+    """What a Megatron-FSDP ParamAndGradBuffer gives and takes here."""
+
+    model_weight_writes: ModelWeightWrites | None
+
+    def main_to_model_pairs(self) -> list[Pair]: ...
+
+
+def _key(tensor: torch.Tensor) -> _Key:
+    return (tensor.data_ptr(), tensor.numel())
+
+
+class ModelWeightWrites:
+    """The model weights an optimizer step wrote, until the main-to-model copy reads them."""
+
+    def __init__(self, buffers: Sequence[PairSource]) -> None:
+        self._buffers = tuple(buffers)
+        self._pairs: tuple[list[Pair], ...] = ()
+        self._model_of: dict[_Key, torch.Tensor] = {}
+        self._written: set[_Key] = set()
+
+    def models_of(self, mains: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Each main weight's model weight, flat, or None where it has none."""
+        pairs = tuple(buffer.main_to_model_pairs() for buffer in self._buffers)
+        if len(pairs) != len(self._pairs) or any(a is not b for a, b in zip(pairs, self._pairs, strict=True)):
+            self._pairs = pairs
+            self._model_of = {_key(main): model.view(-1) for group in pairs for model, main in group}
+        return [self._model_of.get(_key(main)) for main in mains]
+
+    def mark(self, models: Iterable[torch.Tensor]) -> None:
+        self._written.update(_key(model) for model in models)
+
+    def unwritten(self, pairs: Iterable[Pair]) -> list[Pair]:
+        """The pairs whose model weight no step wrote since the last copy; forgets the others."""
+        left = []
+        for model, main in pairs:
+            key = _key(model)
+            if key in self._written:
+                self._written.discard(key)
+            else:
+                left.append((model, main))
+        return left
+
+
+Kernel = Callable[..., Any]
+
+
+def with_model_writes(kernel: Kernel, writes: ModelWeightWrites) -> Kernel:
+    """``kernel`` (TE's ``multi_tensor_adam``) that also writes each main weight's model weight."""
+
+    def adam(chunk_size: int, noop: torch.Tensor, lists: list[list[torch.Tensor]], *args: Any) -> Any:
+        if len(lists) != 4:  # already the master-weights form
+            return kernel(chunk_size, noop, lists, *args)
+        models = writes.models_of(lists[1])
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        rest = []
+        for j, model in enumerate(models):
+            if model is None:
+                rest.append(j)
+            else:
+                by_dtype.setdefault(model.dtype, []).append(j)
+        if rest:
+            kernel(chunk_size, noop, [[tensors[j] for j in rest] for tensors in lists], *args)
+        g, p, m, v = lists
+        for idx in by_dtype.values():
+            written = [models[j] for j in idx]
+            kernel(chunk_size, noop, [[g[j] for j in idx], written, [m[j] for j in idx], [v[j] for j in idx],
+                                      [p[j] for j in idx]], *args)
+            writes.mark(t for t in written if t is not None)
+        return None
+
+    return adam
+
+
+def _is_te_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
+    return any(cls.__module__.startswith("transformer_engine.") and cls.__name__ == "FusedAdam"
+               for cls in type(optimizer).__mro__)
+
+
+def refusal(optimizer: torch.optim.Optimizer, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why ``optimizer``'s step cannot write the model weights, or None when it can."""
+    if environ.get(SEPARATE_COPIES_ENV) == "1":
+        return f"{SEPARATE_COPIES_ENV}=1"
+    if not _is_te_fused_adam(optimizer):
+        return f"{type(optimizer).__name__} is not Transformer Engine's FusedAdam"
+    if getattr(optimizer, "capturable", False):
+        return "capturable FusedAdam calls another kernel"
+    if getattr(optimizer, "master_weights", False):
+        return "FusedAdam holds its own master weights"
+    return None
+
+
+def install(optimizer: torch.optim.Optimizer, buffers: Sequence[PairSource],
+            environ: Mapping[str, str] = os.environ) -> ModelWeightWrites | None:
+    """Make ``optimizer``'s step write the model weights of ``buffers``' main weights, and their
+    main-to-model copies skip those; returns the record, or None (and logs why) when it cannot."""
+    if not buffers:
+        return None
+    why = refusal(optimizer, environ)
+    if why is not None:
+        logger.info("Main-to-model copies stay separate from the optimizer step: %s.", why)
+        return None
+    for buffer in buffers:
+        if buffer.model_weight_writes is not None:
+            raise ValueError(f"a buffer of {len(buffers)} already has an optimizer writing its model weights: "
+                             "one optimizer steps each Megatron-FSDP buffer")
+    writes = ModelWeightWrites(buffers)
+    optimizer.multi_tensor_adam = with_model_writes(optimizer.multi_tensor_adam, writes)  # type: ignore[attr-defined]
+    for buffer in buffers:
+        buffer.model_weight_writes = writes
+    logger.info("FusedAdam writes Megatron-FSDP's model weights in its update ([Note: Adam writes the model "
+                "weights]).")
+    return writes

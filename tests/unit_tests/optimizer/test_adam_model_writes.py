@@ -1,0 +1,151 @@
+"""The optimizer step writes Megatron-FSDP's model weights ([Note: Adam writes the model weights]): the 5-list
+kernel call for the parameters that have a model weight, the main-to-model copy for the rest, same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.distributed.fsdp.src.megatron_fsdp.foreach_copy import copy_all
+from megatron.core.optimizer import adam_model_writes as amw
+
+ARGS = (1e-2, 0.9, 0.95, 1e-8, 3, 1, 1, 0.1)  # lr, beta1, beta2, eps, step, mode, bias_correction, weight_decay
+
+
+def reference_kernel(calls: list[tuple[int, tuple[torch.dtype, ...]]]):
+    """TE's multi_tensor_adam on the CPU: 4 lists update p; 5 lists update the fifth (fp32) and write it,
+    cast, into p. Records (number of lists, dtypes of p) per call."""
+
+    def kernel(chunk_size, noop, lists, lr, beta1, beta2, eps, step, mode, bias_correction, decay):
+        calls.append((len(lists), tuple(t.dtype for t in lists[1])))
+        g, p, m, v = lists[:4]
+        master = lists[4] if len(lists) == 5 else p
+        for gi, pi, mi, vi, wi in zip(g, p, m, v, master, strict=True):
+            gf = gi.float()
+            mi.mul_(beta1).add_(gf, alpha=1 - beta1)
+            vi.mul_(beta2).addcmul_(gf, gf, value=1 - beta2)
+            update = (mi / (1 - beta1**step)) / ((vi / (1 - beta2**step)).sqrt() + eps) + decay * wi
+            wi.sub_(lr * update)
+            if len(lists) == 5:
+                pi.copy_(wi)
+
+    return kernel
+
+
+class Buffer:
+    """A ParamAndGradBuffer as the record sees it: its (model, main) pairs, one list while storage stays."""
+
+    def __init__(self, pairs):
+        self.pairs = pairs
+        self.model_weight_writes = None
+
+    def main_to_model_pairs(self):
+        return self.pairs
+
+
+def make_state(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = (7, 130, 33, 5)
+    mains = [torch.randn(n, generator=gen) for n in sizes]
+    models = [w.to(torch.bfloat16) for w in mains[:3]]
+    models[2] = mains[2].clone()  # an fp32 model weight: its own 5-list call
+    grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in sizes]
+    moments = [(torch.zeros(n), torch.zeros(n)) for n in sizes]
+    return mains, models, grads, moments
+
+
+def step(kernel, mains, grads, moments):
+    kernel(2048, torch.zeros(1, dtype=torch.int), [list(grads), list(mains), [m for m, _ in moments],
+                                                     [v for _, v in moments]], *ARGS)
+
+
+def test_fused_step_and_copy_give_the_bits_of_step_then_copy():
+    calls_fused: list = []
+    calls_plain: list = []
+    mains_a, models_a, grads, moments_a = make_state(0)
+    mains_b, models_b, _, moments_b = make_state(0)
+    # The fourth main weight has no model weight (an FP8 parameter, say): the 4-list call steps it.
+    pairs_a = [(model, main) for model, main in zip(models_a, mains_a[:3], strict=True)]
+    buffer = Buffer(pairs_a)
+    writes = amw.ModelWeightWrites([buffer])
+    fused = amw.with_model_writes(reference_kernel(calls_fused), writes)
+    plain = reference_kernel(calls_plain)
+    for _ in range(3):
+        step(fused, mains_a, grads, moments_a)
+        copy_all(writes.unwritten(pairs_a))
+        step(plain, mains_b, grads, moments_b)
+        copy_all(list(zip(models_b, mains_b[:3], strict=True)))
+    for a, b in zip([*mains_a, *models_a], [*mains_b, *models_b], strict=True):
+        assert torch.equal(a, b)
+    for (ma, va), (mb, vb) in zip(moments_a, moments_b, strict=True):
+        assert torch.equal(ma, mb) and torch.equal(va, vb)
+    assert calls_fused[:3] == [(4, (torch.float32,)), (5, (torch.bfloat16, torch.bfloat16)), (5, (torch.float32,))]
+    assert calls_plain[0] == (4, (torch.float32,) * 4)
+
+
+def test_the_copy_skips_what_the_step_wrote_and_only_once():
+    mains, models, grads, moments = make_state(1)
+    pairs = list(zip(models, mains[:3], strict=True))
+    writes = amw.ModelWeightWrites([Buffer(pairs)])
+    step(amw.with_model_writes(reference_kernel([]), writes), mains, grads, moments)
+    assert writes.unwritten(pairs) == []
+    # No step since: a copy (a checkpoint load, say) copies every pair.
+    assert [m.data_ptr() for m, _ in writes.unwritten(pairs)] == [m.data_ptr() for m in models]
+
+
+def test_the_master_weights_form_passes_through():
+    calls: list = []
+    mains, models, grads, moments = make_state(2)
+    writes = amw.ModelWeightWrites([Buffer(list(zip(models, mains[:3], strict=True)))])
+    lists = [grads[:1], models[:1], [moments[0][0]], [moments[0][1]], mains[:1]]
+    amw.with_model_writes(reference_kernel(calls), writes)(2048, torch.zeros(1), lists, *ARGS)
+    assert calls == [(5, (torch.bfloat16,))]
+    assert writes.unwritten([(models[0], mains[0])]) == [(models[0], mains[0])]
+
+
+def test_the_record_rereads_pairs_when_a_buffer_hands_new_ones():
+    mains, models, _, _ = make_state(3)
+    buffer = Buffer([(models[0], mains[0])])
+    writes = amw.ModelWeightWrites([buffer])
+    assert writes.models_of(mains[:2])[1] is None
+    buffer.pairs = [(models[0], mains[0]), (models[1], mains[1])]
+    assert writes.models_of(mains[:2])[1].data_ptr() == models[1].data_ptr()
+
+
+def te_adam_class(**attrs):
+    cls = type("FusedAdam", (torch.optim.SGD,), {"__module__": "transformer_engine.pytorch.optimizers.fused_adam"})
+    opt = cls([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    opt.multi_tensor_adam = reference_kernel([])
+    opt.capturable = attrs.get("capturable", False)
+    opt.master_weights = attrs.get("master_weights", False)
+    return opt
+
+
+@pytest.mark.parametrize(("attrs", "env", "why"), [
+    ({}, {amw.SEPARATE_COPIES_ENV: "1"}, "HFSDP_SEPARATE_MODEL_COPIES=1"),
+    ({"capturable": True}, {}, "capturable"),
+    ({"master_weights": True}, {}, "its own master weights"),
+])
+def test_install_refuses_what_calls_another_kernel(attrs, env, why):
+    opt = te_adam_class(**attrs)
+    kernel = opt.multi_tensor_adam
+    buffer = Buffer([])
+    assert why in amw.refusal(opt, env)
+    assert amw.install(opt, [buffer], env) is None
+    assert opt.multi_tensor_adam is kernel and buffer.model_weight_writes is None
+
+
+def test_install_refuses_other_optimizers():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert amw.refusal(opt, {}) == "SGD is not Transformer Engine's FusedAdam"
+    assert amw.install(opt, [Buffer([])], {}) is None
+
+
+def test_install_hands_the_record_to_every_buffer_and_refuses_a_second_optimizer():
+    opt, other = te_adam_class(), te_adam_class()
+    buffers = [Buffer([]), Buffer([])]
+    writes = amw.install(opt, buffers, {})
+    assert writes is not None and all(b.model_weight_writes is writes for b in buffers)
+    with pytest.raises(ValueError, match="already has an optimizer writing its model weights"):
+        amw.install(other, buffers[1:], {})
+
