@@ -68,7 +68,7 @@ FP8_RECIPES = {
     "blockwise": (FP8_FLAG, "e4m3", "--fp8-recipe", "blockwise"),
 }
 # Adam's moments stored in bf16 (the precision-aware optimizer's --exp-avg-dtype, --exp-avg-sq-dtype):
-# 8 bytes of state fewer per parameter, read and written by TE's Adam kernel; measured no faster (results.md).
+# 8 bytes of state fewer per parameter, but TE's Adam kernel is slower with them (results.md).
 BF16_MOMENTS_FLAGS = ("--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16")
 # Flags that change a run's numbers, not only its speed and memory: see loss_baseline.
 NUMERICS_FLAGS = frozenset({BF16_RS_FLAG, *FUSION_FLAGS, PAO_FLAG, FP8_FLAG, "--fp8-param-gather",
