@@ -184,10 +184,11 @@ CONFIGS = {
         (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, *flags),
         f"te_maxpool_ub_graph_bf16rs_fused_pao in FP8, {recipe} scaling", "maxpool", "te")
        for recipe, flags in FP8_RECIPES.items()},
-    "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg": BenchConfig(
-        "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg",
-        (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, *FP8_RECIPES["tensorwise"], "--fp8-param-gather"),
-        "te_maxpool_ub_graph_bf16rs_fused_pao in FP8, tensorwise scaling, FP8 parameters", "maxpool", "te"),
+    **{f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}_pg": BenchConfig(
+        f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}_pg",
+        (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, *FP8_RECIPES[recipe], "--fp8-param-gather"),
+        f"te_maxpool_ub_graph_bf16rs_fused_pao in FP8, {recipe} scaling, FP8 parameters", "maxpool", "te")
+       for recipe in ("delayed", "tensorwise")},
     # The same with three lanes: one more unit live, so all-gathers may run two units ahead.
     "te_maxpool_ub_lanes3_graph_bf16rs": BenchConfig(
         "te_maxpool_ub_lanes3_graph_bf16rs", (*TE_MAXPOOL_UB_GRAPH_BF16RS, LANES_FLAG, "3"),
