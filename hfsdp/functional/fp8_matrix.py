@@ -127,16 +127,19 @@ def extra_features(recipe: Recipe, feature: Feature) -> int:
     return sum(k in recipe.model_args for k in FEATURE_FLAGS if k not in feature.flags)
 
 
-def has_golden(recipe: Recipe) -> bool:
-    """Whether a case has a golden a run could be held to (one that records its environment)."""
-    return any(c.problem is None for c in selection.candidates(recipe))
+def golden_kinds(recipe: Recipe) -> list[str]:
+    """The GPU kinds of the goldens a run of ``recipe`` could be held to (those that record their
+    environment), sorted; empty when it has none."""
+    return sorted({goldens_table.platform_text(c.platform) for c in selection.candidates(recipe) if c.problem is None})
 
 
-def cases(cases_root: Path = goldens_table.CASES) -> dict[tuple[str, bool, str], str]:
-    """Each cell's case, found from the cases themselves: every ``*/*_fp8_*`` case under ``cases_root``,
-    in the cells of its row that it covers, the most specific case first, then one with a golden (a
-    cell shows what was run where there is a choice), then by name."""
+def survey(cases_root: Path = goldens_table.CASES) -> tuple[dict[tuple[str, bool, str], str], dict[str, list[str]]]:
+    """Each cell's case, found from the cases themselves, and each case's :func:`golden_kinds`, read once:
+    every ``*/*_fp8_*`` case under ``cases_root``, in the cells of its row that it covers, the most
+    specific case first, then one with a golden (a cell shows what was run where there is a choice),
+    then by name."""
     found: dict[tuple[str, bool, str], tuple[int, bool, str]] = {}
+    kinds: dict[str, list[str]] = {}
     for config in sorted(cases_root.glob(f"*/*{CASE_MARK}*/model_config.yaml")):
         recipe = load_recipe(config.parent)
         row = row_of(recipe)
@@ -144,13 +147,19 @@ def cases(cases_root: Path = goldens_table.CASES) -> dict[tuple[str, bool, str],
             raise ValueError(f"{config}: an FP8 case (its name has {CASE_MARK!r}) without --fp8-recipe "
                              f"{' | '.join(RECIPES)}")
         name = f"{config.parent.parent.name}/{config.parent.name}"
-        unrun = not has_golden(recipe)
+        kinds[name] = golden_kinds(recipe)
+        unrun = not kinds[name]
         for feature in FEATURES:
             if covers(recipe, feature):
                 key = (row.recipe, row.param_gather, feature.name)
                 mine = (extra_features(recipe, feature), unrun, name)
                 found[key] = min(found[key], mine) if key in found else mine
-    return {key: name for key, (_, _, name) in found.items()}
+    return {key: name for key, (_, _, name) in found.items()}, kinds
+
+
+def cases(cases_root: Path = goldens_table.CASES) -> dict[tuple[str, bool, str], str]:
+    """Each cell's case (:func:`survey`)."""
+    return survey(cases_root)[0]
 
 
 def cell(row: Row, feature: Feature, found: Mapping[tuple[str, bool, str], str]) -> str | Refusal | None:
@@ -162,21 +171,19 @@ def cell(row: Row, feature: Feature, found: Mapping[tuple[str, bool, str], str])
     return found.get(key) or REFUSED.get(key)
 
 
-def case_text(case: str, cases_root: Path) -> str:
-    recipe = load_recipe(cases_root / case)
-    kinds = sorted({goldens_table.platform_text(c.platform) for c in selection.candidates(recipe)})
+def case_text(case: str, kinds: Sequence[str]) -> str:
     return f"`{case}` ({'golden: ' + ', '.join(kinds) if kinds else 'no golden yet'})"
 
 
 def table(cases_root: Path = goldens_table.CASES) -> str:
-    found = cases(cases_root)
+    found, kinds = survey(cases_root)
     rows = ["| recipe | " + " | ".join(f.heading for f in FEATURES) + " |", "|---|" + "---|" * len(FEATURES)]
     for row in ROWS:
         cells = []
         for feature in FEATURES:
             here = cell(row, feature, found)
             cells.append(OPEN if here is None else here.mark if isinstance(here, Refusal)
-                         else case_text(here, cases_root))
+                         else case_text(here, kinds[here]))
         rows.append(f"| {row.label} | " + " | ".join(cells) + " |")
     refusals = sorted({r.says for r in REFUSED.values()})
     return "\n".join([*rows, "", LEGEND, "", *refusals, "", MXFP8]) + "\n"

@@ -4,13 +4,14 @@ refuses (te_arg_checks), and no other cell is refused there."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hfsdp.functional import environment, goldens_table
 from hfsdp.functional import fp8_matrix as M
-from hfsdp.functional import goldens_table
 from hfsdp.functional.recipe import load_recipe
 from megatron.training.te_arg_checks import te_arg_problems
 
@@ -134,3 +135,17 @@ def test_among_equally_specific_cases_a_cell_shows_one_with_a_golden(tmp_path: P
     assert M.cases(tmp_path)["delayed", False, "graph"] == "moe/moe_a_fp8_graph"  # no golden either: by name
     (tmp_path / "moe" / "moe_b_fp8_graph" / golden.name).write_bytes(golden.read_bytes())
     assert M.cases(tmp_path)["delayed", False, "graph"] == "moe/moe_b_fp8_graph"
+
+
+def test_a_golden_that_records_no_environment_neither_ranks_nor_shows(tmp_path: Path) -> None:
+    """A cell ranks and labels a case by the same goldens: those a run could be held to."""
+    golden = next((CASES / "moe" / "moe_mcore_te_fsdp_1gpu_fp8_delayed_eager_no_db").glob("golden_values_*.json"))
+    bare = {k: v for k, v in json.loads(golden.read_text()).items() if k != environment.KEY}
+    case = tmp_path / "moe" / "moe_x_fp8_delayed_eager"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text("MODEL_ARGS:\n  --fp8-format: e4m3\n  --fp8-recipe: delayed\n")
+    (case / golden.name).write_text(json.dumps(bare))
+    assert M.survey(tmp_path)[1] == {"moe/moe_x_fp8_delayed_eager": []}
+    assert "`moe/moe_x_fp8_delayed_eager` (no golden yet)" in M.table(tmp_path)
+    (case / golden.name).write_bytes(golden.read_bytes())
+    assert "`moe/moe_x_fp8_delayed_eager` (golden: " in M.table(tmp_path)

@@ -53,6 +53,8 @@ TE_CASES = {
        for kind in ("graph_maxpool_nccl_ub", "graph_maxpool_lanes3")},
 }
 TWO_RANKS = {case for case in TE_CASES if "_2gpu_" in case}
+# The FP8 recipe rows with DP=2 graphed max-pool cases (NCCL user buffers, 3 lanes).
+FP8_DP2_ROWS = ("delayed", "delayed_pg", "tensorwise", "tensorwise_pg", "blockwise")
 MAXPOOL = {"--fsdp-double-buffer": True, "--megatron-fsdp-max-pool-double-buffer": True}
 GRAPH = {"--cuda-graph-impl": "full_iteration", "--cuda-graph-warmup-steps": 3, "--logging-level": 20}
 
@@ -87,10 +89,10 @@ def test_the_te_cases_exist_and_take_the_deterministic_settings() -> None:
     ("moe/moe_mcore_te_fsdp_1gpu_fp8_blockwise_pg_graph_no_db", GRAPH),
     ("moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_maxpool", MAXPOOL),
     *[(f"moe/moe_mcore_te_fsdp_2gpu_fp8_{row}_graph_maxpool_nccl_ub", {**GRAPH, **MAXPOOL, "--use-nccl-ub": True})
-      for row in ("delayed", "delayed_pg", "tensorwise", "tensorwise_pg", "blockwise")],
+      for row in FP8_DP2_ROWS],
     *[(f"moe/moe_mcore_te_fsdp_2gpu_fp8_{row}_graph_maxpool_lanes3",
        {**GRAPH, **MAXPOOL, "--megatron-fsdp-max-pool-lanes": 3})
-      for row in ("delayed", "delayed_pg", "tensorwise", "tensorwise_pg", "blockwise")],
+      for row in FP8_DP2_ROWS],
 ])
 def test_each_case_is_its_twin_plus_the_feature_under_test(case: str, added: dict) -> None:
     r, twin = recipe(case), recipe(TE_CASES[case])
