@@ -21,3 +21,20 @@ def step_fails(monkeypatch: pytest.MonkeyPatch) -> Callable[[torch.optim.Optimiz
         assert opt.param_groups[0]["params"] == params
 
     return run
+
+
+class PairBuffer:
+    """A Megatron-FSDP ParamAndGradBuffer as adam_model_writes sees it: its (model, main) pairs, one
+    list object while its storage stays, and the record an optimizer hands it."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.pairs = pairs
+        self.model_weight_writes = None
+
+    def main_to_model_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.pairs
+
+
+@pytest.fixture
+def pair_buffer() -> type[PairBuffer]:
+    return PairBuffer

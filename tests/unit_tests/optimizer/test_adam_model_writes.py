@@ -32,17 +32,6 @@ def reference_kernel(calls: list[tuple[int, tuple[torch.dtype, ...]]]):
     return kernel
 
 
-class Buffer:
-    """A ParamAndGradBuffer as the record sees it: its (model, main) pairs, one list while storage stays."""
-
-    def __init__(self, pairs):
-        self.pairs = pairs
-        self.model_weight_writes = None
-
-    def main_to_model_pairs(self):
-        return self.pairs
-
-
 def make_state(seed: int):
     gen = torch.Generator().manual_seed(seed)
     sizes = (7, 130, 33, 5)
@@ -59,14 +48,14 @@ def step(kernel, mains, grads, moments):
                                                      [v for _, v in moments]], *ARGS)
 
 
-def test_fused_step_and_copy_give_the_bits_of_step_then_copy():
+def test_fused_step_and_copy_give_the_bits_of_step_then_copy(pair_buffer):
     calls_fused: list = []
     calls_plain: list = []
     mains_a, models_a, grads, moments_a = make_state(0)
     mains_b, models_b, _, moments_b = make_state(0)
     # The fourth main weight has no model weight (an FP8 parameter, say): the 4-list call steps it.
     pairs_a = [(model, main) for model, main in zip(models_a, mains_a[:3], strict=True)]
-    buffer = Buffer(pairs_a)
+    buffer = pair_buffer(pairs_a)
     writes = amw.ModelWeightWrites([buffer])
     fused = amw.with_model_writes(reference_kernel(calls_fused), writes)
     plain = reference_kernel(calls_plain)
@@ -83,29 +72,29 @@ def test_fused_step_and_copy_give_the_bits_of_step_then_copy():
     assert calls_plain[0] == (4, (torch.float32,) * 4)
 
 
-def test_the_copy_skips_what_the_step_wrote_and_only_once():
+def test_the_copy_skips_what_the_step_wrote_and_only_once(pair_buffer):
     mains, models, grads, moments = make_state(1)
     pairs = list(zip(models, mains[:3], strict=True))
-    writes = amw.ModelWeightWrites([Buffer(pairs)])
+    writes = amw.ModelWeightWrites([pair_buffer(pairs)])
     step(amw.with_model_writes(reference_kernel([]), writes), mains, grads, moments)
     assert writes.unwritten(pairs) == []
     # No step since: a copy (a checkpoint load, say) copies every pair.
     assert [m.data_ptr() for m, _ in writes.unwritten(pairs)] == [m.data_ptr() for m in models]
 
 
-def test_the_master_weights_form_passes_through():
+def test_the_master_weights_form_passes_through(pair_buffer):
     calls: list = []
     mains, models, grads, moments = make_state(2)
-    writes = amw.ModelWeightWrites([Buffer(list(zip(models, mains[:3], strict=True)))])
+    writes = amw.ModelWeightWrites([pair_buffer(list(zip(models, mains[:3], strict=True)))])
     lists = [grads[:1], models[:1], [moments[0][0]], [moments[0][1]], mains[:1]]
     amw.with_model_writes(reference_kernel(calls), writes)(2048, torch.zeros(1), lists, *ARGS)
     assert calls == [(5, (torch.bfloat16,))]
     assert writes.unwritten([(models[0], mains[0])]) == [(models[0], mains[0])]
 
 
-def test_the_record_rereads_pairs_when_a_buffer_hands_new_ones():
+def test_the_record_rereads_pairs_when_a_buffer_hands_new_ones(pair_buffer):
     mains, models, _, _ = make_state(3)
-    buffer = Buffer([(models[0], mains[0])])
+    buffer = pair_buffer([(models[0], mains[0])])
     writes = amw.ModelWeightWrites([buffer])
     assert writes.models_of(mains[:2])[1] is None
     buffer.pairs = [(models[0], mains[0]), (models[1], mains[1])]
@@ -126,24 +115,24 @@ def te_adam_class(**attrs):
     ({"capturable": True}, {}, "capturable"),
     ({"master_weights": True}, {}, "its own master weights"),
 ])
-def test_install_refuses_what_calls_another_kernel(attrs, env, why):
+def test_install_refuses_what_calls_another_kernel(attrs, env, why, pair_buffer):
     opt = te_adam_class(**attrs)
     kernel = opt.multi_tensor_adam
-    buffer = Buffer([])
+    buffer = pair_buffer([])
     assert why in amw.refusal(opt, env)
     assert amw.install(opt, [buffer], env) is None
     assert opt.multi_tensor_adam is kernel and buffer.model_weight_writes is None
 
 
-def test_install_refuses_other_optimizers():
+def test_install_refuses_other_optimizers(pair_buffer):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     assert amw.refusal(opt, {}) == "SGD is not Transformer Engine's FusedAdam"
-    assert amw.install(opt, [Buffer([])], {}) is None
+    assert amw.install(opt, [pair_buffer([])], {}) is None
 
 
-def test_install_hands_the_record_to_every_buffer_and_refuses_a_second_optimizer():
+def test_install_hands_the_record_to_every_buffer_and_refuses_a_second_optimizer(pair_buffer):
     opt, other = te_adam_class(), te_adam_class()
-    buffers = [Buffer([]), Buffer([])]
+    buffers = [pair_buffer([]), pair_buffer([])]
     writes = amw.install(opt, buffers, {})
     assert writes is not None and all(b.model_weight_writes is writes for b in buffers)
     with pytest.raises(ValueError, match="already has an optimizer writing its model weights"):

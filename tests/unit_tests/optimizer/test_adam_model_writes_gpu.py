@@ -17,16 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason="needs a GPU and Transformer Engine")]
 
 
-class Buffer:
-    def __init__(self, pairs):
-        self.pairs = pairs
-        self.model_weight_writes = None
-
-    def main_to_model_pairs(self):
-        return self.pairs
-
-
-def run(fused: bool, grad_dtype: torch.dtype, moments: torch.dtype):
+def run(pair_buffer, fused: bool, grad_dtype: torch.dtype, moments: torch.dtype):
     from transformer_engine.pytorch.optimizers import FusedAdam
 
     torch.manual_seed(0)
@@ -37,7 +28,7 @@ def run(fused: bool, grad_dtype: torch.dtype, moments: torch.dtype):
     opt = FusedAdam(mains, lr=1e-2, weight_decay=0.1, use_decoupled_grad=decoupled,
                     exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
     pairs = [(model, main.detach()) for model, main in zip(models[:3], mains[:3], strict=True)]  # the last: none
-    buffer = Buffer(pairs)
+    buffer = pair_buffer(pairs)
     initial = [m.clone() for m in models]
     writes = amw.install(opt, [buffer], {}) if fused else None
     assert (writes is not None) == fused
@@ -59,8 +50,8 @@ def run(fused: bool, grad_dtype: torch.dtype, moments: torch.dtype):
 
 @pytest.mark.parametrize(("grad_dtype", "moments"), [
     (torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
-def test_fused_model_writes_give_the_bits_of_the_separate_copy(grad_dtype, moments):
-    fused, plain = run(True, grad_dtype, moments), run(False, grad_dtype, moments)
+def test_fused_model_writes_give_the_bits_of_the_separate_copy(grad_dtype, moments, pair_buffer):
+    fused, plain = run(pair_buffer, True, grad_dtype, moments), run(pair_buffer, False, grad_dtype, moments)
     for got, want in zip(fused, plain, strict=True):
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
