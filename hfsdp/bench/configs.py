@@ -40,9 +40,10 @@ class BenchConfig:
         return int(self.flags[self.flags.index(LANES_FLAG) + 1]) if LANES_FLAG in self.flags else 2
 
 
-# The product's diagnostic switches back to the step path before first writes, multi-tensor
-# main-to-model copies and batched gradient writes (megatron_fsdp/single_rank_grads.py,
-# foreach_copy.py; the product never imports this module).
+# The product's diagnostic switches back to the step path before first writes, model-weight writes in
+# the optimizer step, multi-tensor main-to-model copies and batched gradient writes
+# (megatron_fsdp/single_rank_grads.py, foreach_copy.py, optimizer/adam_model_writes.py; the product
+# never imports this module).
 ZERO_GRAD_FILL_ENV = "HFSDP_ZERO_GRAD_FILL"
 PER_PARAM_COPIES_ENV = "HFSDP_PER_PARAM_COPIES"
 PER_PARAM_GRAD_WRITES_ENV = "HFSDP_PER_PARAM_GRAD_WRITES"
@@ -147,8 +148,8 @@ CONFIGS = {
         "reduce-scatter, MoE permute/router and cross-entropy fusions", "maxpool", "te"),
     # The same with Megatron's --use-precision-aware-optimizer: Megatron-FSDP hands the reduced gradients to
     # Transformer Engine's FusedAdam as decoupled_grad in their own dtype (bf16 here) instead of casting each
-    # shard to its fp32 main weights' dtype every step. Megatron-FSDP keeps its fp32 main weights and still
-    # copies them to the bf16 model weights after the step (megatron/core/optimizer/distrib_optimizer.py).
+    # shard to its fp32 main weights' dtype every step. Megatron-FSDP keeps its fp32 main weights; FusedAdam
+    # writes the bf16 model weights in its update (megatron/core/optimizer/adam_model_writes.py).
     "te_maxpool_ub_graph_bf16rs_fused_pao": BenchConfig(
         "te_maxpool_ub_graph_bf16rs_fused_pao", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
         "Transformer Engine specs, max-pool + NCCL user buffers, full-iteration CUDA graph, bf16 gradient "
