@@ -20,6 +20,8 @@ def reference_kernel(calls: list[tuple[int, tuple[torch.dtype, ...]]]):
         calls.append((len(lists), tuple(t.dtype for t in lists[1])))
         g, p, m, v = lists[:4]
         master = lists[4] if len(lists) == 5 else p
+        if len(lists) == 5 and any(t.dtype != torch.float32 for t in master):
+            raise RuntimeError("Master param tensor has dtype != Float32")  # as TE checks
         for gi, pi, mi, vi, wi in zip(g, p, m, v, master, strict=True):
             gf = gi.float()
             mi.mul_(beta1).add_(gf, alpha=1 - beta1)
@@ -130,11 +132,25 @@ def test_install_refuses_other_optimizers(pair_buffer):
     assert amw.install(opt, [pair_buffer([])], {}) is None
 
 
-def test_install_hands_the_record_to_every_buffer_and_refuses_a_second_optimizer(pair_buffer):
-    opt, other = te_adam_class(), te_adam_class()
-    buffers = [pair_buffer([]), pair_buffer([])]
-    writes = amw.install(opt, buffers, {})
-    assert writes is not None and all(b.model_weight_writes is writes for b in buffers)
-    with pytest.raises(ValueError, match="already has an optimizer writing its model weights"):
-        amw.install(other, buffers[1:], {})
+def test_install_hands_the_record_to_every_buffer_and_the_newest_optimizer_wins(pair_buffer):
+    mains, models, grads, moments = make_state(4)
+    pairs = list(zip(models, mains[:3], strict=True))
+    opt, newer = te_adam_class(), te_adam_class()
+    buffers = [pair_buffer(pairs), pair_buffer([])]
+    old = amw.install(opt, buffers, {})
+    assert old is not None and all(b.model_weight_writes is old for b in buffers)
+    new = amw.install(newer, buffers, {})
+    assert new is not None and all(b.model_weight_writes is new for b in buffers)
+    step(opt.multi_tensor_adam, mains, grads, moments)  # the older optimizer still steps: copied again
+    assert buffers[0].model_weight_writes.unwritten(pairs) == pairs
 
+
+def test_main_weights_that_are_not_fp32_keep_the_copy(pair_buffer):
+    calls: list = []
+    mains, models, grads, moments = make_state(5)
+    mains = [w.to(torch.bfloat16) for w in mains]  # --megatron-fsdp-main-params-dtype bf16
+    pairs = list(zip(models, mains[:3], strict=True))
+    writes = amw.ModelWeightWrites([pair_buffer(pairs)])
+    step(amw.with_model_writes(reference_kernel(calls), writes), mains, grads, moments)
+    assert calls == [(4, (torch.bfloat16,) * 4)]
+    assert writes.unwritten(pairs) == pairs

@@ -40,7 +40,9 @@ def run(pair_buffer, fused: bool, grad_dtype: torch.dtype, moments: torch.dtype)
             else:
                 p.grad = g
         opt.step()
-        copy_all(writes.unwritten(pairs) if writes else pairs)
+        left = writes.unwritten(pairs) if writes else pairs
+        assert len(left) == (0 if fused else 3)  # the update wrote every model weight: nothing left to copy
+        copy_all(left)
     torch.cuda.synchronize()
     states = [opt.state[p][k] for p in mains for k in ("exp_avg", "exp_avg_sq")]
     for model, main, before in zip(models[:3], mains[:3], initial[:3], strict=True):  # each model weight moved

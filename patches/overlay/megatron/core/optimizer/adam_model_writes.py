@@ -30,7 +30,12 @@ Invariants:
   ``multi_tensor_adam``, called through ``multi_tensor_applier`` with local tensors
   (``(chunk_size, noop, [g, p, m, v], lr, beta1, beta2, eps, step, mode, bias_correction,
   weight_decay)``). Anything else keeps the separate copy.
-* FP8 model weights keep their quantization path: ``main_to_model_pairs`` leaves them out.
+* FP8 model weights keep their quantization path: ``main_to_model_pairs`` leaves them out. Main weights
+  that are not fp32 (``--megatron-fsdp-main-params-dtype``) keep the 4-list call and the copy: the
+  kernel's fifth list must be fp32.
+* The newest optimizer's record is the one a buffer reads: an optimizer built again for the same
+  model replaces it, and an older optimizer's writes are then copied again (same values).
+* The first copy after a step logs once how many model weights the step wrote and how many it copies.
 * ``HFSDP_SEPARATE_MODEL_COPIES=1`` keeps the separate copy, for comparisons.
 """
 
@@ -71,6 +76,7 @@ class ModelWeightWrites:
         self._pairs: tuple[list[Pair], ...] = ()
         self._model_of: dict[_Key, torch.Tensor] = {}
         self._written: set[_Key] = set()
+        self._reported = False
 
     def models_of(self, mains: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """Each main weight's model weight, flat, or None where it has none."""
@@ -85,13 +91,18 @@ class ModelWeightWrites:
 
     def unwritten(self, pairs: Iterable[Pair]) -> list[Pair]:
         """The pairs whose model weight no step wrote since the last copy; forgets the others."""
-        left = []
+        left, skipped = [], 0
         for model, main in pairs:
             key = _key(model)
             if key in self._written:
                 self._written.discard(key)
+                skipped += 1
             else:
                 left.append((model, main))
+        if skipped and not self._reported:
+            self._reported = True
+            logger.info("The optimizer step wrote %d model weights; the main-to-model copy writes %d.",
+                        skipped, len(left))
         return left
 
 
@@ -108,7 +119,7 @@ def with_model_writes(kernel: Kernel, writes: ModelWeightWrites) -> Kernel:
         by_dtype: dict[torch.dtype, list[int]] = {}
         rest = []
         for j, model in enumerate(models):
-            if model is None:
+            if model is None or lists[1][j].dtype != torch.float32:  # the kernel's master list is fp32
                 rest.append(j)
             else:
                 by_dtype.setdefault(model.dtype, []).append(j)
@@ -153,10 +164,6 @@ def install(optimizer: torch.optim.Optimizer, buffers: Sequence[PairSource],
     if why is not None:
         logger.info("Main-to-model copies stay separate from the optimizer step: %s.", why)
         return None
-    for buffer in buffers:
-        if buffer.model_weight_writes is not None:
-            raise ValueError(f"a buffer of {len(buffers)} already has an optimizer writing its model weights: "
-                             "one optimizer steps each Megatron-FSDP buffer")
     writes = ModelWeightWrites(buffers)
     optimizer.multi_tensor_adam = with_model_writes(optimizer.multi_tensor_adam, writes)  # type: ignore[attr-defined]
     for buffer in buffers:
