@@ -60,8 +60,7 @@ from maxpool_gpu_harness import (
     transformer_config,
     unit_census,
 )
-
-from hfsdp.launch import torchrun as launch
+from rendezvous import init_one_rank_gloo
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,7 +422,7 @@ def test_cpu_dry_run_unit_census(case: HybridCase, expected: list[str]) -> None:
 
     created = False
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0, world_size=1)
+        init_one_rank_gloo()
         created = True
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel()

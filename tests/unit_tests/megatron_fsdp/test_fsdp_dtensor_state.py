@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from rendezvous import init_one_rank_gloo
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -18,11 +19,10 @@ from megatron.core.optimizer.fsdp_dtensor_state import empty_shard_states
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
+def mesh():
     owns = not dist.is_initialized()
     if owns:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        init_one_rank_gloo()
     yield init_device_mesh("cpu", (1,))
     if owns:
         dist.destroy_process_group()

@@ -15,13 +15,13 @@ patching ``torch.cuda.current_device`` and the mixer's CUDA RNG tracker fork, no
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+from rendezvous import init_one_rank_gloo
 
 from megatron.core import parallel_state
 from megatron.core.models.hybrid.hybrid_local_layer_specs import (
@@ -41,20 +41,12 @@ from megatron.core.transformer.transformer_layer import MoETransformerLayer, Tra
 EXPECTED_CLASS = {"M": MambaLayer, "*": TransformerLayer, "E": MoETransformerLayer, "-": MLPLayer}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def one_rank_parallel_state() -> Iterator[None]:
     """A 1-rank gloo world with Megatron parallel state (TP=PP=EP=1)."""
     created = False
     if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-        )
+        init_one_rank_gloo()
         created = True
     assert dist.get_world_size() == 1, (
         f"an earlier test left a {dist.get_world_size()}-rank process group initialized; "

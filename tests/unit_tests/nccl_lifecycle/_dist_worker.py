@@ -1,6 +1,6 @@
 """One rank of a CPU (gloo) multi-process job for the NCCL-lifecycle tests.
 
-Run as ``python _dist_worker.py <scenario> <rank> <world_size> <out_dir> <port>...`` by
+Run as ``python _dist_worker.py <scenario> <rank> <world_size> <out_dir> <init_method>...`` by
 ``_harness.run_ranks`` (scenario ``lifecycle``) or under torchrun (scenario ``fail``, rank and
 world size from the environment). Results go to ``<out_dir>/rank<r>.json``; the tests assert.
 """
@@ -22,14 +22,8 @@ def _desc(group: Any) -> str:
     return (dist.group.WORLD if group is None else group).group_desc
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=world,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout=TIMEOUT,
-    )
+def _init(rank: int, world: int, init_method: str) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=init_method, timeout=TIMEOUT)
 
 
 def _init_model_parallel() -> None:
@@ -51,14 +45,14 @@ def _pretend_nccl(group: dist.ProcessGroup) -> bool:
     return "GLOO" not in group.group_desc.upper()
 
 
-def scenario_lifecycle(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
+def scenario_lifecycle(rank: int, world: int, inits: list[str]) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.training import nccl_warmup, teardown
 
     out: dict[str, Any] = {}
 
     # --- warmup on the real Megatron group list -------------------------------------------
-    _init(rank, world, ports[0])
+    _init(rank, world, inits[0])
     _init_model_parallel()
     group_list = list(ps._global_process_group_list)
     out["group_list"] = [
@@ -130,9 +124,9 @@ def scenario_lifecycle(rank: int, world: int, ports: list[int]) -> dict[str, Any
 
     # --- teardown: a caller-created process group is left alone ---------------------------
     @teardown.tear_down_distributed_on_exit
-    def pretrain_like(init_port: Any = None, inprocess_call_wrapper: Any = None) -> str:
-        if init_port is not None:
-            _init(rank, world, init_port)
+    def pretrain_like(init_method: Any = None, inprocess_call_wrapper: Any = None) -> str:
+        if init_method is not None:
+            _init(rank, world, init_method)
             _init_model_parallel()
         return "done"
 
@@ -148,7 +142,7 @@ def scenario_lifecycle(rank: int, world: int, ports: list[int]) -> dict[str, Any
     dist.destroy_process_group()
 
     # --- teardown: the group pretrain created is destroyed, idempotently --------------------
-    out["owned"] = {"result": pretrain_like(init_port=ports[1])}
+    out["owned"] = {"result": pretrain_like(init_method=inits[1])}
     out["owned"].update(
         initialized_after=dist.is_initialized(),
         mp_initialized_after=ps.model_parallel_is_initialized(),
@@ -162,7 +156,7 @@ def scenario_lifecycle(rank: int, world: int, ports: list[int]) -> dict[str, Any
         out["owned"]["second_teardown_error"] = repr(exc)
 
     # --- teardown steps aside under in-process restart --------------------------------------
-    out["inprocess"] = {"result": pretrain_like(init_port=ports[2], inprocess_call_wrapper=object())}
+    out["inprocess"] = {"result": pretrain_like(init_method=inits[2], inprocess_call_wrapper=object())}
     out["inprocess"].update(
         initialized_after=dist.is_initialized(),
         mp_initialized_after=ps.model_parallel_is_initialized(),
@@ -173,7 +167,7 @@ def scenario_lifecycle(rank: int, world: int, ports: list[int]) -> dict[str, Any
     # --- train()'s sys.exit(0) counts as success ---------------------------------------------
     @teardown.tear_down_distributed_on_exit
     def pretrain_exiting(inprocess_call_wrapper: Any = None) -> None:
-        _init(rank, world, ports[3])
+        _init(rank, world, inits[3])
         _init_model_parallel()
         sys.exit(0)
 
@@ -218,8 +212,7 @@ def main() -> None:
         scenario_fail(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), sys.argv[2])
         return
     rank, world, out_dir = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    ports = [int(p) for p in sys.argv[5:]]
-    result = scenario_lifecycle(rank, world, ports)
+    result = scenario_lifecycle(rank, world, sys.argv[5:])
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 

@@ -6,7 +6,6 @@ conftest.py files the same pytest run loads.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,44 +13,38 @@ from pathlib import Path
 from typing import Any
 
 import pytest  # pytest.fail on a hung job
+from rendezvous import file_init_methods
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 WORLD_SIZE = 2
 JOB_TIMEOUT_S = 240  # hard bound per job; a normal run takes ~20-40 s, imports dominate
 
 
-def free_ports(n: int) -> list[int]:
-    """Distinct free TCP ports (bound together so they cannot collide with each other)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def child_env() -> dict[str, str]:
-    """Environment whose PYTHONPATH finds the same megatron tree as this pytest process."""
+    """Environment whose PYTHONPATH finds the same megatron tree as this pytest process, and the
+    unit-test helpers (a test file run as its own worker imports this module)."""
     import megatron.core  # `megatron` itself is a namespace package (no __file__)
 
     tree = str(Path(megatron.core.__file__).resolve().parents[2])
+    helpers = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, helpers, env.get("PYTHONPATH", "")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONWARNINGS"] = "ignore"
     return env
 
 
-def run_ranks(scenario: str, out_dir: Path, n_ports: int, worker: Path = WORKER,
+def run_ranks(scenario: str, out_dir: Path, n_inits: int, worker: Path = WORKER,
               timeout_s: float = JOB_TIMEOUT_S) -> list[dict[str, Any]]:
-    """Start WORLD_SIZE ``worker`` processes (argv: scenario rank world out_dir ports...), wait at
-    most ``timeout_s``, return each rank's ``rank<r>.json`` from out_dir."""
-    ports = [str(p) for p in free_ports(n_ports)]
+    """Start WORLD_SIZE ``worker`` processes (argv: scenario rank world out_dir init_method...),
+    wait at most ``timeout_s``, return each rank's ``rank<r>.json`` from out_dir.
+
+    A worker gets ``n_inits`` ``file://`` init methods, one per ``init_process_group`` it calls
+    (see ``rendezvous``: no TCP port is picked, so none can be taken by another process)."""
+    inits = file_init_methods(out_dir, n_inits)
     procs = [
         subprocess.Popen(
-            [sys.executable, str(worker), scenario, str(r), str(WORLD_SIZE), str(out_dir), *ports],
+            [sys.executable, str(worker), scenario, str(r), str(WORLD_SIZE), str(out_dir), *inits],
             env=child_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

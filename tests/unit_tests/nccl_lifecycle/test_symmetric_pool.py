@@ -1,7 +1,7 @@
 """CPU tests of max-pool symmetric-memory staging (double_buffer/symmetric.py) and strict homes.
 
 The 2-rank gloo job runs this file as its own worker (``python test_symmetric_pool.py
-<scenario> <rank> <world> <out_dir> <port>``); everything else is single-process with a CPU
+<scenario> <rank> <world> <out_dir> <init_method>``); everything else is single-process with a CPU
 fake of the global memory buffer and mocked collectives.
 """
 
@@ -402,10 +402,8 @@ def test_capture_without_max_pool_is_silent(capture_env, caplog):
 # ------------------------------------------------------------------ 2-rank gloo job
 
 
-def _worker(scenario: str, rank: int, world: int, out_dir: str, port: int) -> None:
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}"
-    )
+def _worker(scenario: str, rank: int, world: int, out_dir: str, init_method: str) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=init_method)
     sub = dist.new_group([0, 1])
     # Rank 1 of the "differ" job planned a bigger attention unit.
     attention = 5000 if (scenario == "differ" and rank == 1) else 700
@@ -429,7 +427,7 @@ def _worker(scenario: str, rank: int, world: int, out_dir: str, port: int) -> No
 
 
 def _run_job(scenario: str, tmp_path: Path) -> list[dict[str, Any]]:
-    return run_ranks(scenario, tmp_path, n_ports=1, worker=Path(__file__), timeout_s=JOB_TIMEOUT_S)
+    return run_ranks(scenario, tmp_path, n_inits=1, worker=Path(__file__), timeout_s=JOB_TIMEOUT_S)
 
 
 def test_two_rank_equal_plans_pass_and_stage(tmp_path):
@@ -452,4 +450,4 @@ def test_two_rank_different_plans_fail_naming_both_hashes(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from nccl_harness import WORKER, child_env, free_ports
+from nccl_harness import WORKER, child_env
+from rendezvous import init_one_rank_gloo
 
 from megatron.training import teardown
 
@@ -57,13 +58,7 @@ def test_sys_exit_zero_is_a_success_path(lifecycle_results):
 def init_single_rank():
     """Returns a function that creates a 1-rank gloo world; destroys it at the end if left."""
 
-    def init() -> None:
-        port = free_ports(1)[0]
-        dist.init_process_group(
-            "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}"
-        )
-
-    yield init
+    yield init_one_rank_gloo
     if dist.is_initialized():
         dist.destroy_process_group()
 
