@@ -116,21 +116,21 @@ def with_model_writes(kernel: Kernel, writes: ModelWeightWrites) -> Kernel:
         if len(lists) != 4:  # already the master-weights form
             return kernel(chunk_size, noop, lists, *args)
         models = writes.models_of(lists[1])
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
         rest = []
         for j, model in enumerate(models):
             if model is None or lists[1][j].dtype != torch.float32:  # the kernel's master list is fp32
                 rest.append(j)
             else:
-                by_dtype.setdefault(model.dtype, []).append(j)
+                by_dtype.setdefault(model.dtype, []).append((j, model))
         if rest:
             kernel(chunk_size, noop, [[tensors[j] for j in rest] for tensors in lists], *args)
         g, p, m, v = lists
-        for idx in by_dtype.values():
-            written = [models[j] for j in idx]
+        for group in by_dtype.values():
+            idx, written = [j for j, _ in group], [model for _, model in group]
             kernel(chunk_size, noop, [[g[j] for j in idx], written, [m[j] for j in idx], [v[j] for j in idx],
                                       [p[j] for j in idx]], *args)
-            writes.mark(t for t in written if t is not None)
+            writes.mark(written)
         return None
 
     return adam
