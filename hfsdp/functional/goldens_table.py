@@ -1,7 +1,7 @@
 """Which goldens each functional case has, by environment and GPU kind: ``python -m hfsdp.functional.goldens_table``.
 
 ``--write FILE`` replaces the table between ``<!-- goldens-table:start -->`` and ``<!-- goldens-table:end -->``
-in ``FILE`` (docs/functional-tests.md); without it the table is printed. A cell lists the platforms
+in ``FILE`` (docs/goldens.md); without it the table is printed. A cell lists the platforms
 whose golden was recorded in that environment (``h200``, ``h200 0.19.2``, ``h100 shared``), or says
 the case refuses the environment (its recipe's ``ENVIRONMENT``), or ``-`` where no golden exists.
 """

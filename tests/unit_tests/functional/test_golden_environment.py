@@ -280,12 +280,12 @@ def test_run_case_cli_exit_status_names_the_verdict(tmp_path: Path, log: Path) -
 
 
 def test_the_goldens_table_in_the_docs_is_current() -> None:
-    """docs/functional-tests.md carries the generated case x environment x GPU kind table; it must match the tree."""
+    """docs/goldens.md carries the generated case x environment x GPU kind table; it must match the tree."""
     from hfsdp.functional import goldens_table
 
-    page = REPO_ROOT / "docs" / "functional-tests.md"
+    page = REPO_ROOT / "docs" / "goldens.md"
     text = page.read_text(encoding="utf-8")
-    fix = "run `python -m hfsdp.functional.goldens_table --write docs/functional-tests.md`"
+    fix = "run `python -m hfsdp.functional.goldens_table --write docs/goldens.md`"
     assert goldens_table.replaced(text, goldens_table.table(), page) == text, fix
 
 
