@@ -28,6 +28,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from hfsdp.launch.torchrun import free_port
+
 MUNGE_KEY = Path("/etc/munge/munge.key")
 
 
@@ -59,10 +61,14 @@ def ensure_installed(timeout_s: float = 400) -> None:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports nobody listens on, below the kernel's ephemeral range, where other processes' outgoing
+    connections cannot take them before the daemons bind ([Note: the master's port] in hfsdp/launch/torchrun.py)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
 
 
 def _kill_pidfile(path: Path) -> None:
@@ -180,6 +186,7 @@ class LocalCluster:
 
     def _slurm_conf(self) -> str:
         w = self.workdir
+        ports = _free_ports(1 + len(self.nodes))  # slurmctld's, then each slurmd's
         return "\n".join([
             "ClusterName=hfsdpci",
             f"SlurmctldHost={self.host}",
@@ -196,15 +203,15 @@ class LocalCluster:
             "MpiDefault=none",
             "ReturnToService=2",
             "MinJobAge=3600",
-            f"SlurmctldPort={_free_port()}",
+            f"SlurmctldPort={ports[0]}",
             f"StateSaveLocation={w / 'state'}",
             f"SlurmdSpoolDir={w / 'spool'}/%n",
             f"SlurmctldPidFile={w / 'slurmctld.pid'}",
             f"SlurmdPidFile={w / 'slurmd'}-%n.pid",
             f"SlurmctldLogFile={w / 'slurmctld.log'}",
             f"SlurmdLogFile={w / 'slurmd'}-%n.log",
-            *(f"NodeName={n} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={_free_port()} "
-              f"CPUs={os.cpu_count() or 1} State=UNKNOWN" for n in self.nodes),
+            *(f"NodeName={n} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={port} "
+              f"CPUs={os.cpu_count() or 1} State=UNKNOWN" for n, port in zip(self.nodes, ports[1:], strict=True)),
             *(f"PartitionName={name} Nodes={','.join(self.nodes[:count])} Default={'YES' if k == 0 else 'NO'} "
               "MaxTime=INFINITE State=UP" for k, (name, count) in enumerate(self.partitions.items())),
             "",
