@@ -25,12 +25,9 @@ TINY = [
 ]
 PRELUDE = """
 import os, sys
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-import socket
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 import torch
-torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
 from hfsdp.training.entry import parse_args
 """
 
