@@ -154,3 +154,47 @@ def test_main_weights_that_are_not_fp32_keep_the_copy(pair_buffer):
     step(amw.with_model_writes(reference_kernel(calls), writes), mains, grads, moments)
     assert calls == [(4, (torch.bfloat16,) * 4)]
     assert writes.unwritten(pairs) == pairs
+
+
+def test_a_refused_optimizer_removes_an_earlier_record(pair_buffer):
+    mains, models, grads, moments = make_state(6)
+    pairs = list(zip(models, mains[:3], strict=True))
+    buffer = pair_buffer(pairs)
+    opt = te_adam_class()
+    assert amw.install(opt, [buffer], {}) is not None
+    step(opt.multi_tensor_adam, mains, grads, moments)  # marks pending in the old record
+    assert amw.install(te_adam_class(capturable=True), [buffer], {}) is None
+    assert buffer.model_weight_writes is None  # the copy now copies every pair
+
+
+def test_marks_are_dropped_when_a_buffer_storage_moves(pair_buffer):
+    mains, models, grads, moments = make_state(7)
+    pairs = list(zip(models, mains[:3], strict=True))
+    buffer = pair_buffer(pairs)
+    writes = amw.ModelWeightWrites([buffer])
+    step(amw.with_model_writes(reference_kernel([]), writes), mains, grads, moments)
+    moved = [(model.clone(), main) for model, main in pairs]  # new model-weight storage
+    buffer.pairs = moved
+    writes.models_of(mains[:3])  # the record sees the move
+    assert [m.data_ptr() for m, _ in writes.unwritten(moved)] == [m.data_ptr() for m, _ in moved]
+    # The old marks are gone too: a new view at a freed view's address is never skipped for them.
+    assert writes.unwritten(pairs) == pairs
+
+
+def test_the_first_copy_after_a_step_logs_and_warns_when_nothing_was_written(pair_buffer, caplog):
+    mains, models, grads, moments = make_state(8)
+    pairs = list(zip(models, mains[:3], strict=True))
+    writes = amw.ModelWeightWrites([pair_buffer(pairs)])
+    with caplog.at_level("INFO", logger=amw.logger.name):
+        writes.unwritten(pairs)  # a load before any step: no line
+        step(amw.with_model_writes(reference_kernel([]), writes), mains, grads, moments)
+        writes.unwritten(pairs)
+        step(amw.with_model_writes(reference_kernel([]), writes), mains, grads, moments)
+        writes.unwritten(pairs)  # once only
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "The optimizer step wrote 3 model weights of a buffer; its main-to-model copy writes 0.")]
+    stray = amw.ModelWeightWrites([pair_buffer([])])  # a step whose mains find no model weight
+    with caplog.at_level("INFO", logger=amw.logger.name):
+        step(amw.with_model_writes(reference_kernel([]), stray), mains, grads, moments)
+        stray.unwritten(pairs)
+    assert caplog.records[-1].levelname == "WARNING"

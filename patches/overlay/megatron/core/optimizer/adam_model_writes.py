@@ -18,8 +18,9 @@ the precision-aware optimizer) a kernel that does so, and hands each buffer the
   (``ParamAndGradBuffer.main_to_model_pairs``) go to the 5-list kernel, one call per model dtype;
   the others to the 4-list call, as before;
 * the record keeps the model weights written; ``copy_main_weights_to_model_weights`` copies only
-  the other pairs and clears the record. A copy that follows no step (a checkpoint load) copies
-  every pair.
+  the other pairs and forgets the marks it skipped. A copy that follows no step (a checkpoint
+  load) copies every pair. Marks never outlive the views they name: when a buffer's storage moves,
+  the record drops them (the copy then copies those pairs too).
 
 Invariants:
 
@@ -33,9 +34,11 @@ Invariants:
 * FP8 model weights keep their quantization path: ``main_to_model_pairs`` leaves them out. Main weights
   that are not fp32 (``--megatron-fsdp-main-params-dtype``) keep the 4-list call and the copy: the
   kernel's fifth list must be fp32.
-* The newest optimizer's record is the one a buffer reads: an optimizer built again for the same
-  model replaces it, and an older optimizer's writes are then copied again (same values).
-* The first copy after a step logs once how many model weights the step wrote and how many it copies.
+* The newest optimizer decides: an optimizer built again for the same model replaces the buffers'
+  record (an older optimizer's writes are then copied again, same values), or removes it when
+  that optimizer is refused.
+* The first copy after the first step logs, once, how many of its model weights the step wrote and
+  how many it copies; a warning when the step wrote none of them.
 * ``HFSDP_SEPARATE_MODEL_COPIES=1`` keeps the separate copy, for comparisons.
 """
 
@@ -76,14 +79,17 @@ class ModelWeightWrites:
         self._pairs: tuple[list[Pair], ...] = ()
         self._model_of: dict[_Key, torch.Tensor] = {}
         self._written: set[_Key] = set()
+        self._stepped = False  # a step ran since the last copy (for the one log line)
         self._reported = False
 
     def models_of(self, mains: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """Each main weight's model weight, flat, or None where it has none."""
+        self._stepped = True
         pairs = tuple(buffer.main_to_model_pairs() for buffer in self._buffers)
         if len(pairs) != len(self._pairs) or any(a is not b for a, b in zip(pairs, self._pairs, strict=True)):
             self._pairs = pairs
             self._model_of = {_key(main): model.view(-1) for group in pairs for model, main in group}
+            self._written.clear()  # marks of views that moved
         return [self._model_of.get(_key(main)) for main in mains]
 
     def mark(self, models: Iterable[torch.Tensor]) -> None:
@@ -99,10 +105,12 @@ class ModelWeightWrites:
                 skipped += 1
             else:
                 left.append((model, main))
-        if skipped and not self._reported:
+        if self._stepped and not self._reported:
             self._reported = True
-            logger.info("The optimizer step wrote %d model weights; the main-to-model copy writes %d.",
-                        skipped, len(left))
+            log = logger.warning if skipped == 0 and left else logger.info
+            log("The optimizer step wrote %d model weights of a buffer; its main-to-model copy writes %d.",
+                skipped, len(left))
+        self._stepped = False
         return left
 
 
@@ -162,6 +170,8 @@ def install(optimizer: torch.optim.Optimizer, buffers: Sequence[PairSource],
         return None
     why = refusal(optimizer, environ)
     if why is not None:
+        for buffer in buffers:  # an earlier optimizer's record no longer describes the steps
+            buffer.model_weight_writes = None
         logger.info("Main-to-model copies stay separate from the optimizer step: %s.", why)
         return None
     writes = ModelWeightWrites(buffers)

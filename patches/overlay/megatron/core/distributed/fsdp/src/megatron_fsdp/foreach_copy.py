@@ -3,8 +3,9 @@
 
 Two places write many small tensors one ``copy_`` or ``add_`` (one kernel launch) at a time:
 
-* ``copy_main_weights_to_model_weights`` copies every non-FP8 parameter's main weight (fp32) into
-  its model weight (the compute dtype) after each step: hundreds of copies;
+* ``copy_main_weights_to_model_weights`` copies each non-FP8 parameter's main weight (fp32) into
+  its model weight (the compute dtype) after each step, those the step did not write itself
+  ([Note: Adam writes the model weights] in adam_model_writes.py): hundreds of copies;
 * Megatron-FSDP's post-backward hook writes each autograd gradient (norms, biases, Mamba's
   small parameters, routers) into its one-rank main grad: a copy at the cycle's first write, an
   add after ([Note: one-rank gradient groups], 4 and 5, in single_rank_grads.py).
