@@ -26,15 +26,16 @@ TINY = [
 PRELUDE = """
 import os, sys
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-import torch
-torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+from rendezvous import init_one_rank_gloo  # tests/unit_tests/rendezvous.py ([Note: no picked ports])
+init_one_rank_gloo()
 from hfsdp.training.entry import parse_args
 """
 
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    paths = (str(REPO_ROOT), str(REPO_ROOT / "tests" / "unit_tests"), env.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
 
 
