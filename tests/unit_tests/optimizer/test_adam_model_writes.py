@@ -198,3 +198,59 @@ def test_the_first_copy_after_a_step_logs_and_warns_when_nothing_was_written(pai
         step(amw.with_model_writes(reference_kernel([]), stray), mains, grads, moments)
         stray.unwritten(pairs)
     assert caplog.records[-1].levelname == "WARNING"
+
+
+def reference_scale(calls: list[int]):
+    """TE's multi_tensor_scale_tensor on the CPU: out = in * scale, in the output's dtype."""
+
+    def scale_kernel(chunk_size, noop, lists, scale):
+        calls.append(len(lists[0]))
+        for src, dst in zip(*lists, strict=True):
+            dst.copy_(src.float() * scale)
+
+    return scale_kernel
+
+
+def test_a_deferred_clip_scales_every_gradient_once_in_the_step(pair_buffer):
+    """The clip coefficient handed to the step reaches every kernel call (4-list and 5-list), once a
+    tensor, and gives the bits of Megatron's separate scale followed by the step."""
+    mains_a, models_a, grads_a, moments_a = make_state(9)
+    mains_b, models_b, grads_b, moments_b = make_state(9)
+    scale = torch.tensor([0.25])
+    writes = amw.ModelWeightWrites([pair_buffer(list(zip(models_a, mains_a[:3], strict=True)))])
+    scaled: list[int] = []
+    fused = amw.with_model_writes(reference_kernel([]), writes, {}, reference_scale(scaled))
+    writes.grad_scale = scale
+    step(fused, mains_a, grads_a, moments_a)
+    assert sorted(scaled) == [1, 1, 2]  # the 4-list call, the fp32 model's call, the bf16 models' call
+    reference_scale([])(2048, None, [grads_b, grads_b], scale)  # Megatron's clip, then the plain step
+    step(reference_kernel([]), mains_b, grads_b, moments_b)
+    for a, b in zip([*mains_a, *moments_a[0]], [*mains_b, *moments_b[0]], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_defer_clip_hands_the_coefficient_to_an_installed_step_and_the_step_drops_it(pair_buffer):
+    opt = te_adam_class()
+    writes = amw.install(opt, [pair_buffer([])], {})
+    assert writes is not None
+    assert amw.defer_clip(opt, 1.0, torch.tensor([4.0]))
+    assert torch.equal(writes.grad_scale, 1.0 / (torch.tensor([4.0]) + 1.0e-6))
+    assert amw.defer_clip(opt, 1.0, torch.tensor([0.5])) and writes.grad_scale.item() == 1.0  # at most 1
+    opt.step()
+    assert writes.grad_scale is None
+    amw.defer_clip(opt, 1.0, torch.tensor([4.0]))
+    opt.param_groups[0]["params"][0].grad = torch.zeros(1)
+    opt.param_groups[0]["lr"] = "not a number"  # a step that raises still drops it
+    with pytest.raises(TypeError):
+        opt.step()
+    assert writes.grad_scale is None
+
+
+@pytest.mark.parametrize("case", ["other optimizer", "float norm", "separate clip"])
+def test_defer_clip_leaves_the_scale_to_megatron(case, pair_buffer):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1) if case == "other optimizer" \
+        else te_adam_class()
+    env = {amw.SEPARATE_CLIP_ENV: "1"} if case == "separate clip" else {}
+    amw.install(opt, [pair_buffer([])], env)
+    norm = 4.0 if case == "float norm" else torch.tensor([4.0])
+    assert not amw.defer_clip(opt, 1.0, norm)

@@ -40,6 +40,13 @@ Invariants:
 * The first copy after the first step logs, once, how many of its model weights the step wrote and
   how many it copies; a warning when the step wrote none of them.
 * ``HFSDP_SEPARATE_MODEL_COPIES=1`` keeps the separate copy, for comparisons.
+
+The gradient clip: Megatron scales every gradient by the clip coefficient before the step (TE's
+``multi_tensor_scale_tensor``, a pass that reads and writes them all). Its two clip sites
+(``MegatronOptimizer.clip_grad_norm``, ``ChainedOptimizer.step``) first offer the coefficient to
+:func:`defer_clip`; an installed optimizer takes it and applies it in its update, same bits
+([Note: Triton Adam]), and drops it when its step ends. Its large tensors' gradient buffers then
+keep the unclipped gradients. ``HFSDP_SEPARATE_CLIP_SCALE=1`` keeps the separate pass.
 """
 
 from __future__ import annotations
@@ -51,9 +58,13 @@ from typing import Any, Protocol
 
 import torch
 
+from . import triton_adam
+
 logger = logging.getLogger(__name__)
 
 SEPARATE_COPIES_ENV = "HFSDP_SEPARATE_MODEL_COPIES"
+SEPARATE_CLIP_ENV = "HFSDP_SEPARATE_CLIP_SCALE"
+DEFERRED_CLIP_ATTR = "hfsdp_deferred_clip"
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (model weight, main weight)
 _Key = tuple[int, int]
@@ -80,6 +91,7 @@ class ModelWeightWrites:
         self._model_of: dict[_Key, torch.Tensor] = {}
         self._written: set[_Key] = set()
         self._stepped = False  # a step ran since the last copy (for the one log line)
+        self.grad_scale: torch.Tensor | None = None  # the clip coefficient the next step applies (defer_clip)
         self._reported = False
 
     def models_of(self, mains: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -117,12 +129,23 @@ class ModelWeightWrites:
 Kernel = Callable[..., Any]
 
 
-def with_model_writes(kernel: Kernel, writes: ModelWeightWrites) -> Kernel:
-    """``kernel`` (TE's ``multi_tensor_adam``) that also writes each main weight's model weight."""
+def with_model_writes(kernel: Kernel, writes: ModelWeightWrites, environ: Mapping[str, str] = os.environ,
+                      scale_kernel: Kernel | None = None) -> Kernel:
+    """``kernel`` (TE's ``multi_tensor_adam``) that also writes each main weight's model weight, runs
+    large tensors through Triton ([Note: Triton Adam]) and applies a deferred clip coefficient
+    (``scale_kernel``: Megatron's ``multi_tensor_scale_tensor_impl`` unless given)."""
+    if scale_kernel is None:
+        from .clip_grads import multi_tensor_scale_tensor_impl
+
+        scale_kernel = multi_tensor_scale_tensor_impl
+
+    def run(chunk_size: int, noop: torch.Tensor, lists: list[list[torch.Tensor]], *args: Any) -> None:
+        triton_adam.apply(kernel, chunk_size, noop, lists, *args, scale=writes.grad_scale,
+                          scale_kernel=scale_kernel, environ=environ)
 
     def adam(chunk_size: int, noop: torch.Tensor, lists: list[list[torch.Tensor]], *args: Any) -> Any:
         if len(lists) != 4:  # already the master-weights form
-            return kernel(chunk_size, noop, lists, *args)
+            return run(chunk_size, noop, lists, *args)
         models = writes.models_of(lists[1])
         by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
         rest = []
@@ -132,12 +155,12 @@ def with_model_writes(kernel: Kernel, writes: ModelWeightWrites) -> Kernel:
             else:
                 by_dtype.setdefault(model.dtype, []).append((j, model))
         if rest:
-            kernel(chunk_size, noop, [[tensors[j] for j in rest] for tensors in lists], *args)
+            run(chunk_size, noop, [[tensors[j] for j in rest] for tensors in lists], *args)
         g, p, m, v = lists
         for group in by_dtype.values():
             idx, written = [j for j, _ in group], [model for _, model in group]
-            kernel(chunk_size, noop, [[g[j] for j in idx], written, [m[j] for j in idx], [v[j] for j in idx],
-                                      [p[j] for j in idx]], *args)
+            run(chunk_size, noop, [[g[j] for j in idx], written, [m[j] for j in idx], [v[j] for j in idx],
+                                   [p[j] for j in idx]], *args)
             writes.mark(written)
         return None
 
@@ -162,10 +185,33 @@ def refusal(optimizer: torch.optim.Optimizer, environ: Mapping[str, str] = os.en
     return None
 
 
+def defer_clip(optimizer: Any, max_norm: float, total_norm: Any) -> bool:
+    """Megatron's clip of the gradients by ``max_norm / (total_norm + 1e-6)``, at most 1, handed to
+    ``optimizer``'s next step, which applies it in its update ([Note: Triton Adam]). False, and nothing
+    done, when ``optimizer`` does not take it or the norm is not a device tensor: the caller scales."""
+    writes = getattr(optimizer, DEFERRED_CLIP_ATTR, None)
+    if not isinstance(writes, ModelWeightWrites) or not isinstance(total_norm, torch.Tensor):
+        return False
+    coeff = max_norm / (total_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32 computes it
+    writes.grad_scale = coeff.clamp_max_(1.0)
+    return True
+
+
+def _drop_scale_after(step: Callable[..., Any], writes: ModelWeightWrites) -> Callable[..., Any]:
+    def step_once(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(*args, **kwargs)
+        finally:
+            writes.grad_scale = None
+
+    return step_once
+
+
 def install(optimizer: torch.optim.Optimizer, buffers: Sequence[PairSource],
             environ: Mapping[str, str] = os.environ) -> ModelWeightWrites | None:
     """Make ``optimizer``'s step write the model weights of ``buffers``' main weights, and their
-    main-to-model copies skip those; returns the record, or None (and logs why) when it cannot."""
+    main-to-model copies skip those; returns the record, or None (and logs why) when it cannot.
+    Unless ``HFSDP_SEPARATE_CLIP_SCALE=1``, the step also takes the clip coefficient (:func:`defer_clip`)."""
     if not buffers:
         return None
     why = refusal(optimizer, environ)
@@ -175,9 +221,16 @@ def install(optimizer: torch.optim.Optimizer, buffers: Sequence[PairSource],
         logger.info("Main-to-model copies stay separate from the optimizer step: %s.", why)
         return None
     writes = ModelWeightWrites(buffers)
-    optimizer.multi_tensor_adam = with_model_writes(optimizer.multi_tensor_adam, writes)  # type: ignore[attr-defined]
+    optimizer.multi_tensor_adam = with_model_writes(  # type: ignore[attr-defined]
+        optimizer.multi_tensor_adam, writes, environ)  # type: ignore[attr-defined]
     for buffer in buffers:
         buffer.model_weight_writes = writes
+    clip = environ.get(SEPARATE_CLIP_ENV) != "1"
+    if clip:
+        setattr(optimizer, DEFERRED_CLIP_ATTR, writes)
+        optimizer.step = _drop_scale_after(optimizer.step, writes)  # type: ignore[method-assign]
     logger.info("FusedAdam writes Megatron-FSDP's model weights in its update ([Note: Adam writes the model "
-                "weights]).")
+                "weights]); large tensors: %s; the gradient clip: %s.",
+                "Triton" if triton_adam.enabled(environ) else "TE's kernel",
+                "in the update" if clip else "a separate pass")
     return writes
