@@ -48,6 +48,8 @@ ZERO_GRAD_FILL_ENV = "HFSDP_ZERO_GRAD_FILL"
 PER_PARAM_COPIES_ENV = "HFSDP_PER_PARAM_COPIES"
 PER_PARAM_GRAD_WRITES_ENV = "HFSDP_PER_PARAM_GRAD_WRITES"
 SEPARATE_MODEL_COPIES_ENV = "HFSDP_SEPARATE_MODEL_COPIES"
+SEPARATE_CLIP_SCALE_ENV = "HFSDP_SEPARATE_CLIP_SCALE"
+TE_ADAM_KERNEL_ENV = "HFSDP_TE_ADAM_KERNEL"
 # Megatron's default rerun mode, given explicitly so that a graphed run keeps it.
 VALIDATE_FLAGS = ("--rerun-mode", "validate_results")
 # Transformer Engine layer specs (replaces the presets' --transformer-impl local; argparse keeps
@@ -159,7 +161,8 @@ CONFIGS = {
     # gradient groups], 4 and 5; foreach_copy.py; [Note: Adam writes the model weights]): _fill fills
     # the gradient buffers every step, _pgw writes each autograd gradient into its main grad at once,
     # _smc copies the main weights to the model weights after the step, _ppc does so one parameter at
-    # a time; _prev does all four.
+    # a time; _prev does all four. _sclip scales the gradients by the clip coefficient in a pass of
+    # their own; _teadam also steps every tensor with TE's kernel ([Note: Triton Adam]).
     **{f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}": BenchConfig(
         f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
         f"te_maxpool_ub_graph_bf16rs_fused_pao {what}", "maxpool", "te", env)
@@ -169,6 +172,9 @@ CONFIGS = {
            ("ppc", "with per-parameter main-to-model copies after the optimizer step",
             ((SEPARATE_MODEL_COPIES_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"))),
            ("pgw", "with per-parameter gradient writes", ((PER_PARAM_GRAD_WRITES_ENV, "1"),)),
+           ("sclip", "with the gradient clip in a separate pass", ((SEPARATE_CLIP_SCALE_ENV, "1"),)),
+           ("teadam", "with TE's Adam kernel for every tensor and the gradient clip in a separate pass",
+            ((TE_ADAM_KERNEL_ENV, "1"), (SEPARATE_CLIP_SCALE_ENV, "1"))),
            ("prev", "with the zero fill, per-parameter copies after the step and per-parameter gradient writes",
             ((ZERO_GRAD_FILL_ENV, "1"), (SEPARATE_MODEL_COPIES_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"),
              (PER_PARAM_GRAD_WRITES_ENV, "1"))))},

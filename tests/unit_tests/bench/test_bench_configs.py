@@ -141,6 +141,8 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_smc",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_ppc",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_pgw",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_sclip",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_teadam",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_prev",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_bf16m",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_delayed",
