@@ -112,18 +112,35 @@ def te_adam_class(**attrs):
     return opt
 
 
-@pytest.mark.parametrize(("attrs", "env", "why"), [
-    ({}, {amw.SEPARATE_COPIES_ENV: "1"}, "HFSDP_SEPARATE_MODEL_COPIES=1"),
-    ({"capturable": True}, {}, "capturable"),
-    ({"master_weights": True}, {}, "its own master weights"),
+@pytest.mark.parametrize(("attrs", "why"), [
+    ({"capturable": True}, "capturable"),
+    ({"master_weights": True}, "its own master weights"),
 ])
-def test_install_refuses_what_calls_another_kernel(attrs, env, why, pair_buffer):
+def test_install_refuses_what_calls_another_kernel(attrs, why, pair_buffer):
     opt = te_adam_class(**attrs)
     kernel = opt.multi_tensor_adam
     buffer = pair_buffer([])
-    assert why in amw.refusal(opt, env)
-    assert amw.install(opt, [buffer], env) is None
+    assert why in amw.refusal(opt, {})
+    assert amw.install(opt, [buffer], {}) is None
     assert opt.multi_tensor_adam is kernel and buffer.model_weight_writes is None
+    assert not amw.defer_clip(opt, 1.0, torch.tensor([4.0]))
+
+
+def test_separate_model_copies_keep_the_triton_kernel_and_the_clip(pair_buffer):
+    mains, models, grads, moments = make_state(10)
+    pairs = list(zip(models, mains[:3], strict=True))
+    opt = te_adam_class()
+    calls: list = []
+    opt.multi_tensor_adam = reference_kernel(calls)
+    buffer = pair_buffer(pairs)
+    env = {amw.SEPARATE_COPIES_ENV: "1"}
+    assert "HFSDP_SEPARATE_MODEL_COPIES=1" in amw.refusal(opt, env)
+    assert amw.install(opt, [buffer], env, reference_scale([])) is None
+    assert buffer.model_weight_writes is None  # the copy copies every pair
+    assert amw.defer_clip(opt, 1.0, torch.tensor([4.0]))  # the clip is taken
+    step(opt.multi_tensor_adam, mains, grads, moments)
+    assert calls == [(4, (torch.float32,) * 4)]  # one 4-list call: no model weight written
+    assert amw.install(opt, [buffer], env, reference_scale([])) is None  # installed once only
 
 
 def test_install_refuses_other_optimizers(pair_buffer):
@@ -231,7 +248,9 @@ def test_a_deferred_clip_scales_every_gradient_once_in_the_step(pair_buffer):
 
 def test_defer_clip_hands_the_coefficient_to_an_installed_step_and_the_step_drops_it(pair_buffer):
     opt = te_adam_class()
-    writes = amw.install(opt, [pair_buffer([])], {})
+    assert amw.install(te_adam_class(), [pair_buffer([])], {}) is not None
+    assert not amw.defer_clip(opt, 1.0, torch.tensor([4.0]))  # not installed
+    writes = amw.install(opt, [pair_buffer([])], {}, reference_scale([]))
     assert writes is not None
     assert amw.defer_clip(opt, 1.0, torch.tensor([4.0]))
     assert torch.equal(writes.grad_scale, 1.0 / (torch.tensor([4.0]) + 1.0e-6))
@@ -246,11 +265,12 @@ def test_defer_clip_hands_the_coefficient_to_an_installed_step_and_the_step_drop
     assert writes.grad_scale is None
 
 
-@pytest.mark.parametrize("case", ["other optimizer", "float norm", "separate clip"])
-def test_defer_clip_leaves_the_scale_to_megatron(case, pair_buffer):
+@pytest.mark.parametrize("case", ["other optimizer", "float norm", "separate clip", "no scale kernel"])
+def test_defer_clip_leaves_the_scale_to_megatron(case, pair_buffer, monkeypatch):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1) if case == "other optimizer" \
         else te_adam_class()
     env = {amw.SEPARATE_CLIP_ENV: "1"} if case == "separate clip" else {}
-    amw.install(opt, [pair_buffer([])], env)
+    monkeypatch.setattr(amw, "megatron_scale_kernel", lambda: None)  # as on a CPU without TE
+    amw.install(opt, [pair_buffer([])], env, None if case == "no scale kernel" else reference_scale([]))
     norm = 4.0 if case == "float norm" else torch.tensor([4.0])
     assert not amw.defer_clip(opt, 1.0, norm)

@@ -3,8 +3,8 @@ creates the optimizer's state and leaves no gradient behind (patch optimizer-fsd
 
 An optimizer that reads ``decoupled_grad`` (Transformer Engine's FusedAdam under
 ``--use-precision-aware-optimizer``) clears only that attribute in ``zero_grad``, and Megatron-FSDP leaves
-``param.grad`` alone under a full-iteration CUDA graph: the step's zero gradients, one fp32 copy of every main
-weight shard, stayed allocated for the whole resumed run."""
+``param.grad`` alone under a full-iteration CUDA graph: the step's zero gradients, as large as the fp32 main
+weight shards, stayed allocated for the whole resumed run."""
 
 from __future__ import annotations
 

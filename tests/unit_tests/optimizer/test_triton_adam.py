@@ -54,3 +54,22 @@ def test_a_scale_without_its_kernel_is_refused():
 
 def test_the_switch_keeps_te_kernel():
     assert not triton_adam.enabled({triton_adam.TE_KERNEL_ENV: "1"})
+
+
+def test_refusal_says_why_a_tensor_stays_on_te_kernel():
+    n, cpu = triton_adam.MIN_NUMEL, torch.device("cpu")
+
+    def t(dtype=torch.float32, numel=n):
+        return torch.zeros(numel, dtype=dtype)
+
+    def why(*tensors):
+        return triton_adam.refusal(tensors, cpu)
+
+    assert "fewer than" in why(t(numel=n - 1), t(), t(), t())
+    assert "different sizes" in why(t(), t(numel=n + 1), t(), t())
+    assert "dtypes" in why(t(torch.float64), t(), t(), t())
+    assert "dtypes" in why(t(), t(torch.uint8), t(), t())
+    assert "dtypes" in why(t(), t(), t(), t(torch.bfloat16))  # moments of two dtypes
+    assert "not fp32" in why(t(torch.bfloat16), t(torch.bfloat16), t(), t(), t(torch.bfloat16))
+    assert "not contiguous" in why(torch.zeros(2 * n)[::2], t(), t(), t())
+    assert "not all on cpu" in why(t(), t(), t(), t())  # every check passed but the device: CPU tensors

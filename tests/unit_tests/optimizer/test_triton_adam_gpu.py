@@ -45,8 +45,14 @@ def test_triton_adam_gives_te_bits(mode, grad_dtype, moments, master, scaled):
     import transformer_engine_torch as tex
 
     ref, got = tensors(grad_dtype, moments, master, 0), tensors(grad_dtype, moments, master, 0)
-    assert all(triton_adam._fits(t, torch.device("cuda", torch.cuda.current_device()))
-               for t in zip(*got, strict=True) if t[0].numel() >= triton_adam.MIN_NUMEL)
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert [triton_adam.refusal(t, device) is None for t in zip(*got, strict=True)] == [False, True, True, True]
+    te_calls: list[list[int]] = []
+
+    def te_kernel(chunk_size, flag, lists, *args):  # TE's kernel, recording which tensors reach it
+        te_calls.append([t.numel() for t in lists[0]])
+        return tex.multi_tensor_adam(chunk_size, flag, lists, *args)
+
     noop = torch.zeros(1, dtype=torch.int, device="cuda")
     scale = torch.tensor([0.37], device="cuda") if scaled else None
     for step in (1, 2, 3):
@@ -58,9 +64,10 @@ def test_triton_adam_gives_te_bits(mode, grad_dtype, moments, master, scaled):
         if scaled:
             tex.multi_tensor_scale_tensor(2048 * 32, noop, [ref[0], ref[0]], scale)
         tex.multi_tensor_adam(2048 * 32, noop, ref, *args)
-        triton_adam.apply(tex.multi_tensor_adam, 2048 * 32, noop, got, *args, scale=scale,
+        triton_adam.apply(te_kernel, 2048 * 32, noop, got, *args, scale=scale,
                           scale_kernel=tex.multi_tensor_scale_tensor, environ={})
     torch.cuda.synchronize()
+    assert te_calls == [[SIZES[0]]] * 3  # the others went through Triton
     names = ("model", "m", "v", "main") if master else ("p", "m", "v")
     for name, a_list, b_list in zip(names, ref[1:], got[1:], strict=True):
         for a, b in zip(a_list, b_list, strict=True):

@@ -46,7 +46,12 @@ The gradient clip: Megatron scales every gradient by the clip coefficient before
 (``MegatronOptimizer.clip_grad_norm``, ``ChainedOptimizer.step``) first offer the coefficient to
 :func:`defer_clip`; an installed optimizer takes it and applies it in its update, same bits
 ([Note: Triton Adam]), and drops it when its step ends. Its large tensors' gradient buffers then
-keep the unclipped gradients. ``HFSDP_SEPARATE_CLIP_SCALE=1`` keeps the separate pass.
+keep the unclipped gradients: what reads them between the clip and the step (``count_zeros``, a
+step digest) sees those; a count of zeros can differ where the separate scale would have flushed a
+product to zero. A step Megatron skips (a norm above ``grad_norm_skip_threshold``) keeps the
+coefficient until the next clip replaces it; no step runs in between in Megatron's loop.
+``HFSDP_SEPARATE_CLIP_SCALE=1`` keeps the separate pass. ``HFSDP_SEPARATE_MODEL_COPIES=1`` turns
+off the model-weight writes only: the Triton kernel and the clip stay.
 """
 
 from __future__ import annotations
@@ -129,15 +134,18 @@ class ModelWeightWrites:
 Kernel = Callable[..., Any]
 
 
+def megatron_scale_kernel() -> Kernel | None:
+    """The kernel Megatron's clip scales gradients with by a device coefficient (TE's), or None."""
+    from .clip_grads import multi_tensor_scale_tensor_impl
+
+    return multi_tensor_scale_tensor_impl
+
+
 def with_model_writes(kernel: Kernel, writes: ModelWeightWrites, environ: Mapping[str, str] = os.environ,
                       scale_kernel: Kernel | None = None) -> Kernel:
     """``kernel`` (TE's ``multi_tensor_adam``) that also writes each main weight's model weight, runs
-    large tensors through Triton ([Note: Triton Adam]) and applies a deferred clip coefficient
-    (``scale_kernel``: Megatron's ``multi_tensor_scale_tensor_impl`` unless given)."""
-    if scale_kernel is None:
-        from .clip_grads import multi_tensor_scale_tensor_impl
-
-        scale_kernel = multi_tensor_scale_tensor_impl
+    large tensors through Triton ([Note: Triton Adam]) and applies a deferred clip coefficient with
+    ``scale_kernel`` where Triton does not."""
 
     def run(chunk_size: int, noop: torch.Tensor, lists: list[list[torch.Tensor]], *args: Any) -> None:
         triton_adam.apply(kernel, chunk_size, noop, lists, *args, scale=writes.grad_scale,
@@ -172,10 +180,8 @@ def _is_te_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
                for cls in type(optimizer).__mro__)
 
 
-def refusal(optimizer: torch.optim.Optimizer, environ: Mapping[str, str] = os.environ) -> str | None:
-    """Why ``optimizer``'s step cannot write the model weights, or None when it can."""
-    if environ.get(SEPARATE_COPIES_ENV) == "1":
-        return f"{SEPARATE_COPIES_ENV}=1"
+def kernel_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer``'s step is not ``multi_tensor_adam`` on local tensors, or None when it is."""
     if not _is_te_fused_adam(optimizer):
         return f"{type(optimizer).__name__} is not Transformer Engine's FusedAdam"
     if getattr(optimizer, "capturable", False):
@@ -183,6 +189,13 @@ def refusal(optimizer: torch.optim.Optimizer, environ: Mapping[str, str] = os.en
     if getattr(optimizer, "master_weights", False):
         return "FusedAdam holds its own master weights"
     return None
+
+
+def refusal(optimizer: torch.optim.Optimizer, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why ``optimizer``'s step cannot write the model weights, or None when it can."""
+    if environ.get(SEPARATE_COPIES_ENV) == "1":
+        return f"{SEPARATE_COPIES_ENV}=1"
+    return kernel_refusal(optimizer)
 
 
 def defer_clip(optimizer: Any, max_norm: float, total_norm: Any) -> bool:
@@ -208,10 +221,14 @@ def _drop_scale_after(step: Callable[..., Any], writes: ModelWeightWrites) -> Ca
 
 
 def install(optimizer: torch.optim.Optimizer, buffers: Sequence[PairSource],
-            environ: Mapping[str, str] = os.environ) -> ModelWeightWrites | None:
+            environ: Mapping[str, str] = os.environ,
+            scale_kernel: Kernel | None = None) -> ModelWeightWrites | None:
     """Make ``optimizer``'s step write the model weights of ``buffers``' main weights, and their
     main-to-model copies skip those; returns the record, or None (and logs why) when it cannot.
-    Unless ``HFSDP_SEPARATE_CLIP_SCALE=1``, the step also takes the clip coefficient (:func:`defer_clip`)."""
+    Its step also runs large tensors through Triton ([Note: Triton Adam]) and, unless
+    ``HFSDP_SEPARATE_CLIP_SCALE=1`` or without ``scale_kernel`` (default: Megatron's, see
+    :func:`megatron_scale_kernel`), takes the clip coefficient (:func:`defer_clip`); with
+    ``HFSDP_SEPARATE_MODEL_COPIES=1`` too, which turns off the model-weight writes alone."""
     if not buffers:
         return None
     why = refusal(optimizer, environ)
@@ -219,18 +236,22 @@ def install(optimizer: torch.optim.Optimizer, buffers: Sequence[PairSource],
         for buffer in buffers:  # an earlier optimizer's record no longer describes the steps
             buffer.model_weight_writes = None
         logger.info("Main-to-model copies stay separate from the optimizer step: %s.", why)
-        return None
-    writes = ModelWeightWrites(buffers)
+    if kernel_refusal(optimizer) is not None or getattr(optimizer, DEFERRED_CLIP_ATTR, None) is not None:
+        return None  # another kernel; or installed already (a second wrapper would add nothing)
+    scale_kernel = scale_kernel or megatron_scale_kernel()
+    writes = ModelWeightWrites(buffers if why is None else ())
     optimizer.multi_tensor_adam = with_model_writes(  # type: ignore[attr-defined]
-        optimizer.multi_tensor_adam, writes, environ)  # type: ignore[attr-defined]
-    for buffer in buffers:
-        buffer.model_weight_writes = writes
-    clip = environ.get(SEPARATE_CLIP_ENV) != "1"
+        optimizer.multi_tensor_adam, writes, environ, scale_kernel)  # type: ignore[attr-defined]
+    clip = environ.get(SEPARATE_CLIP_ENV) != "1" and scale_kernel is not None
+    setattr(optimizer, DEFERRED_CLIP_ATTR, writes if clip else False)
     if clip:
-        setattr(optimizer, DEFERRED_CLIP_ATTR, writes)
         optimizer.step = _drop_scale_after(optimizer.step, writes)  # type: ignore[method-assign]
-    logger.info("FusedAdam writes Megatron-FSDP's model weights in its update ([Note: Adam writes the model "
-                "weights]); large tensors: %s; the gradient clip: %s.",
+    logger.info("FusedAdam: model weights %s; large tensors: %s; the gradient clip: %s.",
+                "written in its update ([Note: Adam writes the model weights])" if why is None else "copied after it",
                 "Triton" if triton_adam.enabled(environ) else "TE's kernel",
                 "in the update" if clip else "a separate pass")
+    if why is not None:
+        return None
+    for buffer in buffers:
+        buffer.model_weight_writes = writes
     return writes

@@ -27,9 +27,9 @@ Invariants:
   the host as TE's host code computes them (``1 - pow(double(float(beta)), step)``, stored as fp32).
   The model weight is the updated main weight rounded to nearest even, as the cast in TE's kernel.
   The GPU test holds every case to TE's bits.
-* Only what TE's call would do: Adam (L2, mode 0) or AdamW (mode 1), with the dtypes TE's kernel
-  takes; moments fp32 or bf16, a fifth list of fp32 main weights. Anything else, or no Triton,
-  leaves the whole call to TE's kernel.
+* Only what TE's call would do: Adam (L2, mode 0) or AdamW (mode 1); gradients and weights fp32,
+  bf16 or fp16, moments fp32 or bf16, a fifth list of fp32 main weights, all contiguous on one
+  device (:func:`refusal` says why a tensor stays on TE's kernel). No Triton: TE's kernel for all.
 * ``HFSDP_TE_ADAM_KERNEL=1`` keeps every tensor on TE's kernel, for comparisons.
 """
 
@@ -102,12 +102,25 @@ def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return triton is not None and environ.get(TE_KERNEL_ENV) != "1"
 
 
-def _fits(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def refusal(tensors: Sequence[torch.Tensor], device: torch.device) -> str | None:
+    """Why one tensor's ``[g, p, m, v]`` or ``[g, model, m, v, main]`` stays on TE's kernel, or None."""
     g, p, m, v = tensors[:4]
-    main = tensors[4] if len(tensors) == 5 else p
-    return (g.numel() >= MIN_NUMEL and g.is_cuda and m.dtype in _MOMENTS and v.dtype == m.dtype
-            and all(t.device == device and t.is_contiguous() and t.numel() == g.numel() for t in tensors)
-            and (len(tensors) == 4 or main.dtype == torch.float32))
+    if g.numel() < MIN_NUMEL:
+        return f"{g.numel()} elements, fewer than {MIN_NUMEL}"
+    if any(t.numel() != g.numel() for t in tensors):
+        return "lists of different sizes"
+    if g.dtype not in _FLOATS or p.dtype not in _FLOATS or m.dtype not in _MOMENTS or v.dtype != m.dtype:
+        return f"dtypes {[t.dtype for t in tensors]}"
+    if len(tensors) == 5 and tensors[4].dtype != torch.float32:
+        return f"main weights in {tensors[4].dtype}, not fp32"
+    if not all(t.is_contiguous() for t in tensors):
+        return "not contiguous"
+    if not all(t.is_cuda and t.device == device for t in tensors):
+        return f"not all on {device}"
+    return None
 
 
 def apply(kernel: Callable[..., Any], chunk_size: int, noop: torch.Tensor, lists: list[list[torch.Tensor]],
@@ -123,22 +136,25 @@ def apply(kernel: Callable[..., Any], chunk_size: int, noop: torch.Tensor, lists
     big: list[int] = []
     if enabled(environ) and mode in (0, 1) and not rest and lists and lists[0] and len(lists) in (4, 5):
         device = lists[0][0].device
-        big = [j for j, tensors in enumerate(zip(*lists, strict=True)) if _fits(tensors, device)]
+        big = [j for j, tensors in enumerate(zip(*lists, strict=True)) if refusal(tensors, device) is None]
     if len(big) < len(lists[0]):
         taken = set(big)
         small = [[tensors[j] for j in range(len(tensors)) if j not in taken] for tensors in lists]
         if scale is not None and scale_kernel is not None:  # both or neither (checked above)
-            scale_kernel(chunk_size, noop, [small[0], small[0]], scale)
+            # A flag of its own, as Megatron's clip has: the scale sets it on a non-finite gradient.
+            flag = torch.zeros(1, dtype=torch.int, device=small[0][0].device)
+            scale_kernel(chunk_size, flag, [small[0], small[0]], scale)
         kernel(chunk_size, noop, small, *args)
     if not big:
         return
     bc1, bc2 = bias_corrections(beta1, beta2, step, bias_correction)
     write_model = len(lists) == 5
-    for j in big:
-        g, first, m, v = (tensors[j] for tensors in lists[:4])
-        main, model = (lists[4][j], first) if write_model else (first, first)
-        n = g.numel()
-        _adam[(triton.cdiv(n, _BLOCK),)](
-            g, main, m, v, model, n, lr, beta1, beta2, bc1, bc2, eps, weight_decay,
-            g if scale is None else scale, ADAMW=mode == 1, WRITE_MODEL=write_model, SCALED=scale is not None,
-            BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
+    with torch.cuda.device(lists[0][big[0]].device):  # Triton launches on the current device
+        for j in big:
+            g, first, m, v = (tensors[j] for tensors in lists[:4])
+            main, model = (lists[4][j], first) if write_model else (first, first)
+            n = g.numel()
+            _adam[(triton.cdiv(n, _BLOCK),)](
+                g, main, m, v, model, n, lr, beta1, beta2, bc1, bc2, eps, weight_decay,
+                g if scale is None else scale, ADAMW=mode == 1, WRITE_MODEL=write_model, SCALED=scale is not None,
+                BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
