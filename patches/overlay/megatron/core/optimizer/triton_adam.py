@@ -23,7 +23,7 @@ Invariants:
   multiply-adds nvcc forms are written out (``tl.fma``); TE's library is built with fast division
   and square root, which Triton's ``/`` and ``tl.sqrt`` are too (``div.full``, ``sqrt.approx``);
   no other operation is fused (``enable_fp_fusion=False``); every result and operand is flushed
-  to zero where it is subnormal (``_ftz``), as fast math does. The bias corrections are computed on
+  to zero where it is subnormal (``ftz``), as fast math does. The bias corrections are computed on
   the host as TE's host code computes them (``1 - pow(double(float(beta)), step)``, stored as fp32).
   The model weight is the updated main weight rounded to nearest even, as the cast in TE's kernel.
   The GPU test holds every case to TE's bits.
@@ -55,7 +55,7 @@ except ImportError:  # a CPU-only install: TE's kernel (if any) does everything
 
 if triton is not None:
     @triton.jit
-    def _ftz(x):
+    def ftz(x):
         """Flush a subnormal to a zero of its sign, as TE's kernels (built with --use_fast_math) do."""
         return tl.where(tl.abs(x) < 1.1754943508222875e-38, x * 0.0, x)
 
@@ -66,20 +66,20 @@ if triton is not None:
         mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask)
         if SCALED:  # TE's multi_tensor_scale_tensor before the update: the product, in the gradient's dtype
-            g = _ftz(_ftz(g.to(tl.float32)) * tl.load(scale_ptr)).to(g_ptr.dtype.element_ty)
-        g = _ftz(g.to(tl.float32))
-        p = _ftz(tl.load(p_ptr + offs, mask=mask).to(tl.float32))
-        m = _ftz(tl.load(m_ptr + offs, mask=mask).to(tl.float32))
-        v = _ftz(tl.load(v_ptr + offs, mask=mask).to(tl.float32))
+            g = ftz(ftz(g.to(tl.float32)) * tl.load(scale_ptr)).to(g_ptr.dtype.element_ty)
+        g = ftz(g.to(tl.float32))
+        p = ftz(tl.load(p_ptr + offs, mask=mask).to(tl.float32))
+        m = ftz(tl.load(m_ptr + offs, mask=mask).to(tl.float32))
+        v = ftz(tl.load(v_ptr + offs, mask=mask).to(tl.float32))
         if not ADAMW:
-            g = _ftz(tl.fma(decay, p, g))  # r_g + decay * r_p
-        m = _ftz(tl.fma(beta1, m, _ftz((1.0 - beta1) * g)))  # beta1 * r_m + (1 - beta1) * r_g
-        v = _ftz(tl.fma(beta2, v, _ftz(_ftz((1.0 - beta2) * g) * g)))  # beta2 * r_v + (1 - beta2) * r_g * r_g
-        denom = _ftz(_ftz(tl.sqrt(_ftz(v / bc2))) + eps)
-        update = _ftz(_ftz(m / bc1) / denom)
+            g = ftz(tl.fma(decay, p, g))  # r_g + decay * r_p
+        m = ftz(tl.fma(beta1, m, ftz((1.0 - beta1) * g)))  # beta1 * r_m + (1 - beta1) * r_g
+        v = ftz(tl.fma(beta2, v, ftz(ftz((1.0 - beta2) * g) * g)))  # beta2 * r_v + (1 - beta2) * r_g * r_g
+        denom = ftz(ftz(tl.sqrt(ftz(v / bc2))) + eps)
+        update = ftz(ftz(m / bc1) / denom)
         if ADAMW:
-            update = _ftz(tl.fma(decay, p, update))  # next_m_unbiased / denom + decay * r_p
-        p = _ftz(tl.fma(-lr, update, p))  # r_p - lr * update
+            update = ftz(tl.fma(decay, p, update))  # next_m_unbiased / denom + decay * r_p
+        p = ftz(tl.fma(-lr, update, p))  # r_p - lr * update
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
         tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
