@@ -10,10 +10,10 @@ most 320 blocks and 110 tensors a launch; a block sums its chunk's squares and a
 of billions of elements so takes one launch per 320 chunks, each only a few waves deep.
 
 :func:`l2norm` computes every chunk's sum in one launch per kind of chunk (TE's two element orders;
-chunks that start on 16 bytes load 16-byte vectors), then adds the sums into the slots in TE's
-launch order and reduces them in one more launch. Which chunk TE puts in which slot of which
-launch (:func:`launch_blocks`) is worked out on the host once per list of addresses and sizes, and
-kept (:func:`plan`).
+the alignment of the chunk's start, which sets the width of its loads), then adds the sums into
+the slots in TE's launch order and reduces them in one more launch. Which chunk TE puts in which
+slot of which launch (:func:`launch_blocks`) is worked out on the host once per list of addresses
+and sizes, and kept (:func:`plan`).
 
 Invariants:
 
@@ -85,12 +85,11 @@ if triton is not None:
 
     @triton.jit
     def _chunk_sums(addr_ptr, size_ptr, id_ptr, sums_ptr, noop_ptr, DTYPE: tl.constexpr,
-                    TE_ALIGNED: tl.constexpr, VECTOR: tl.constexpr):
+                    TE_ALIGNED: tl.constexpr, ALIGN: tl.constexpr):
         """One chunk a program: the sum of its squares, as TE's block computes it."""
         pid = tl.program_id(0)
-        x_ptr = tl.load(addr_ptr + pid).to(tl.pointer_type(DTYPE))
-        if VECTOR:  # the host put only chunks that start on 16 bytes here
-            x_ptr = tl.multiple_of(x_ptr, 16)
+        # The host put here only chunks that start on ALIGN bytes: loads of up to 16 bytes.
+        x_ptr = tl.multiple_of(tl.load(addr_ptr + pid).to(tl.pointer_type(DTYPE)), ALIGN)
         n = tl.load(size_ptr + pid)
         # acc[j] is TE's vals[ii] of thread t: j = 4 t + ii in TE's aligned order, where thread t
         # reads elements 4 t .. 4 t + 3 of each 2048; j = 512 ii + t in its unaligned order, where
@@ -169,7 +168,7 @@ class ChunkGroup:
     """Chunks one launch of ``_chunk_sums`` takes: their start addresses, sizes and numbers."""
 
     te_aligned: bool
-    vector: bool
+    align: int  # bytes every chunk start of the group is a multiple of (at most 16)
     addresses: torch.Tensor
     sizes: torch.Tensor
     ids: torch.Tensor
@@ -185,14 +184,15 @@ class Plan:
 @functools.lru_cache(maxsize=8)
 def plan(tensors: tuple[tuple[int, int], ...], element_size: int, chunk_size: int, device: torch.device) -> Plan:
     """The chunk groups and TE's slots for tensors given as (address, numel), on ``device``."""
-    kinds: dict[tuple[bool, bool], tuple[list[int], list[int], list[int]]] = {}
+    kinds: dict[tuple[bool, int], tuple[list[int], list[int], list[int]]] = {}
     chunk_id = 0
     for address, numel in tensors:
         for start in range(0, numel, chunk_size):
             chunk_address = address + start * element_size
             # TE's aligned path: n % ILP == 0 && chunk_size % ILP == 0 && is_aligned(x), n counted from the chunk on
             te_aligned = (numel - start) % ILP == 0 and chunk_address % (ILP * element_size) == 0
-            group = kinds.setdefault((te_aligned, te_aligned and chunk_address % 16 == 0), ([], [], []))
+            align = min(16, chunk_address & -chunk_address)  # the largest power of two dividing it
+            group = kinds.setdefault((te_aligned, align), ([], [], []))
             group[0].append(chunk_address)
             group[1].append(min(chunk_size, numel - start))
             group[2].append(chunk_id)
@@ -202,10 +202,10 @@ def plan(tensors: tuple[tuple[int, int], ...], element_size: int, chunk_size: in
     return Plan(
         chunks=chunk_id,
         groups=tuple(
-            ChunkGroup(te_aligned, vector, torch.tensor(addresses, dtype=torch.int64, device=device),
+            ChunkGroup(te_aligned, align, torch.tensor(addresses, dtype=torch.int64, device=device),
                        torch.tensor(sizes, dtype=torch.int32, device=device),
                        torch.tensor(ids, dtype=torch.int32, device=device))
-            for (te_aligned, vector), (addresses, sizes, ids) in sorted(kinds.items())),
+            for (te_aligned, align), (addresses, sizes, ids) in sorted(kinds.items())),
         slots=torch.tensor(slots, dtype=torch.int32, device=device),
     )
 
@@ -245,7 +245,7 @@ def chunk_sums(tensors: Sequence[torch.Tensor], chunk_size: int, noop: torch.Ten
         for group in work.groups:
             _chunk_sums[(group.ids.numel(),)](
                 group.addresses, group.sizes, group.ids, sums, noop, DTYPE=_TL_DTYPES[first.dtype],
-                TE_ALIGNED=group.te_aligned, VECTOR=group.vector, num_warps=4, enable_fp_fusion=False)
+                TE_ALIGNED=group.te_aligned, ALIGN=group.align, num_warps=4, enable_fp_fusion=False)
     return work, sums
 
 
