@@ -13,7 +13,8 @@ of billions of elements so takes one launch per 320 chunks, each only a few wave
 the alignment of the chunk's start, which sets the width of its loads), then adds the sums into
 the slots in TE's launch order and reduces them in one more launch. Which chunk TE puts in which
 slot of which launch (:func:`launch_blocks`) is worked out on the host once per list of addresses
-and sizes, and kept (:func:`plan`).
+and sizes, and kept (:func:`plan`, eight lists at most: gradients that move every step would cost a
+new plan every step; Megatron-FSDP's stay in their buffers).
 
 Invariants:
 
@@ -27,7 +28,8 @@ Invariants:
 * Only what TE's call computes: a global norm (``per_tensor`` false) of one list of non-empty,
   contiguous tensors of one dtype (fp32, bf16, fp16) on one CUDA device, with a chunk size that is a
   multiple of 2048 (Megatron's is 65536). :func:`refusal` says why another call goes to TE's op.
-* The noop flag is set where a chunk's sum is not finite, as TE sets it.
+* The noop flag (int32, as TE's) is set where a chunk's sum is not finite, as TE sets it.
+* Not under CUDA-graph capture: a captured norm would read the kept plan at every replay.
 * ``HFSDP_TRITON_L2NORM=1`` turns it on; off by default until its GPU test
   (``test_triton_l2norm_gpu.py``) has held it to TE's bits. Any value other than 0 or 1 is an error.
 """
@@ -210,8 +212,9 @@ def plan(tensors: tuple[tuple[int, int], ...], element_size: int, chunk_size: in
     )
 
 
-def refusal(chunk_size: int, tensor_lists: Sequence[Sequence[torch.Tensor]], args: Sequence[Any]) -> str | None:
-    """Why a ``multi_tensor_l2norm`` call goes to TE's op, or None."""
+def refusal(chunk_size: int, noop: torch.Tensor, tensor_lists: Sequence[Sequence[torch.Tensor]],
+            args: Sequence[Any]) -> str | None:
+    """Why a ``multi_tensor_l2norm(chunk_size, noop, tensor_lists, *args)`` call goes to TE's op, or None."""
     if args and args[0]:
         return "per-tensor norms"
     if len(args) > 1:
@@ -220,6 +223,8 @@ def refusal(chunk_size: int, tensor_lists: Sequence[Sequence[torch.Tensor]], arg
         return f"{len(tensor_lists)} lists, the first of {len(tensor_lists[0]) if tensor_lists else 0} tensors"
     if chunk_size <= 0 or chunk_size % STEP:
         return f"chunk size {chunk_size}, not a multiple of {STEP}"
+    if noop.dtype != torch.int32:  # TE writes an int32 1 into it
+        return f"a noop flag of {noop.dtype}, not int32"
     first = tensor_lists[0][0]
     if first.dtype not in _DTYPES:
         return f"dtype {first.dtype}"
@@ -233,6 +238,12 @@ def refusal(chunk_size: int, tensor_lists: Sequence[Sequence[torch.Tensor]], arg
             return f"tensors on {first.device} and {tensor.device}"
         if not tensor.is_contiguous() or tensor.numel() == 0:
             return "a non-contiguous or empty tensor"
+    if noop.device != first.device:
+        return f"the noop flag on {noop.device}, the tensors on {first.device}"
+    if torch.cuda.is_current_stream_capturing():
+        # A captured norm would read the plan's tensors at every replay, and a plan made during capture would
+        # copy from the host while capturing: TE's op keeps nothing between calls.
+        return "the stream is capturing a CUDA graph"
     return None
 
 
@@ -268,7 +279,7 @@ def l2norm(te_op: Callable[..., Any], chunk_size: int, noop: torch.Tensor,
            environ: Mapping[str, str] = os.environ) -> Any:
     """TE's ``multi_tensor_l2norm(chunk_size, noop, tensor_lists, *args)``; where :func:`refusal` has
     nothing against the call and the switch is on, through :func:`norm`."""
-    if not enabled(environ) or refusal(chunk_size, tensor_lists, args) is not None:
+    if not enabled(environ) or refusal(chunk_size, noop, tensor_lists, args) is not None:
         return te_op(chunk_size, noop, tensor_lists, *args)
     _log_once()
     ret = norm(tensor_lists[0], chunk_size, noop)
