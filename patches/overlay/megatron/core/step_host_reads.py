@@ -18,7 +18,7 @@ only, and ``training-step-stats-stay-on-device``):
 
 * The skip check compares the norm only for a threshold other than +inf, the default, for which
   ``norm > threshold`` is False for every norm, NaN and inf included (:func:`norm_exceeds`;
-  upstream 0.19.2 checks ``math.isfinite`` the same way).
+  upstream 0.19.0 skips it for every infinite threshold).
 * Over a model-parallel group of one rank a reduction is the identity: the update flag and the
   learning rate are host values already (the rate rounded to float32, as the reduction's tensor
   rounds it), the norm stays what the optimizer returned (:func:`all_ranks`, :func:`max_stat`,
