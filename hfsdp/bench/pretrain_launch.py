@@ -4,7 +4,8 @@ One run is one fresh ``torchrun pretrain_gpt.py`` of one configuration: the same
 users launch, so a full-iteration CUDA graph (which lives inside ``train_step``) is timed the
 way it runs in training. Step times and losses come from Megatron's log (``--log-interval
 1``: "elapsed time per iteration" is the wall time between consecutive steps, data loading,
-optimizer step and logging included); peak memory, pool bytes and max-pool home misses come
+optimizer step and logging included; with ``-- --log-interval K`` each timed value and loss is the
+mean over one interval of K steps, as a training run logs them); peak memory, pool bytes and max-pool home misses come
 from the run report the entry point writes (``HFSDP_RUN_REPORT``, hfsdp/training/run_report.py).
 The command and its flags are the one way our tools launch ``pretrain`` (hfsdp/launch/pretrain.py).
 """
@@ -17,7 +18,7 @@ from datetime import datetime
 
 from hfsdp.bench.results import RunResult
 from hfsdp.functional import logparse
-from hfsdp.launch.pretrain import flag_value, training_flags
+from hfsdp.launch.pretrain import flag_value, log_interval, training_flags
 from hfsdp.training import run_report
 from hfsdp.usererror import not_a_regular_file
 
@@ -68,14 +69,16 @@ def result(config: str, repeat: int, log_path: str, report_path: str, *, warmup_
     except OSError as exc:
         raise RunFailed(f"log unreadable: {log_path}: {exc.strerror or exc}") from exc
     times = metrics.get("iteration-time", {})
-    timed = range(warmup_steps + 1, warmup_steps + timed_steps + 1)
+    # With --log-interval K Megatron logs every K-th step, its time and loss the means over the K steps.
+    every = log_interval(flags)
+    timed = [s for s in range(warmup_steps + 1, warmup_steps + timed_steps + 1) if s % every == 0]
     missing = [s for s in timed if s not in times]
     if missing:
         raise RunFailed(f"no step time logged for steps {missing[:5]}"
                         f"{'...' if len(missing) > 5 else ''} in {log_path}")
     if bad := [s for s in timed if not (math.isfinite(times[s]) and times[s] > 0)]:
         raise RunFailed(f"step {bad[0]} took {times[bad[0]] * 1e3:g} ms by {log_path}, not a time; "
-                        f"{len(bad)} of the {timed_steps} timed steps have none")
+                        f"{len(bad)} of the {len(timed)} timed steps have none")
     losses = metrics.get("lm loss", {})
     total = warmup_steps + timed_steps
     if diverged := [s for s in range(1, total + 1) if s in losses and not math.isfinite(losses[s])]:

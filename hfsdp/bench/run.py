@@ -520,6 +520,17 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
     if graphed and opts.warmup_steps < GRAPH_WARMUP_STEPS + 2:
         raise UserError(f"--warmup-steps {opts.warmup_steps} would time the eager warm-up or the capture step "
                         f"of {', '.join(graphed)}", f"give --warmup-steps {GRAPH_WARMUP_STEPS + 2} or more")
+    try:
+        every = pretrain.log_interval(flags)
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise UserError(f"--log-interval {pretrain.flag_value(flags, '--log-interval')} (after --) is not a whole "
+                        "number of steps", "give --log-interval 1 or more, or leave it out (every step is logged)")
+    if opts.warmup_steps % every or opts.timed_steps % every:
+        raise UserError(f"--log-interval {every} logs every {every}th step, so --warmup-steps {opts.warmup_steps} "
+                        f"and --timed-steps {opts.timed_steps} must be multiples of it (a timed value is the mean "
+                        "of one interval)", f"give multiples of {every}, or another --log-interval")
     shared = opts.ranks_per_gpu > 1
     check_paths(opts, shared)
     if not opts.from_logs:

@@ -17,12 +17,14 @@ TRAINING_SCRIPT = Path(__file__).resolve().parents[2] / "pretrain_gpt.py"
 # gradient-accumulation path is part of every timed (and captured) step.
 MICRO_BATCHES = 2
 # Flags every timing run shares. Full-iteration capture requires the NaN check off; eager runs
-# get the same so graphed and eager runs do identical host work apart from the graph.
+# get the same so graphed and eager runs do identical host work apart from the graph. Megatron logs
+# every step unless the caller's flags give --log-interval themselves (log_interval).
 COMMON_FLAGS = (
     "--no-check-for-nan-in-loss-and-grad", "--lr", "1e-4", "--min-lr", "1e-5",
     "--lr-decay-style", "cosine", "--seed", "1234", "--split", "99,1,0",
-    "--eval-iters", "0", "--eval-interval", "1000000", "--log-interval", "1",
+    "--eval-iters", "0", "--eval-interval", "1000000",
 )
+LOG_INTERVAL_FLAG = "--log-interval"
 
 
 def flag_value(flags: Sequence[str], name: str) -> str | None:
@@ -34,10 +36,16 @@ def flag_value(flags: Sequence[str], name: str) -> str | None:
     return found
 
 
+def log_interval(flags: Sequence[str]) -> int:
+    """Megatron's log interval for a run of ``flags``: theirs, else 1 (every step logged)."""
+    return int(flag_value(flags, LOG_INTERVAL_FLAG) or 1)
+
+
 def training_flags(flags: Sequence[str], nproc: int, steps: int) -> list[str]:
-    """``flags`` plus what a timing run needs: step count, logging, and a global batch of
-    ``MICRO_BATCHES`` micro-batches per rank unless ``flags`` already set one."""
-    out = [*flags, *COMMON_FLAGS, "--train-iters", str(steps)]
+    """``flags`` plus what a timing run needs: step count, logging (every step unless ``flags`` give
+    ``--log-interval``), and a global batch of ``MICRO_BATCHES`` micro-batches per rank unless
+    ``flags`` already set one."""
+    out = [*flags, *COMMON_FLAGS, LOG_INTERVAL_FLAG, str(log_interval(flags)), "--train-iters", str(steps)]
     if flag_value(flags, "--global-batch-size") is None:
         mbs = int(flag_value(flags, "--micro-batch-size") or 1)
         out += ["--global-batch-size", str(mbs * nproc * MICRO_BATCHES)]

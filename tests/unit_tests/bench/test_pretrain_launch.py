@@ -51,6 +51,12 @@ def test_training_flags_add_two_micro_batches_per_rank():
     assert L.flag_value(mine, "--global-batch-size") == "16" and mine.count("--global-batch-size") == 1
 
 
+def test_the_callers_log_interval_stands():
+    flags = L.training_flags(MODEL + ["--log-interval", "4"], nproc=1, steps=16)
+    assert L.flag_value(flags, "--log-interval") == "4" and L.log_interval(flags) == 4
+    assert L.log_interval(L.training_flags(MODEL, nproc=1, steps=16)) == 1
+
+
 def test_command_runs_megatrons_training_loop():
     cmd = L.command(MODEL, nproc=1, steps=8)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
@@ -76,6 +82,34 @@ def test_result_times_only_the_timed_steps(tmp_path):
     # Peaks and home misses: the worst rank.
     assert (run.peak_allocated_bytes, run.peak_reserved_bytes) == (101, 200)
     assert run.maxpool_stats["home_misses"] == 1 and run.cuda_graph_captured is True
+
+
+def test_result_with_a_log_interval_times_its_intervals(tmp_path):
+    """With --log-interval 4 Megatron logs steps 1, 4, 8, 12: the timed values are the intervals' means."""
+    log = tmp_path / "run.log"
+    log.write_text("".join(_log_line(s, 12, 70.0 + s, 10.0 - s / 10) for s in (1, 4, 8, 12)))
+    (tmp_path / "report").mkdir()
+    _, report = _write_run(tmp_path / "report", steps=1)
+    run = P.result("maxpool_graph", 0, str(log), report, warmup_steps=4, timed_steps=8, nproc=1,
+                   flags=MODEL + ["--log-interval", "4"])
+    assert run.step_times_s == pytest.approx((0.078, 0.082))
+    assert run.lm_loss[3] == pytest.approx(9.6) and run.lm_loss[4] is None
+    with pytest.raises(P.RunFailed, match=r"no step time logged for steps \[6, 10\]"):
+        P.result("maxpool_graph", 0, str(log), report, warmup_steps=4, timed_steps=8, nproc=1,
+                 flags=MODEL + ["--log-interval", "2"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--warmup-steps", "6", "--timed-steps", "8", "--", "--log-interval", "4"], "must be multiples of it"),
+    (["--warmup-steps", "8", "--timed-steps", "6", "--", "--log-interval", "4"], "give multiples of 4"),
+    (["--", "--log-interval", "0"], "not a whole number of steps"),
+    (["--", "--log-interval", "x"], "not a whole number of steps"),
+])
+def test_a_log_interval_that_cannot_time_steps_is_refused(argv, words, capsys, monkeypatch):
+    monkeypatch.setattr(B, "launch", lambda *a, **k: pytest.fail("nothing may run"))
+    assert B.main(["--configs", "no_db", "--no-plan", "--no-chart", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("benchmark_double_buffer: error: ") and words in err, err
 
 
 def test_result_names_missing_steps_and_reports(tmp_path):
