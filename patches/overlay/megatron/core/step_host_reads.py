@@ -29,12 +29,19 @@ only, and ``training-step-stats-stay-on-device``):
   fill on the device (:func:`new_sum`).
 * ``training_log`` reads the norm and the loss scale where it writes them, at a TensorBoard
   iteration or a log iteration (:func:`host_stat`, :func:`host_float`).
+* ``--exit-duration-in-mins`` (the fork's Slurm launchers always pass it) all-reduces "is any rank
+  over its time?" every step, as upstream, but reads the answer one step later, from a pinned
+  copy behind an event (:class:`DurationVote`): the run exits, and saves, one step after the step
+  upstream would exit at; every rank reads the same sequence of answers, so all exit together.
 
 Invariants: every logged and written value is the number upstream logs (same reductions, same
-float32 rounding); between log iterations no read waits for the GPU, so the host queues step k+1
-while the GPU runs step k (Megatron's ``--train-sync-interval`` bounds how far it runs ahead); a
-log iteration waits once, at its timer's barrier. ``HFSDP_HOST_READS_EVERY_STEP=1`` restores
-upstream's reads (any value but 0 or 1 is an error).
+float32 rounding); every rank issues upstream's collectives; between log iterations no read waits
+for the GPU, so the host queues step k+1 while the GPU runs step k (Megatron's
+``--train-sync-interval`` bounds how far it runs ahead); a log iteration waits once, at its
+timer's barrier. Options that read on the host by design still do so every step:
+``--log-params-norm``, ``--log-num-zeros-in-grad``, ``--exit-signal-handler``,
+``--timing-log-level`` 1 or more, a TensorBoard writer at ``--tensorboard-log-interval 1``.
+``HFSDP_HOST_READS_EVERY_STEP=1`` restores upstream's reads (any value but 0 or 1 is an error).
 """
 
 from __future__ import annotations
@@ -94,9 +101,11 @@ def max_stat(stat: Any, reduce: Callable[..., Any], *,
     """``reduce(stat)`` for a host number or None (upstream's MAX over the model-parallel group:
     a float, or None where no rank has the statistic). Over a group of one rank the same answer
     without a collective or a read: the number rounded to float32, as upstream's tensor rounds it,
-    and None for None or -1."""
+    and None for None or -1. A tensor (a learning rate that a captured optimizer step keeps on the
+    device) takes upstream's reduction."""
     kwargs = {} if group is None else {"group": group}
-    if every_step(environ) or torch.distributed.get_world_size(_model_parallel_group(group)) != 1:
+    if (every_step(environ) or isinstance(stat, torch.Tensor)
+            or torch.distributed.get_world_size(_model_parallel_group(group)) != 1):
         return reduce(stat, **kwargs)
     if stat is None:
         return None
@@ -121,7 +130,7 @@ def max_device_stat(stat: Any, reduce: Callable[..., Any], *,
     if stat is None:
         value = torch.full((1,), NO_STAT, dtype=torch.float32, device=torch.cuda.current_device())
     else:
-        value = stat.detach().reshape(1).to(torch.float32, copy=True)
+        value = stat.detach().reshape(1).to(device=torch.cuda.current_device(), dtype=torch.float32, copy=True)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=mp_group)
     return value
 
@@ -152,7 +161,40 @@ def host_float(value: Any) -> Any:
 
 def new_sum(environ: Mapping[str, str] = os.environ) -> torch.Tensor:
     """A loss accumulator's first value, ``[0.0]`` in float32 on the current device: a fill, where
-    upstream's ``torch.tensor([0.0], device="cuda")`` copies from the host and waits."""
+    upstream's ``torch.tensor([0.0], device="cuda")`` copies from the host and waits. ``training_log``
+    makes one per loss every step, as upstream (the default of a ``dict.get``)."""
     if every_step(environ):
         return torch.tensor([0.0], dtype=torch.float, device="cuda")
     return torch.zeros(1, dtype=torch.float, device="cuda")
+
+
+class DurationVote:
+    """Megatron's ``--exit-duration-in-mins`` vote: "is any rank past the limit?" (MAX over the
+    default group), read one step late. :meth:`__call__` starts this step's all-reduce and copies
+    its answer to pinned host memory behind an event, then returns the previous step's answer,
+    waiting only for that step's copy (which the host has long passed when it runs one step ahead
+    of the GPU). A new training (another ``started``) starts with no answer."""
+
+    def __init__(self) -> None:
+        self._pending: tuple[float, torch.Tensor, torch.cuda.Event] | None = None
+
+    def __call__(self, over: bool, *, started: float, environ: Mapping[str, str] = os.environ) -> bool:
+        if every_step(environ):  # upstream's read, this step
+            done = torch.tensor([over], dtype=torch.int, device="cuda")
+            torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
+            return bool(done.item())
+        vote = torch.full((1,), int(over), dtype=torch.int, device=torch.cuda.current_device())
+        torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MAX)
+        host = torch.empty(1, dtype=torch.int, pin_memory=True)
+        host.copy_(vote, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        previous, self._pending = self._pending, (started, host, event)
+        if previous is None or previous[0] != started:
+            return False
+        previous[2].synchronize()
+        return bool(previous[1].item())  # a host tensor: no device read
+
+
+duration_vote = DurationVote()
+
