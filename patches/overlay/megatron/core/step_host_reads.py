@@ -130,7 +130,8 @@ def max_device_stat(stat: Any, reduce: Callable[..., Any], *,
     if stat is None:
         value = torch.full((1,), NO_STAT, dtype=torch.float32, device=torch.cuda.current_device())
     else:
-        value = stat.detach().reshape(1).to(device=torch.cuda.current_device(), dtype=torch.float32, copy=True)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else stat.device  # as upstream's
+        value = stat.detach().reshape(1).to(device=device, dtype=torch.float32, copy=True)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=mp_group)
     return value
 
