@@ -35,6 +35,7 @@ case "$base" in
                                                             # optimizer-clip-in-adam-update,
                                                             # optimizer-triton-grad-norm
       tests/unit_tests/training_entry/test_step_host_reads.py  # training-step-stats-stay-on-device
+      tests/unit_tests/training_entry/test_training_log_host_reads.py  # the same
       tests/unit_tests/megatron_fsdp/test_fsdp_dtensor_state.py  # optimizer-fsdp-dtensor-empty-shard-state
       tests/unit_tests/megatron_fsdp/test_wgrad_fusion_apex.py  # tensor-parallel-fsdp-wgrad-fusion-apex
       tests/unit_tests/megatron_fsdp/test_one_rank_grad_groups.py  # mfsdp-one-rank-grad-groups

@@ -51,7 +51,8 @@ def megatron_globals(monkeypatch):
         log_loss_scale_to_tensorboard=True, log_world_size_to_tensorboard=False, log_memory_to_tensorboard=False,
         log_max_attention_logit=False, num_experts=None, mtp_num_layers=None, dsa_indexer_loss_coeff=None,
         record_memory_history=False, log_timers_to_tensorboard=False, log_throughput=False, log_energy=False,
-        train_iters=4, rl_use_sequence_packing=False, log_memory_interval=None, gtp_weight_remat_size=1)
+        train_iters=4, rl_use_sequence_packing=False, log_memory_interval=None,
+        gtp_weight_remat_size=1, rl_profile=False, freeze_all_layers=False)  # the last three: 0.19.2's
     writer = Writer()
     printed: list[str] = []
     monkeypatch.setattr(T, "get_args", lambda: args)
