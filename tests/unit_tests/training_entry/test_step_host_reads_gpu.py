@@ -68,3 +68,25 @@ def test_reads_that_remain_sync(one_rank, read):
     norm = norm_after_work()
     with syncs_raise(), pytest.raises(RuntimeError, match="synchroniz"):
         read(norm)
+
+
+@pytest.fixture
+def one_rank_nccl():
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    yield
+    dist.destroy_process_group()
+
+
+def test_duration_vote_is_read_one_step_late_without_a_sync(one_rank_nccl):
+    vote = shr.DurationVote()
+    norm_after_work()
+    with syncs_raise():
+        answers = [vote(over, started=1.0, environ={}) for over in (False, True, False, False)]
+    assert answers == [False, False, True, False]
+    assert vote(True, started=2.0, environ={}) is False  # another training starts with no answer
+    assert vote(False, started=2.0, environ={}) is True
+    with syncs_raise(), pytest.raises(RuntimeError, match="synchroniz"):
+        vote(True, started=2.0, environ=EVERY_STEP)  # upstream's read, this step
