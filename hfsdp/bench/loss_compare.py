@@ -50,7 +50,7 @@ def compare(runs: Sequence[RunResult], config: str, baseline: str, from_step: in
     for step, (b, o) in enumerate(zip(base.lm_loss[:n], other.lm_loss[:n], strict=True), start=1):
         if b is None or o is None:
             raise UserError(f"{source}: step {step} has no lm loss in {config if o is None else baseline}",
-                            "compare runs that logged every step (--log-interval 1, as the benchmark runs)")
+                            "compare runs that logged every step (--log-interval 1, the benchmark's default)")
         if b == 0:
             raise UserError(f"{source}: {baseline}'s lm loss is 0 at step {step}, so no relative difference exists",
                             "compare on data the model does not learn exactly (python -m hfsdp.bench.markov_data)")

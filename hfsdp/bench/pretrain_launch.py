@@ -72,6 +72,9 @@ def result(config: str, repeat: int, log_path: str, report_path: str, *, warmup_
     # With --log-interval K Megatron logs every K-th step, its time and loss the means over the K steps.
     every = log_interval(flags)
     timed = [s for s in range(warmup_steps + 1, warmup_steps + timed_steps + 1) if s % every == 0]
+    if other := [s for s in sorted(times) if s > 1 and s % every]:
+        raise RunFailed(f"{log_path} logs step {other[0]}: it was not written with --log-interval {every}, whose "
+                        "intervals this invocation times")
     missing = [s for s in timed if s not in times]
     if missing:
         raise RunFailed(f"no step time logged for steps {missing[:5]}"

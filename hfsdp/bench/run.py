@@ -531,6 +531,9 @@ def _main(argv: Sequence[str], stack: contextlib.ExitStack) -> int:
         raise UserError(f"--log-interval {every} logs every {every}th step, so --warmup-steps {opts.warmup_steps} "
                         f"and --timed-steps {opts.timed_steps} must be multiples of it (a timed value is the mean "
                         "of one interval)", f"give multiples of {every}, or another --log-interval")
+    if every > pretrain_launch.STARTUP_STEP:
+        print(f"note: --log-interval {every} leaves step {pretrain_launch.STARTUP_STEP} unlogged, so no run reports "
+              "its start-up", flush=True)
     shared = opts.ranks_per_gpu > 1
     check_paths(opts, shared)
     if not opts.from_logs:

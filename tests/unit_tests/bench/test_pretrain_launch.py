@@ -97,6 +97,10 @@ def test_result_with_a_log_interval_times_its_intervals(tmp_path):
     with pytest.raises(P.RunFailed, match=r"no step time logged for steps \[6, 10\]"):
         P.result("maxpool_graph", 0, str(log), report, warmup_steps=4, timed_steps=8, nproc=1,
                  flags=MODEL + ["--log-interval", "2"])
+    every_step, _ = _write_run(tmp_path, steps=12)  # a log of --log-interval 1, read as one of 4
+    with pytest.raises(P.RunFailed, match="logs step 2: it was not written with --log-interval 4"):
+        P.result("maxpool_graph", 0, every_step, report, warmup_steps=4, timed_steps=8, nproc=1,
+                 flags=MODEL + ["--log-interval", "4"])
 
 
 @pytest.mark.parametrize("argv, words", [

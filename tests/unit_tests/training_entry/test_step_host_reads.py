@@ -108,6 +108,13 @@ def test_one_rank_host_number_is_upstreams_float32(world, stat):
     assert shr.host_stat(got) == got
 
 
+def test_a_tensor_learning_rate_takes_upstreams_reduction(world):
+    """A captured optimizer step keeps its learning rate on the device (TE's FusedAdam, capturable)."""
+    reduce = Recorder(lambda stat: upstream_max(float(stat)))
+    assert shr.max_stat(torch.tensor(1e-4), reduce, group=GROUP, environ={}) == upstream_max(1e-4)
+    assert len(reduce.calls) == 1
+
+
 def test_one_rank_device_norm_is_kept(world):
     reduce = Recorder(upstream_max)
     norm = torch.tensor([2.75])

@@ -84,9 +84,10 @@ def test_duration_vote_is_read_one_step_late_without_a_sync(one_rank_nccl):
     vote = shr.DurationVote()
     norm_after_work()
     with syncs_raise():
-        answers = [vote(over, started=1.0, environ={}) for over in (False, True, False, False)]
+        answers = [vote(over, environ={}) for over in (False, True, False, False)]
     assert answers == [False, False, True, False]
-    assert vote(True, started=2.0, environ={}) is False  # another training starts with no answer
-    assert vote(False, started=2.0, environ={}) is True
+    vote(True, environ={})
+    vote.reset()  # train() starts here: a new training has no answer yet
+    assert vote(False, environ={}) is False
     with syncs_raise(), pytest.raises(RuntimeError, match="synchroniz"):
-        vote(True, started=2.0, environ=EVERY_STEP)  # upstream's read, this step
+        vote(True, environ=EVERY_STEP)  # upstream's read, this step

@@ -174,12 +174,16 @@ class DurationVote:
     default group), read one step late. :meth:`__call__` starts this step's all-reduce and copies
     its answer to pinned host memory behind an event, then returns the previous step's answer,
     waiting only for that step's copy (which the host has long passed when it runs one step ahead
-    of the GPU). A new training (another ``started``) starts with no answer."""
+    of the GPU). ``train()`` calls :meth:`reset` first: a training (a restart in the same process
+    included) starts with no answer, so its ranks agree."""
 
     def __init__(self) -> None:
-        self._pending: tuple[float, torch.Tensor, torch.cuda.Event] | None = None
+        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
-    def __call__(self, over: bool, *, started: float, environ: Mapping[str, str] = os.environ) -> bool:
+    def reset(self) -> None:
+        self._pending = None
+
+    def __call__(self, over: bool, environ: Mapping[str, str] = os.environ) -> bool:
         if every_step(environ):  # upstream's read, this step
             done = torch.tensor([over], dtype=torch.int, device="cuda")
             torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
@@ -190,12 +194,11 @@ class DurationVote:
         host.copy_(vote, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        previous, self._pending = self._pending, (started, host, event)
-        if previous is None or previous[0] != started:
+        previous, self._pending = self._pending, (host, event)
+        if previous is None:
             return False
-        previous[2].synchronize()
-        return bool(previous[1].item())  # a host tensor: no device read
+        previous[1].synchronize()
+        return bool(previous[0].item())  # a host tensor: no device read
 
 
 duration_vote = DurationVote()
-
