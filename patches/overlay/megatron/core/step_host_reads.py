@@ -36,11 +36,12 @@ only, and ``training-step-stats-stay-on-device``):
 
 Invariants: every logged and written value is the number upstream logs (same reductions, same
 float32 rounding); every rank issues upstream's collectives; between log iterations no read waits
-for the GPU, so the host queues step k+1 while the GPU runs step k (Megatron's
-``--train-sync-interval`` bounds how far it runs ahead); a log iteration waits once, at its
-timer's barrier. Options that read on the host by design still do so every step:
-``--log-params-norm``, ``--log-num-zeros-in-grad``, ``--exit-signal-handler``,
-``--timing-log-level`` 1 or more, a TensorBoard writer at ``--tensorboard-log-interval 1``.
+for the step it follows (the exit vote waits for the step before), so the host queues step k+1
+while the GPU runs step k (Megatron's ``--train-sync-interval`` bounds how far it runs ahead); a
+log iteration reads, and so waits, at its timer's barrier. Options that read on the host by
+design still do so every step: ``--log-params-norm``, ``--log-num-zeros-in-grad``,
+``--exit-signal-handler``, ``--timing-log-level`` 1 or more, a TensorBoard writer at
+``--tensorboard-log-interval 1``.
 ``HFSDP_HOST_READS_EVERY_STEP=1`` restores upstream's reads (any value but 0 or 1 is an error).
 """
 
