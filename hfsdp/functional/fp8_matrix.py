@@ -89,18 +89,12 @@ class Refusal:
     check_words: str
 
 
-BLOCKWISE_DOUBLE_BUFFER = Refusal(
-    mark="refused (a)",
-    says="(a) After each optimizer step, re-quantizing blockwise-FP8 parameters holds every unit's weight bucket\n"
-         "at once, more than a double buffer's groups (max-pool, lanes and FixedPool alike). Use another recipe,\n"
-         "drop `--fp8-param-gather`, or train without a double buffer.",
-    check_words="cannot hold blockwise-FP8 parameters",
-)
 OPEN = "open"
 LEGEND = ("A case cell gives the GPU kinds of its golden, or \"no golden yet\": only a GPU run tells. Open: no case\n"
           "yet, and nothing in the code says it fails.")
-REFUSED: Mapping[tuple[str, bool, str], Refusal] = MappingProxyType(
-    {("blockwise", True, feature): BLOCKWISE_DOUBLE_BUFFER for feature in ("max-pool", "lanes", "nccl-ub")})
+# No cell is refused: under a double buffer, blockwise-FP8 parameters are re-quantized one pooled unit at a
+# time (patch mfsdp-blockwise-fp8-requantize-per-unit).
+REFUSED: Mapping[tuple[str, bool, str], Refusal] = MappingProxyType({})
 MXFP8 = ("`mxfp8` has no row: it is Blackwell's recipe, and below compute capability 10 `validate_args` refuses\n"
          "it (TE would raise in the first forward step); on Hopper use `delayed`, `tensorwise` or `blockwise`.")
 

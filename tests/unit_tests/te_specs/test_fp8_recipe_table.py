@@ -105,17 +105,35 @@ def test_refused_cells_and_only_they_are_refused_by_validate_args(megatron_args,
         assert problems == [], problems
 
 
-def test_a_cell_is_a_case_or_a_refusal_not_both() -> None:
+REFUSAL = M.Refusal(mark="refused (a)", says="(a) A reason. The way out.", check_words="cannot")
+
+
+def test_a_cell_is_a_case_or_a_refusal_not_both(monkeypatch: pytest.MonkeyPatch) -> None:
     key = ("blockwise", True, "max-pool")
+    monkeypatch.setattr(M, "REFUSED", {key: REFUSAL})
+    assert M.cell(M.Row("blockwise", True), M.FEATURES[2], {}) == REFUSAL
     with pytest.raises(ValueError, match=r"is both a case \(moe/some_case\) and a refusal"):
         M.cell(M.Row("blockwise", True), M.FEATURES[2], {**FOUND, key: "moe/some_case"})
+
+
+def test_a_refused_cell_shows_its_mark_and_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(M, "REFUSED", {("blockwise", True, "max-pool"): REFUSAL})
+    text = M.table(tmp_path)
+    assert text.count("refused (a)") == 1 and "(a) A reason. The way out." in text
+
+
+def test_blockwise_fp8_parameters_have_double_buffer_cases() -> None:
+    """Re-quantized one pooled unit at a time, blockwise-FP8 parameters run every double buffer."""
+    for feature, variant in (("max-pool", "maxpool"), ("lanes", "graph_maxpool_lanes3"),
+                             ("nccl-ub", "graph_maxpool_nccl_ub")):
+        assert FOUND["blockwise", True, feature] == f"moe/moe_mcore_te_fsdp_2gpu_fp8_blockwise_pg_{variant}"
 
 
 def test_the_table_says_cases_refusals_and_mxfp8() -> None:
     text = M.table()
     assert "`moe/moe_mcore_te_fsdp_1gpu_fp8_delayed_eager_no_db` (golden: h200)" in text
     assert "`moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_maxpool` (golden: h200 shared)" in text
-    assert text.count("refused (a)") == 3 and "(a) After each optimizer step" in text
+    assert "refused" not in text and not M.REFUSED
     assert "`mxfp8` has no row" in text
 
 

@@ -132,15 +132,14 @@ MAX_POOL = ["--fsdp-double-buffer", "--megatron-fsdp-max-pool-double-buffer"]
 @pytest.mark.parametrize("double_buffer", [
     MAX_POOL,
     MAX_POOL + ["--megatron-fsdp-max-pool-lanes", "3"],
-    ["--fsdp-double-buffer"],  # 0.18.2's FixedPool: "No buffer found" on its third pooled unit
+    ["--fsdp-double-buffer"],  # 0.18.2's FixedPool
     ["--use-nccl-ub"],  # implies a double buffer
     MAX_POOL + ["--use-nccl-ub"],
 ])
-def test_any_double_buffer_with_blockwise_fp8_params_is_rejected(parsed, double_buffer):
+def test_any_double_buffer_takes_blockwise_fp8_params(parsed, double_buffer):
+    """Re-quantized one pooled unit at a time (patch mfsdp-blockwise-fp8-requantize-per-unit)."""
     flags = TE + "--fp8-format e4m3 --fp8-param-gather --fp8-recipe blockwise".split() + double_buffer
-    problems = te_arg_problems(parsed(flags), environ={})
-    assert len(problems) == 1 and "cannot hold blockwise-FP8 parameters" in problems[0], problems
-    assert "Use another --fp8-recipe, drop --fp8-param-gather, or train without a double buffer" in problems[0]
+    assert te_arg_problems(parsed(flags), environ={}) == []
 
 
 @pytest.mark.parametrize("drop, add", [
@@ -170,17 +169,12 @@ def test_mxfp8_on_hopper_is_refused_by_validate_args(validate):
     assert "--fp8-recipe mxfp8 needs a GPU of compute capability 10" in msg, msg
 
 
-def test_blockwise_fp8_params_with_max_pool_are_refused_by_validate_args(validate):
-    msg = rejected(validate, TE + FP8 + ["--fp8-recipe", "blockwise"])
-    assert "cannot hold blockwise-FP8 parameters" in msg, msg
-
-
 def test_every_problem_is_reported_at_once(parsed):
-    args = parsed(LOCAL + MOE + DET + FP8 + ["--moe-grouped-gemm", "--fp8-recipe", "blockwise"])
+    args = parsed(LOCAL + MOE + DET + FP8 + ["--moe-grouped-gemm", "--fp8-recipe", "mxfp8"])
     args.transformer_impl = "transformer_engine"  # TE attention and local grouped GEMM cannot coexist
-    assert len(te_arg_problems(args, environ={"NVTE_UNFUSED_ATTN": "0"})) == 3
+    assert len(te_arg_problems(args, environ={"NVTE_UNFUSED_ATTN": "0"}, device_arch=9)) == 3
     args.transformer_impl = "local"
-    assert len(te_arg_problems(args, environ={"NVTE_UNFUSED_ATTN": "0"})) == 3
+    assert len(te_arg_problems(args, environ={"NVTE_UNFUSED_ATTN": "0"}, device_arch=9)) == 3
 
 
 HYBRID = ["--hybrid-layer-pattern", "M*", "--num-layers", "2"]

@@ -48,13 +48,14 @@ TE_CASES = {
        else f"moe/moe_mcore_te_fsdp_2gpu_fp8_{row}_eager_no_db"
        for row in ("delayed", "delayed_pg", "tensorwise", "blockwise")
        for kind in ("eager_no_db", "graph_maxpool_nccl_ub", "graph_maxpool_lanes3")},
-    **{f"moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_{kind}":
-       "moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_eager_no_db"
-       for kind in ("graph_maxpool_nccl_ub", "graph_maxpool_lanes3")},
+    **{f"moe/moe_mcore_te_fsdp_2gpu_fp8_{row}_pg_{kind}": f"moe/moe_mcore_te_fsdp_2gpu_fp8_{row}_pg_eager_no_db"
+       for row in ("tensorwise", "blockwise") for kind in ("graph_maxpool_nccl_ub", "graph_maxpool_lanes3")},
+    "moe/moe_mcore_te_fsdp_2gpu_fp8_blockwise_pg_eager_no_db": None,
+    "moe/moe_mcore_te_fsdp_2gpu_fp8_blockwise_pg_maxpool": "moe/moe_mcore_te_fsdp_2gpu_fp8_blockwise_pg_eager_no_db",
 }
 TWO_RANKS = {case for case in TE_CASES if "_2gpu_" in case}
 # The FP8 recipe rows with DP=2 graphed max-pool cases (NCCL user buffers, 3 lanes).
-FP8_DP2_ROWS = ("delayed", "delayed_pg", "tensorwise", "tensorwise_pg", "blockwise")
+FP8_DP2_ROWS = ("delayed", "delayed_pg", "tensorwise", "tensorwise_pg", "blockwise", "blockwise_pg")
 MAXPOOL = {"--fsdp-double-buffer": True, "--megatron-fsdp-max-pool-double-buffer": True}
 GRAPH = {"--cuda-graph-impl": "full_iteration", "--cuda-graph-warmup-steps": 3, "--logging-level": 20}
 
@@ -88,6 +89,7 @@ def test_the_te_cases_exist_and_take_the_deterministic_settings() -> None:
     ("moe/moe_mcore_te_fsdp_1gpu_fp8_delayed_graph_no_db", GRAPH),
     ("moe/moe_mcore_te_fsdp_1gpu_fp8_blockwise_pg_graph_no_db", GRAPH),
     ("moe/moe_mcore_te_fsdp_2gpu_fp8_tensorwise_pg_maxpool", MAXPOOL),
+    ("moe/moe_mcore_te_fsdp_2gpu_fp8_blockwise_pg_maxpool", MAXPOOL),
     *[(f"moe/moe_mcore_te_fsdp_2gpu_fp8_{row}_graph_maxpool_nccl_ub", {**GRAPH, **MAXPOOL, "--use-nccl-ub": True})
       for row in FP8_DP2_ROWS],
     *[(f"moe/moe_mcore_te_fsdp_2gpu_fp8_{row}_graph_maxpool_lanes3",

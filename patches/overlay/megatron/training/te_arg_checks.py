@@ -20,13 +20,6 @@ the checks the first three fail after the process groups are up, while the model
   TE's ``TEGroupedMLP``; the local spec provider builds ``SequentialMLP`` whatever the flag says
   (``LocalSpecProvider.grouped_mlp_modules`` ignores it, ``hybrid_local_stack_spec`` pins
   ``moe_grouped_gemm=False``), so the flag would silently do nothing.
-* Any double buffer with blockwise-FP8 parameters (``--fp8-param-gather --fp8-recipe
-  blockwise``): after each optimizer step ``copy_main_weights_to_model_weights`` fetches the
-  weight bucket of every blockwise-FP8 unit before it frees any (up to 5 GB), more units than
-  the pool has groups. The max-pool (and its lanes) raises on the third live unit ([Note:
-  double buffer], failure modes: too many live units); 0.18.2's FixedPool asserts "No buffer
-  found" on the third unit of its pooled class; NCCL user buffers imply one of the two.
-  Without a double buffer the buckets are allocated as needed.
 * FP8 with Mamba layers whose input projection is not a multiple of 16 wide
   (``2 * d_inner + 2 * groups * state + heads``): ``MambaMixer.__init__`` asserts it while the
   model is built. The check names the nearest ``--mamba-num-heads`` that satisfies it.
@@ -44,10 +37,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import FLAGS, policy_from_args
-
-# What turns a double buffer on ([Note: double buffer], policy: double_buffering).
-DOUBLE_BUFFER_FLAGS = f"--fsdp-double-buffer, {FLAGS.max_pool} or --use-nccl-ub"
 MXFP8_MIN_ARCH = 10  # TE's check_mxfp8_support: compute capability 10.0 or higher
 ATTENTION_SYMBOL = "*"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.ATTENTION
 MAMBA_SYMBOL = "M"  # ... Symbols.MAMBA
@@ -177,19 +166,6 @@ def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None,
             "(TEGroupedMLP) exist only in the Transformer Engine specs, and the local specs build "
             "SequentialMLP experts. Drop --moe-grouped-gemm, or use --transformer-impl "
             "transformer_engine."
-        )
-    if (
-        policy_from_args(args).double_buffer
-        and args.fp8_param_gather
-        and args.fp8
-        and args.fp8_recipe == "blockwise"
-    ):
-        problems.append(
-            f"The double buffer ({DOUBLE_BUFFER_FLAGS}) cannot hold blockwise-FP8 parameters "
-            "(--fp8-param-gather with --fp8-recipe blockwise): after each optimizer step their "
-            "re-quantization fetches the weight buckets of many FSDP units at once, more than the "
-            "pool's buffer groups. Use another --fp8-recipe, drop --fp8-param-gather, or train "
-            "without a double buffer."
         )
     mamba_fp8 = _mamba_fp8_problem(args)
     if mamba_fp8 is not None:
