@@ -40,6 +40,7 @@ case "$base" in
       tests/unit_tests/megatron_fsdp/test_wgrad_fusion_apex.py  # tensor-parallel-fsdp-wgrad-fusion-apex
       tests/unit_tests/megatron_fsdp/test_one_rank_grad_groups.py  # mfsdp-one-rank-grad-groups
       tests/unit_tests/megatron_fsdp/test_model_pools.py    # mfsdp-model-own-pools
+      tests/unit_tests/megatron_fsdp/test_blockwise_fp8_requantize.py  # mfsdp-blockwise-fp8-requantize-per-unit
       tests/unit_tests/test_megatron_help.py                # arguments-help-percent
       tests/unit_tests/test_megatron_args.py                # Megatron's own parse, as the tests use it
       tests/unit_tests/test_import_order.py                 # the hooks keep Megatron Core bound, whatever comes

@@ -75,8 +75,8 @@ Failure modes. Each invariant is named after the failure it rules out:
   ``mem_alloc_context``; under ``nccl_ub`` all of them at init, after a plan-hash check and a
   rendezvous of the ranks (symmetric.py).
 - too many live units: a unit beyond the live-unit limit raises in ``_acquire_group``, naming
-  the owners. Blockwise-FP8 re-quantization fetches more units at once, so validate_args
-  rejects it with any double buffer (te_arg_checks.py).
+  the owners. Blockwise-FP8 re-quantization after the optimizer step fetches one unit's
+  weight bucket at a time (``copy_main_weights_to_model_weights``).
 - wgrad race: the main_grad getter, which TE's fused wgrad accumulation calls directly, claims
   the grad bucket under the limit, and the compute stream waits on every drained reduce-scatter,
   so a wgrad never overwrites a pending reduce-scatter input.

@@ -273,7 +273,7 @@ class MaxPool:
             raise RuntimeError(
                 f"[{self.name}] no idle buffer group for unit {unit_id}: groups are owned by "
                 f"{self.group_owner}, live buckets {self.unit_live}. More than {self.size} units "
-                "requested at once (prefetch / blockwise-FP8 batching / missing live-unit limit?); "
+                "requested at once (prefetch / missing live-unit limit?); "
                 "see [Note: double buffer], failure modes: too many live units"
             )
         return idle
