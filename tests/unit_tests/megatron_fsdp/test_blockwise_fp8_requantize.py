@@ -1,6 +1,8 @@
 """Blockwise-FP8 re-quantization after the optimizer step (mfsdp-blockwise-fp8-requantize-per-unit.patch), on
-CPU: a double-buffered unit's weight bucket is fetched, re-quantized and freed before the next unit fetches
-its own, so the pool never holds two units there; groups outside the double buffer batch as upstream does."""
+CPU: a double-buffered unit's weight bucket is fetched (as scratch: no home), re-quantized and freed before the
+next unit fetches its own, so the pool never holds two units there; every rank quantizes, and so all-reduces
+amaxes, with the same parameters, also a rank whose shard of a group is empty; groups outside a double buffer
+batch as upstream does."""
 
 from __future__ import annotations
 
@@ -13,24 +15,26 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buff
 
 
 class Live:
-    """The weight buckets fetched and not yet freed, by unit, and the most units ever held at once."""
+    """The weight buckets fetched and not yet freed, and the most units they ever belonged to at once."""
 
     def __init__(self) -> None:
-        self.units: set[int] = set()
+        self.buckets: dict[int, int] = {}  # id(weight buffer) -> unit
         self.most = 0
+        self.strict: list[bool] = []
 
-    def fetch(self, unit: int) -> None:
-        self.units.add(unit)
-        self.most = max(self.most, len(self.units))
+    def fetch(self, buf: WeightBuf, strict: bool) -> None:
+        self.buckets[id(buf)] = buf.unit
+        self.most = max(self.most, len(set(self.buckets.values())))
+        self.strict.append(strict)
 
 
 class WeightBuf:
     """One parameter group's sharded model-weight buffer, as copy_main_weights_to_model_weights reads it:
-    the local shard is the whole parameter (one rank), the bucket a fresh unsharded copy."""
+    this rank's shard is the whole parameter, or empty; the bucket a fresh unsharded copy."""
 
-    def __init__(self, unit: int, numel: int, live: Live) -> None:
+    def __init__(self, unit: int, numel: int, empty_shard: bool, live: Live) -> None:
         self.unit, self.live = unit, live
-        self.data = torch.zeros(numel)
+        self.data = torch.zeros(0 if empty_shard else numel)
         self.is_data_distributed = True
         self.bucket_index = SimpleNamespace(size=numel)
         self.bucket: torch.Tensor | None = None
@@ -41,10 +45,10 @@ class WeightBuf:
     def locate_item_in_global_item(self, item_id: int) -> tuple[int, int]:
         return 0, self.data.numel()
 
-    def fetch_bucket(self) -> torch.Tensor:
+    def fetch_bucket(self, strict_assignments: bool = True) -> torch.Tensor:
         if self.bucket is None:
             self.bucket = torch.full_like(self.data, float("nan"))
-            self.live.fetch(self.unit)
+            self.live.fetch(self, strict_assignments)
         return self.bucket
 
     def get_item_from_bucket(self, bucket: torch.Tensor, item_id: int) -> torch.Tensor:
@@ -53,40 +57,48 @@ class WeightBuf:
     def free_bucket_storage(self) -> None:
         assert self.bucket is not None, f"unit {self.unit}: freed a bucket it did not fetch"
         self.bucket = None
-        self.live.units.discard(self.unit)
+        del self.live.buckets[id(self)]
 
 
-def buffer_of(units: int, double_buffered: bool, live: Live):
-    """A ParamAndGradBuffer with one blockwise-FP8 parameter per unit, units 0..units-1."""
+# (unit, expert?) per parameter group: unit 1 has a dense and an expert group.
+GROUPS = ((0, False), (1, False), (1, True), (2, False))
+
+
+def buffer_of(double_buffered: bool, live: Live, empty: frozenset[int] = frozenset()):
+    """A ParamAndGradBuffer with one blockwise-FP8 parameter per group of GROUPS; ``empty``: the groups
+    whose shard this rank does not hold."""
     torch.manual_seed(0)
     buf = object.__new__(pgb.ParamAndGradBuffer)
     buf._main_to_model_pairs = None
     buf.model_weight_writes = None
     buf.param_to_name = {}
-    buf.double_buf_units = list(range(units)) if double_buffered else []
+    buf.double_buf_units = sorted({unit for unit, _ in GROUPS}) if double_buffered else []
     buf.parameter_groups = []
-    for unit in range(units):
+    for index, (unit, expert) in enumerate(GROUPS):
         param = torch.nn.Parameter(torch.zeros(4, 3))
-        data = torch.randn(12)
-        main = SimpleNamespace(param_idx={param: 0}, is_data_distributed=True, data_parallel_group=None, data=data,
+        data = torch.randn(0 if index in empty else 12)
+        main = SimpleNamespace(param_idx={param: 0}, is_data_distributed=True, data=data,
+                               data_parallel_group="expert-dp" if expert else "dp",
                                get_item=lambda item_id, only_shard=False, data=data: data)
         buf.parameter_groups.append(SimpleNamespace(
-            main_weight_buffer=main, model_weight_buffer=WeightBuf(unit, 12, live), transpose_weight_buffer=None,
-            is_expert_param=False, params=[param], fsdp_unit_id=unit))
+            main_weight_buffer=main, model_weight_buffer=WeightBuf(unit, 12, index in empty, live),
+            transpose_weight_buffer=None, is_expert_param=expert, params=[param], fsdp_unit_id=unit))
     return buf
 
 
 @pytest.fixture
 def quantize_calls(monkeypatch):
     """fp8_quantize stood in by a copy of each main weight into its bucket slice (the shard model param),
-    recording how many parameters each call quantized; every parameter counts as blockwise FP8."""
-    calls: list[int] = []
+    recording each call's group and parameter count (what TE's amax all-reduce packs); every parameter
+    counts as blockwise FP8."""
+    calls: list[tuple[str, int]] = []
 
     def fake_quantize(model_params, main_params, start_offsets, data_parallel_group, fsdp_shard_model_params):
-        calls.append(len(model_params))
+        calls.append((data_parallel_group, len(model_params)))
         for main, (shard, transpose) in zip(main_params, fsdp_shard_model_params, strict=True):
             assert transpose is None
-            shard.copy_(main)
+            if main is not None:
+                shard.copy_(main)
 
     monkeypatch.setattr(pgb, "fp8_quantize", fake_quantize)
     monkeypatch.setattr(pgb, "is_blockwise_float8tensor", lambda t: isinstance(t, torch.nn.Parameter))
@@ -94,21 +106,33 @@ def quantize_calls(monkeypatch):
     return calls
 
 
-def test_double_buffered_units_are_requantized_one_at_a_time(quantize_calls):
+def requantize(double_buffered: bool, calls: list, empty: frozenset[int] = frozenset()):
     live = Live()
-    buf = buffer_of(4, double_buffered=True, live=live)
+    buf = buffer_of(double_buffered, live, empty)
     buf.copy_main_weights_to_model_weights()
-    assert live.most == 1 and live.units == set()
-    assert quantize_calls == [1, 1, 1, 1]
     for pg in buf.parameter_groups:
         assert torch.equal(pg.model_weight_buffer.data, pg.main_weight_buffer.data)
+    got = list(calls)
+    calls.clear()
+    return live, got
+
+
+def test_double_buffered_units_are_requantized_one_at_a_time(quantize_calls):
+    live, calls = requantize(True, quantize_calls)
+    assert live.most == 1 and live.buckets == {}
+    assert calls == [("dp", 1), ("dp", 1), ("expert-dp", 1), ("dp", 1)]
+    assert live.strict == [False] * len(GROUPS)  # scratch fetches set no unit's home
+
+
+@pytest.mark.parametrize("empty", [{1}, {0, 1}, {3}, {0, 1, 2, 3}])
+def test_a_rank_with_empty_shards_quantizes_with_the_same_parameters(quantize_calls, empty):
+    """The calls pair up across ranks in order (each all-reduces amaxes): the same sequence on every rank."""
+    _, full = requantize(True, quantize_calls)
+    live, partial = requantize(True, quantize_calls, empty=frozenset(empty))
+    assert partial == full and live.most <= 1
 
 
 def test_groups_outside_a_double_buffer_batch_as_upstream(quantize_calls):
-    live = Live()
-    buf = buffer_of(4, double_buffered=False, live=live)
-    buf.copy_main_weights_to_model_weights()
-    assert live.most == 4 and live.units == set()  # one batch under 5 GB: every bucket at once
-    assert quantize_calls == [4]
-    for pg in buf.parameter_groups:
-        assert torch.equal(pg.model_weight_buffer.data, pg.main_weight_buffer.data)
+    live, calls = requantize(False, quantize_calls)
+    assert live.most == 3 and live.buckets == {}  # one batch under 5 GB: every bucket at once
+    assert calls == [("dp", 3), ("expert-dp", 1)]
