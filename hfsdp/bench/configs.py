@@ -74,7 +74,6 @@ FP8_RECIPES = {
 }
 # Adam's moments stored in bf16 (the precision-aware optimizer's --exp-avg-dtype, --exp-avg-sq-dtype):
 # 8 bytes of state fewer per parameter, but TE's Adam kernel is slower with them (results.md).
-OPTIMIZER_GRAPH_FLAG = "--optimizer-cuda-graph"  # Megatron's own: the optimizer step in a CUDA graph of its own
 BF16_MOMENTS_FLAGS = ("--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16")
 # Flags that change a run's numbers, not only its speed and memory: see loss_baseline.
 NUMERICS_FLAGS = frozenset({BF16_RS_FLAG, *FUSION_FLAGS, PAO_FLAG, FP8_FLAG, "--fp8-param-gather",
@@ -185,13 +184,6 @@ CONFIGS = {
            ("prev", "with the zero fill, per-parameter copies after the step and per-parameter gradient writes",
             ((ZERO_GRAD_FILL_ENV, "1"), (SEPARATE_MODEL_COPIES_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"),
              (PER_PARAM_GRAD_WRITES_ENV, "1"))))},
-    # The same with Megatron's --optimizer-cuda-graph: the optimizer step captured in a graph of its own,
-    # replayed after the full-iteration graph. It steps with TE's capturable FusedAdam (the learning rate and
-    # step count on the device), which takes none of the fork's optimizer kernels (adam_model_writes.py).
-    "te_maxpool_ub_graph_bf16rs_fused_pao_ocg": BenchConfig(
-        "te_maxpool_ub_graph_bf16rs_fused_pao_ocg",
-        (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, OPTIMIZER_GRAPH_FLAG),
-        "te_maxpool_ub_graph_bf16rs_fused_pao with the optimizer step in a CUDA graph of its own", "maxpool", "te"),
     # The same with Adam's moments in bf16: the optimizer step is memory-bound, so fewer bytes are the lever.
     "te_maxpool_ub_graph_bf16rs_fused_pao_bf16m": BenchConfig(
         "te_maxpool_ub_graph_bf16rs_fused_pao_bf16m",

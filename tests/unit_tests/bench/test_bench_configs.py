@@ -146,7 +146,6 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_tl2n",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_hre",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_prev",
-                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_ocg",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_bf16m",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_delayed",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise",
@@ -285,12 +284,6 @@ def test_step_path_configs_switch_back_one_change_each():
         config = C.CONFIGS[f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}"]
         assert config.flags == best.flags, suffix
         assert dict(config.env) == dict.fromkeys(switches, "1"), suffix
-
-
-def test_ocg_is_the_best_configuration_with_megatrons_optimizer_graph_flag():
-    best, ocg = C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao"], C.CONFIGS["te_maxpool_ub_graph_bf16rs_fused_pao_ocg"]
-    assert ocg.flags == (*best.flags, "--optimizer-cuda-graph") and ocg.env == best.env == ()
-    assert C.loss_baseline(best.name) == best.name and C.loss_baseline(ocg.name) == ocg.name  # no eager twin
 
 
 def test_realistic_1gpu_preset_is_the_realistic_model_cut_to_12_layers():
