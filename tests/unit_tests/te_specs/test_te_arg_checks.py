@@ -206,3 +206,59 @@ def test_fp8_mamba_width_is_megatrons(parsed):
     assert "self.d_inner = int(self.expand * self.d_model)" in source
     assert inspect.signature(mamba_mixer.MambaMixer.__init__).parameters["expand"].default == 2
     assert not te_arg_problems(parsed(TE + HYBRID + ["--hidden-size", "64"]), environ={})  # bf16: no check
+
+
+PAO = ["--use-precision-aware-optimizer"]
+OPT_GRAPH = ["--optimizer-cuda-graph"]
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (PAO + OPT_GRAPH, True),  # bf16 parameters, fp32 master weights: TE stores the remainders
+    (PAO + OPT_GRAPH + ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"], True),  # TE keeps master weights
+    (PAO + OPT_GRAPH + ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], False),  # Megatron keeps them
+    (PAO + OPT_GRAPH + ["--main-params-dtype", "fp16"], False),  # fp16 master weights: no remainders
+    (PAO + OPT_GRAPH + ["--optimizer-cpu-offload"], False),  # HybridDeviceOptimizer
+    (OPT_GRAPH, False),
+    (PAO, False),
+])
+def test_optimizer_graph_with_param_remainders(parsed, flags, refused):
+    problems = te_arg_problems(parsed(TE + flags), environ={})
+    assert bool(problems) == refused, problems
+    if refused:
+        assert "which TE refuses" in problems[0], problems[0]
+        assert "Drop --optimizer-cuda-graph" in problems[0], problems[0]
+
+
+def test_optimizer_graph_with_param_remainders_is_refused_by_validate_args(validate):
+    msg = rejected(validate, TE + PAO + OPT_GRAPH)
+    assert "--optimizer-cuda-graph with --use-precision-aware-optimizer" in msg, msg
+
+
+@pytest.mark.parametrize("main_dtype, recipe, offload", [
+    (torch.float32, None, False), (torch.float32, "delayed", False), (torch.float32, "tensorwise", False),
+    (torch.float32, "blockwise", False), (torch.float16, None, False), (torch.float32, None, True),
+])
+def test_the_refusal_is_megatrons_master_weight_condition(monkeypatch, main_dtype, recipe, offload):
+    """Where the check refuses is where Megatron's OptimizerConfig has TE's FusedAdam keep fp32 master
+    weights (use_precision_aware_optimizer_no_fp8_or_ds_fp8, read back from Megatron's own config)."""
+    import types
+
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+    from megatron.training.te_arg_checks import _optimizer_graph_with_param_remainders
+
+    class FusedAdam:  # the signature OptimizerConfig checks for; no TE needed on a CPU machine
+        def __init__(self, master_weight_dtype=None, exp_avg_dtype=None, exp_avg_sq_dtype=None,
+                     use_decoupled_grad=False):
+            pass
+
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    optimizers = types.ModuleType("transformer_engine.pytorch.optimizers")
+    optimizers.FusedAdam = FusedAdam  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.optimizers", optimizers)
+    config = OptimizerConfig(use_precision_aware_optimizer=True, use_distributed_optimizer=True, bf16=True,
+                             main_params_dtype=main_dtype, fp8_recipe=recipe, optimizer_cpu_offload=offload)
+    master_weights_fp32 = config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 and main_dtype == torch.float32
+    args = types.SimpleNamespace(optimizer_cuda_graph=True, use_precision_aware_optimizer=True,
+                                 optimizer_cpu_offload=offload, main_params_dtype=main_dtype, fp8_recipe=recipe)
+    assert _optimizer_graph_with_param_remainders(args) == (master_weights_fp32 and not offload)

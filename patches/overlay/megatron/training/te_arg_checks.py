@@ -26,6 +26,11 @@ the checks the first three fail after the process groups are up, while the model
 * ``--fp8-recipe mxfp8`` on a GPU below compute capability 10 (Hopper): TE's FP8 autocast
   checks MXFP8 support when it is entered, so the first forward step raises. MXFP8 is
   Blackwell's recipe; on Hopper the recipes are delayed, tensorwise and blockwise.
+* ``--optimizer-cuda-graph`` with ``--use-precision-aware-optimizer`` where TE's FusedAdam
+  keeps fp32 master weights (``--main-params-dtype fp32``, no FP8 or delayed scaling, no CPU
+  offload): Megatron builds that FusedAdam with ``capturable=True`` and
+  ``store_param_remainders=True`` (no flag turns the latter off), which TE (2.1 on) refuses with
+  "Capturable mode doesn't support storing param remainders" while the optimizer is built.
 
 What each FP8 recipe does with each feature of the fork, case or refusal, is one table,
 generated into docs/transformer-engine.md from ``hfsdp/functional/fp8_matrix.py``. Not checked
@@ -179,7 +184,26 @@ def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None,
                 "forward step enters its FP8 autocast. Use --fp8-recipe delayed, tensorwise or "
                 "blockwise."
             )
+    if _optimizer_graph_with_param_remainders(args):
+        problems.append(
+            "--optimizer-cuda-graph with --use-precision-aware-optimizer and fp32 main parameters: "
+            "Megatron builds Transformer Engine's FusedAdam capturable and storing the bf16 parameters' "
+            "remainders, which TE refuses while the optimizer is built. Drop --optimizer-cuda-graph "
+            "(the optimizer step then runs eagerly after the graph), or drop "
+            "--use-precision-aware-optimizer."
+        )
     return problems
+
+
+def _optimizer_graph_with_param_remainders(args: Any) -> bool:
+    """Megatron's OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8 (TE's FusedAdam then keeps
+    master weights of --main-params-dtype), with a capturable optimizer and fp32 master weights."""
+    if not (getattr(args, "optimizer_cuda_graph", False) and args.use_precision_aware_optimizer):
+        return False
+    if getattr(args, "optimizer_cpu_offload", False):
+        return False  # HybridDeviceOptimizer, not TE's FusedAdam
+    fp32_main = str(args.main_params_dtype) in ("fp32", "torch.float32")
+    return fp32_main and args.fp8_recipe in (None, "delayed")
 
 
 def validate_te_args(args: Any) -> None:
