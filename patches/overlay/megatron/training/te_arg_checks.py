@@ -33,9 +33,9 @@ the checks the first three fail after the process groups are up, while the model
   "Capturable mode doesn't support storing param remainders" while the optimizer is built.
 
 What each FP8 recipe does with each feature of the fork, case or refusal, is one table,
-generated into docs/transformer-engine.md from ``hfsdp/functional/fp8_matrix.py``. Not checked
-because nothing in the code says it fails (open for a GPU run): TE with full-iteration CUDA
-graphs and Mamba's fused path.
+generated into docs/transformer-engine.md from ``hfsdp/functional/fp8_matrix.py``. Not checked,
+because they run (the benchmark's realistic preset): TE with full-iteration CUDA graphs on Mamba's
+fused path, and TE's ``--gradient-accumulation-fusion`` under max-pool.
 """
 
 import os
