@@ -190,8 +190,8 @@ CONFIGS = {
         (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, *BF16_MOMENTS_FLAGS),
         "te_maxpool_ub_graph_bf16rs_fused_pao with Adam's moments in bf16", "maxpool", "te"),
     # The same in FP8, one configuration per Hopper recipe (GEMMs in FP8, parameters and optimizer as
-    # before), and tensorwise with FP8 parameters (--fp8-param-gather: FP8 all-gathers and pool).
-    # (No blockwise configuration with FP8 parameters yet: its functional cases hold, its step is not timed.)
+    # before), and each with FP8 parameters (--fp8-param-gather: FP8 all-gathers and pool; blockwise ones are
+    # re-quantized one pooled unit at a time, patch mfsdp-blockwise-fp8-requantize-per-unit).
     **{f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}": BenchConfig(
         f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}",
         (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, *flags),
@@ -201,7 +201,7 @@ CONFIGS = {
         f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}_pg",
         (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG, *FP8_RECIPES[recipe], "--fp8-param-gather"),
         f"te_maxpool_ub_graph_bf16rs_fused_pao in FP8, {recipe} scaling, FP8 parameters", "maxpool", "te")
-       for recipe in ("delayed", "tensorwise")},
+       for recipe in FP8_RECIPES},
     # The same with three lanes: one more unit live, so all-gathers may run two units ahead.
     "te_maxpool_ub_lanes3_graph_bf16rs": BenchConfig(
         "te_maxpool_ub_lanes3_graph_bf16rs", (*TE_MAXPOOL_UB_GRAPH_BF16RS, LANES_FLAG, "3"),

@@ -152,6 +152,7 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_blockwise",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_delayed_pg",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_tensorwise_pg",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_fp8_blockwise_pg",
                                                               "te_maxpool_ub_lanes3_graph_bf16rs",
                                                               "te_maxpool_ub_nosymm_graph_bf16rs",
                                                               "no_db_graph_validate",
@@ -303,7 +304,7 @@ def test_fp8_configurations_are_the_best_bf16_one_plus_a_hopper_recipe():
         flags = C.CONFIGS[f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}"].flags
         assert flags[:len(best)] == best and flags[flags.index("--fp8-recipe") + 1] == recipe
         assert C.loss_baseline(f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}").endswith(recipe)  # its own
-    for recipe in ("delayed", "tensorwise"):  # blockwise FP8 parameters: refused with a pool
+    for recipe in ("delayed", "tensorwise", "blockwise"):
         pg = C.CONFIGS[f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}_pg"].flags
         assert pg == (*C.CONFIGS[f"te_maxpool_ub_graph_bf16rs_fused_pao_fp8_{recipe}"].flags, "--fp8-param-gather")
 
