@@ -212,39 +212,63 @@ PAO = ["--use-precision-aware-optimizer"]
 OPT_GRAPH = ["--optimizer-cuda-graph"]
 
 
+BF16_MOMENTS = ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+TENSORWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
+
+
 @pytest.mark.parametrize("flags, refused", [
-    (PAO + OPT_GRAPH, True),  # bf16 parameters, fp32 master weights: TE stores the remainders
-    (PAO + OPT_GRAPH + ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"], True),  # TE keeps master weights
-    (PAO + OPT_GRAPH + ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], False),  # Megatron keeps them
-    (PAO + OPT_GRAPH + ["--main-params-dtype", "fp16"], False),  # fp16 master weights: no remainders
-    (PAO + OPT_GRAPH + ["--optimizer-cpu-offload"], False),  # HybridDeviceOptimizer
-    (OPT_GRAPH, False),
-    (PAO, False),
+    (PAO + OPT_GRAPH, "stores fp32 ones with parameter remainders"),  # TE keeps fp32 master weights
+    (PAO + OPT_GRAPH + ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"], "remainders"),  # TE keeps them too
+    (PAO + OPT_GRAPH + ["--main-params-dtype", "fp16"], "takes only fp32 ones"),  # fp16 master weights
+    (PAO + OPT_GRAPH + TENSORWISE + ["--main-params-dtype", "fp16"], "takes only fp32 ones"),
+    (PAO + OPT_GRAPH + TENSORWISE, None),  # Megatron keeps the master weights
+    (PAO + OPT_GRAPH + TENSORWISE + BF16_MOMENTS, None),
+    (PAO + OPT_GRAPH + TENSORWISE + ["--exp-avg-dtype", "bf16"], "both fp32 or both bf16"),
+    (PAO + OPT_GRAPH + TENSORWISE + ["--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype", "fp16"], "both fp32 or both"),
+    (PAO + OPT_GRAPH + ["--optimizer-cpu-offload"], None),  # HybridDeviceOptimizer
+    (OPT_GRAPH, None),
+    (PAO, None),
 ])
-def test_optimizer_graph_with_param_remainders(parsed, flags, refused):
+def test_optimizer_graph_with_the_precision_aware_optimizer(parsed, flags, refused):
     problems = te_arg_problems(parsed(TE + flags), environ={})
-    assert bool(problems) == refused, problems
+    assert len(problems) == (refused is not None), problems
     if refused:
-        assert "which TE refuses" in problems[0], problems[0]
-        assert "Drop --optimizer-cuda-graph" in problems[0], problems[0]
+        assert refused in problems[0] and "Drop --optimizer-cuda-graph" in problems[0], problems[0]
 
 
-def test_optimizer_graph_with_param_remainders_is_refused_by_validate_args(validate):
+def test_optimizer_graph_with_the_precision_aware_optimizer_is_refused_by_validate_args(validate):
     msg = rejected(validate, TE + PAO + OPT_GRAPH)
     assert "--optimizer-cuda-graph with --use-precision-aware-optimizer" in msg, msg
 
 
+def test_megatron_builds_te_adam_as_the_check_reads_it():
+    """The kwargs the check is about, read from Megatron's own source: capturable from --optimizer-cuda-graph,
+    and with the precision-aware optimizer the moment dtypes, master weights and parameter remainders."""
+    import inspect
+
+    from megatron.core import optimizer
+
+    source = inspect.getsource(optimizer._get_megatron_optimizer_based_on_param_groups)
+    for kwarg in ('"capturable": config.optimizer_cuda_graph', '"exp_avg_dtype": config.exp_avg_dtype',
+                  '"exp_avg_sq_dtype": config.exp_avg_sq_dtype', '"master_weights": True',
+                  '"master_weight_dtype": config.main_params_dtype',
+                  '{"store_param_remainders": config.store_param_remainders}',
+                  "if config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:"):
+        assert kwarg in source, kwarg
+
+
 @pytest.mark.parametrize("main_dtype, recipe, offload", [
     (torch.float32, None, False), (torch.float32, "delayed", False), (torch.float32, "tensorwise", False),
-    (torch.float32, "blockwise", False), (torch.float16, None, False), (torch.float32, None, True),
+    (torch.float32, "blockwise", False), (torch.float16, None, False), (torch.float16, "tensorwise", False),
+    (torch.float32, None, True),
 ])
 def test_the_refusal_is_megatrons_master_weight_condition(monkeypatch, main_dtype, recipe, offload):
-    """Where the check refuses is where Megatron's OptimizerConfig has TE's FusedAdam keep fp32 master
+    """With fp32 or bf16 moments the check refuses where Megatron's OptimizerConfig has TE's FusedAdam keep master
     weights (use_precision_aware_optimizer_no_fp8_or_ds_fp8, read back from Megatron's own config)."""
     import types
 
     from megatron.core.optimizer.optimizer_config import OptimizerConfig
-    from megatron.training.te_arg_checks import _optimizer_graph_with_param_remainders
+    from megatron.training.te_arg_checks import _optimizer_graph_problem
 
     class FusedAdam:  # the signature OptimizerConfig checks for; no TE needed on a CPU machine
         def __init__(self, master_weight_dtype=None, exp_avg_dtype=None, exp_avg_sq_dtype=None,
@@ -258,7 +282,8 @@ def test_the_refusal_is_megatrons_master_weight_condition(monkeypatch, main_dtyp
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.optimizers", optimizers)
     config = OptimizerConfig(use_precision_aware_optimizer=True, use_distributed_optimizer=True, bf16=True,
                              main_params_dtype=main_dtype, fp8_recipe=recipe, optimizer_cpu_offload=offload)
-    master_weights_fp32 = config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 and main_dtype == torch.float32
     args = types.SimpleNamespace(optimizer_cuda_graph=True, use_precision_aware_optimizer=True,
-                                 optimizer_cpu_offload=offload, main_params_dtype=main_dtype, fp8_recipe=recipe)
-    assert _optimizer_graph_with_param_remainders(args) == (master_weights_fp32 and not offload)
+                                 optimizer_cpu_offload=offload, main_params_dtype=main_dtype, fp8_recipe=recipe,
+                                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32)
+    master_weights = config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 and not offload
+    assert (_optimizer_graph_problem(args) is not None) == master_weights

@@ -26,11 +26,11 @@ the checks the first three fail after the process groups are up, while the model
 * ``--fp8-recipe mxfp8`` on a GPU below compute capability 10 (Hopper): TE's FP8 autocast
   checks MXFP8 support when it is entered, so the first forward step raises. MXFP8 is
   Blackwell's recipe; on Hopper the recipes are delayed, tensorwise and blockwise.
-* ``--optimizer-cuda-graph`` with ``--use-precision-aware-optimizer`` where TE's FusedAdam
-  keeps fp32 master weights (``--main-params-dtype fp32``, no FP8 or delayed scaling, no CPU
-  offload): Megatron builds that FusedAdam with ``capturable=True`` and
-  ``store_param_remainders=True`` (no flag turns the latter off), which TE (2.1 on) refuses with
-  "Capturable mode doesn't support storing param remainders" while the optimizer is built.
+* ``--optimizer-cuda-graph`` with ``--use-precision-aware-optimizer`` (no CPU offload), where TE's
+  capturable FusedAdam refuses to be built (its rules as of the pinned TE 2.20.2): Megatron asks
+  it for master weights (no FP8, delayed scaling, or non-fp32 main parameters), which it stores
+  with parameter remainders when they are fp32 and refuses in any other dtype; or the two Adam
+  moments are not both fp32 or both bf16.
 
 What each FP8 recipe does with each feature of the fork, case or refusal, is one table,
 generated into docs/transformer-engine.md from ``hfsdp/functional/fp8_matrix.py``. Not checked,
@@ -184,26 +184,38 @@ def te_arg_problems(args: Any, environ: Mapping[str, str] | None = None,
                 "forward step enters its FP8 autocast. Use --fp8-recipe delayed, tensorwise or "
                 "blockwise."
             )
-    if _optimizer_graph_with_param_remainders(args):
-        problems.append(
-            "--optimizer-cuda-graph with --use-precision-aware-optimizer and fp32 main parameters: "
-            "Megatron builds Transformer Engine's FusedAdam capturable and storing the bf16 parameters' "
-            "remainders, which TE refuses while the optimizer is built. Drop --optimizer-cuda-graph "
-            "(the optimizer step then runs eagerly after the graph), or drop "
-            "--use-precision-aware-optimizer."
-        )
+    optimizer_graph = _optimizer_graph_problem(args)
+    if optimizer_graph is not None:
+        problems.append(optimizer_graph)
     return problems
 
 
-def _optimizer_graph_with_param_remainders(args: Any) -> bool:
-    """Megatron's OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8 (TE's FusedAdam then keeps
-    master weights of --main-params-dtype), with a capturable optimizer and fp32 master weights."""
+def _optimizer_graph_problem(args: Any) -> str | None:
+    """Why TE's capturable FusedAdam cannot be built from ``args`` (TE 2.20.2's checks in its __init__), or None.
+
+    Megatron builds it with ``capturable=--optimizer-cuda-graph``; with the precision-aware optimizer it also passes the
+    moment dtypes, ``store_param_remainders=True`` and, where OptimizerConfig's
+    ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` holds, master weights of ``--main-params-dtype``."""
     if not (getattr(args, "optimizer_cuda_graph", False) and args.use_precision_aware_optimizer):
-        return False
+        return None
     if getattr(args, "optimizer_cpu_offload", False):
-        return False  # HybridDeviceOptimizer, not TE's FusedAdam
+        return None  # HybridDeviceOptimizer, not TE's FusedAdam
+    way_out = "Drop --optimizer-cuda-graph (the optimizer step then runs eagerly after the graph)."
     fp32_main = str(args.main_params_dtype) in ("fp32", "torch.float32")
-    return fp32_main and args.fp8_recipe in (None, "delayed")
+    if not fp32_main or args.fp8_recipe in (None, "delayed"):  # TE keeps master weights
+        why = ("stores fp32 ones with parameter remainders" if fp32_main
+               else f"takes only fp32 ones (--main-params-dtype is {args.main_params_dtype})")
+        return ("--optimizer-cuda-graph with --use-precision-aware-optimizer and TE-kept master weights (no FP8, "
+                "--fp8-recipe delayed, or --main-params-dtype other than fp32): Megatron builds Transformer "
+                f"Engine's FusedAdam capturable with master weights, and a capturable FusedAdam {why}, so TE "
+                f"refuses it while the optimizer is built. {way_out}")
+    moments = {str(args.exp_avg_dtype), str(args.exp_avg_sq_dtype)}
+    if len(moments) != 1 or moments.pop() not in ("fp32", "torch.float32", "bf16", "torch.bfloat16"):
+        return ("--optimizer-cuda-graph with --use-precision-aware-optimizer needs --exp-avg-dtype and "
+                "--exp-avg-sq-dtype both fp32 or both bf16 (they are "
+                f"{args.exp_avg_dtype} and {args.exp_avg_sq_dtype}): Transformer Engine's capturable FusedAdam "
+                f"refuses other moments while the optimizer is built. {way_out}")
+    return None
 
 
 def validate_te_args(args: Any) -> None:
