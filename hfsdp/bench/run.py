@@ -27,6 +27,7 @@ from hfsdp.atomic import NonFiniteJSON, loads_strict
 from hfsdp.bench import bases, flops, pretrain_launch, run_logs
 from hfsdp.bench import configs as cfgs
 from hfsdp.bench import results as res
+from hfsdp.environment import REPO_ROOT
 from hfsdp.flagsets import GRAPH_WARMUP_STEPS
 from hfsdp.functional.outdir import refuse_foreign
 from hfsdp.launch import fit, pretrain, torchrun
@@ -208,7 +209,9 @@ def profiling(opts: argparse.Namespace) -> bool:
 
 def log_tail(text: str, size: int = 3000) -> str:
     """A failed run's log as the summary shows it: its last ``size`` characters, led by the log's last
-    error line when that lies further up (torchrun's report of four failed ranks alone fills them)."""
+    error line when that lies further up (torchrun's report of four failed ranks alone fills them). Paths
+    inside the checkout are written relative to it: the JSON names no machine's folders."""
+    text = text.replace(REPO_ROOT + os.sep, "")
     tail = text[-size:]
     said = bases.last_error_line(text)
     if said is not None and bases.last_error_line(tail) is None:

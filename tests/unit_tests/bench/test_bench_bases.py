@@ -364,3 +364,7 @@ def test_a_failure_far_above_torchruns_report_still_names_the_error() -> None:
         "upstream-0.19.2 te_maxpool_ub_graph: failed: torch.AcceleratorError: CUDA error: operation would make "
         "the legacy stream depend on a capturing blocking stream")
     assert log_tail("step 1\nstep 2\n") == "step 1\nstep 2\n"
+    from hfsdp.environment import REPO_ROOT
+
+    here = f'  File "{REPO_ROOT}/megatron/training/training.py", line 1983\n'
+    assert log_tail(here) == '  File "megatron/training/training.py", line 1983\n'  # no machine's folders
