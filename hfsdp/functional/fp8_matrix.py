@@ -180,7 +180,7 @@ def table(cases_root: Path = goldens_table.CASES) -> str:
                          else case_text(here, kinds[here]))
         rows.append(f"| {row.label} | " + " | ".join(cells) + " |")
     refusals = sorted({r.says for r in REFUSED.values()})
-    return "\n".join([*rows, "", LEGEND, "", *refusals, "", MXFP8]) + "\n"
+    return "\n".join([*rows, "", LEGEND, "", *([*refusals, ""] if refusals else []), MXFP8]) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,16 +52,17 @@ double-buffer drain. Gathers of non-unit modules do not prefetch.
 
 Lanes and homes. A lane is one buffer group. With 2 lanes (the default) every unit may use every
 lane, each sized by the largest unit, and a unit's home is the group of its first strict
-allocation (init-time fetches pass ``strict_assignments=False``). With N >= 3 lanes the unit at
-position i (unit-id order) lives in lane i % N, its home fixed by the plan before the first
-allocation, and each lane is sized by its own largest unit. Units run in order (forward 0..n-1,
-backward n-1..0) and at most N are live, so the live units are consecutive and each finds its
-home idle. ``plan_lanes`` with every unit allowed in every lane is ``plan_max_pool`` byte for
-byte, and the offline planner prints ``runtime_lane_plan``, the plan the allocators hold. A home
-miss (the home busy) is counted (``stats()["home_misses"]``) and logged, and the unit takes the
-first idle group (with lanes: the first idle lane large enough, else RuntimeError naming the
-owners); with ``fail_on_home_miss``, set after CUDA-graph capture or manual UB registration, a
-miss raises, since a replayed graph would use another unit's addresses.
+allocation (scratch fetches, at init and for re-quantization, pass
+``strict_assignments=False``). With N >= 3 lanes the unit at position i (unit-id order) lives in
+lane i % N, its home fixed by the plan before the first allocation, and each lane is sized by
+its own largest unit. Units run in order (forward 0..n-1, backward n-1..0) and at most N are
+live, so the live units are consecutive and each finds its home idle. ``plan_lanes`` with every
+unit allowed in every lane is ``plan_max_pool`` byte for byte, and the offline planner prints
+``runtime_lane_plan``, the plan the allocators hold. A home miss (the home busy) is counted
+(``stats()["home_misses"]``) and logged, and the unit takes the first idle group (with lanes:
+the first idle lane large enough, else RuntimeError naming the owners); with
+``fail_on_home_miss``, set after CUDA-graph capture or manual UB registration, a miss raises,
+since a replayed graph would use another unit's addresses.
 
 Failure modes. Each invariant is named after the failure it rules out:
 - silent fallback: every unit's buckets come from the pool, never from dynamic or persistent
