@@ -210,8 +210,6 @@ def test_fp8_mamba_width_is_megatrons(parsed):
 
 PAO = ["--use-precision-aware-optimizer"]
 OPT_GRAPH = ["--optimizer-cuda-graph"]
-
-
 BF16_MOMENTS = ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
 TENSORWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
 
