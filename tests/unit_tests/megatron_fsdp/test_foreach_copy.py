@@ -58,8 +58,10 @@ def buffer_of(params, mbuf, wbuf):
     buf = object.__new__(pgb.ParamAndGradBuffer)
     buf._main_to_model_pairs = None
     buf.model_weight_writes = None
+    buf.double_buf_units = []  # no double buffer
     buf.parameter_groups = [SimpleNamespace(main_weight_buffer=mbuf, model_weight_buffer=wbuf,
-                                            transpose_weight_buffer=None, is_expert_param=False, params=params)]
+                                            transpose_weight_buffer=None, is_expert_param=False, params=params,
+                                            fsdp_unit_id=0)]
     return buf
 
 
