@@ -6,7 +6,8 @@ policy): the rules and their messages in the flags' spelling are the policy's.
 What stays here is what validate_args does with it: upstream code reads ``args.fsdp_double_buffer``,
 so it gets the policy's answer. The flags are declared in fork_args.py (the fork's group).
 On 0.19.2 nothing calls this: that release declares the max-pool flag and its validate_args sets
-``args.fsdp_double_buffer`` from it; te_arg_checks.py builds the command line's policy there.
+``args.fsdp_double_buffer`` from it; the 0.19.2 variant of mfsdp-max-pool-lanes-flags builds the
+command line's policy at the same place in validate_args.
 """
 
 from typing import Any

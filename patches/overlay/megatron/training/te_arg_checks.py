@@ -42,7 +42,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from megatron.core.distributed.fsdp.src.megatron_fsdp.double_buffer.policy import policy_from_args
 
 MXFP8_MIN_ARCH = 10  # TE's check_mxfp8_support: compute capability 10.0 or higher
 ATTENTION_SYMBOL = "*"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.ATTENTION
@@ -221,12 +220,7 @@ def _optimizer_graph_problem(args: Any) -> str | None:
 
 
 def validate_te_args(args: Any) -> None:
-    """Raise ValueError listing every problem :func:`te_arg_problems` finds in ``args``.
-
-    First it builds the command line's double-buffer policy, whose rules raise ValueError in the
-    flags' names: on 0.19.2 nothing else builds it in validate_args (double_buffer_args.py); on
-    0.18.2 validate_double_buffer_args built it already, and this second build is a check."""
-    policy_from_args(args)
+    """Raise ValueError listing every problem :func:`te_arg_problems` finds in ``args``."""
     problems = te_arg_problems(args)
     if problems:
         raise ValueError(
