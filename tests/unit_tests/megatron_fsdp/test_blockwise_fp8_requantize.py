@@ -2,7 +2,7 @@
 CPU: a double-buffered unit's weight bucket is fetched (as scratch: no home), re-quantized and freed before the
 next unit fetches its own, so the pool never holds two units there; every rank quantizes, and so all-reduces
 amaxes, with the same parameters, also a rank whose shard of a group is empty; groups outside a double buffer
-batch as upstream does."""
+batch as upstream does, closing each batch at the same group on every rank."""
 
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ class WeightBuf:
     """One parameter group's sharded model-weight buffer, as copy_main_weights_to_model_weights reads it:
     this rank's shard is the whole parameter, or empty; the bucket a fresh unsharded copy."""
 
-    def __init__(self, unit: int, numel: int, empty_shard: bool, live: Live) -> None:
+    def __init__(self, unit: int, numel: int, empty_shard: bool, live: Live, size: int) -> None:
         self.unit, self.live = unit, live
         self.data = torch.zeros(0 if empty_shard else numel)
         self.is_data_distributed = True
-        self.bucket_index = SimpleNamespace(size=numel)
+        self.bucket_index = SimpleNamespace(size=size)  # the unsharded bucket, the same on every rank
         self.bucket: torch.Tensor | None = None
 
     def get_item(self, item_id: int, only_shard: bool = False) -> torch.Tensor:
@@ -64,9 +64,9 @@ class WeightBuf:
 GROUPS = ((0, False), (1, False), (1, True), (2, False))
 
 
-def buffer_of(double_buffered: bool, live: Live, empty: frozenset[int] = frozenset()):
+def buffer_of(double_buffered: bool, live: Live, empty: frozenset[int] = frozenset(), bucket_size: int = 12):
     """A ParamAndGradBuffer with one blockwise-FP8 parameter per group of GROUPS; ``empty``: the groups
-    whose shard this rank does not hold."""
+    whose shard this rank does not hold; ``bucket_size``: each group's bucket, as its index counts it."""
     torch.manual_seed(0)
     buf = object.__new__(pgb.ParamAndGradBuffer)
     buf._main_to_model_pairs = None
@@ -81,7 +81,7 @@ def buffer_of(double_buffered: bool, live: Live, empty: frozenset[int] = frozens
                                data_parallel_group="expert-dp" if expert else "dp",
                                get_item=lambda item_id, only_shard=False, data=data: data)
         buf.parameter_groups.append(SimpleNamespace(
-            main_weight_buffer=main, model_weight_buffer=WeightBuf(unit, 12, index in empty, live),
+            main_weight_buffer=main, model_weight_buffer=WeightBuf(unit, 12, index in empty, live, bucket_size),
             transpose_weight_buffer=None, is_expert_param=expert, params=[param], fsdp_unit_id=unit))
     return buf
 
@@ -106,9 +106,9 @@ def quantize_calls(monkeypatch):
     return calls
 
 
-def requantize(double_buffered: bool, calls: list, empty: frozenset[int] = frozenset()):
+def requantize(double_buffered: bool, calls: list, empty: frozenset[int] = frozenset(), bucket_size: int = 12):
     live = Live()
-    buf = buffer_of(double_buffered, live, empty)
+    buf = buffer_of(double_buffered, live, empty, bucket_size)
     buf.copy_main_weights_to_model_weights()
     for pg in buf.parameter_groups:
         assert torch.equal(pg.model_weight_buffer.data, pg.main_weight_buffer.data)
@@ -136,3 +136,16 @@ def test_groups_outside_a_double_buffer_batch_as_upstream(quantize_calls):
     live, calls = requantize(False, quantize_calls)
     assert live.most == 3 and live.buckets == {}  # one batch under 5 GB: every bucket at once
     assert calls == [("dp", 3), ("expert-dp", 1)]
+
+
+GIB = 1024**3
+
+
+@pytest.mark.parametrize("empty", [{0}, {1}, {0, 2}, {0, 1, 2, 3}])
+def test_batches_outside_a_double_buffer_close_at_the_same_groups_on_every_rank(quantize_calls, empty):
+    """3 GiB buckets: the 5 GB batch closes after the second group on every rank, also on one whose shards of
+    the first groups are empty (its batch fetched nothing there), so the amax all-reduces pair up."""
+    live, full = requantize(False, quantize_calls, bucket_size=3 * GIB)
+    assert full == [("dp", 2), ("dp", 1), ("expert-dp", 1)] and live.buckets == {}
+    live, partial = requantize(False, quantize_calls, empty=frozenset(empty), bucket_size=3 * GIB)
+    assert partial == full and live.buckets == {}
