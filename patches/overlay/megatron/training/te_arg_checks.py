@@ -42,7 +42,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-
 MXFP8_MIN_ARCH = 10  # TE's check_mxfp8_support: compute capability 10.0 or higher
 ATTENTION_SYMBOL = "*"  # megatron.core.models.hybrid.hybrid_layer_allocation.Symbols.ATTENTION
 MAMBA_SYMBOL = "M"  # ... Symbols.MAMBA
