@@ -50,7 +50,7 @@ PER_PARAM_GRAD_WRITES_ENV = "HFSDP_PER_PARAM_GRAD_WRITES"
 SEPARATE_MODEL_COPIES_ENV = "HFSDP_SEPARATE_MODEL_COPIES"
 SEPARATE_CLIP_SCALE_ENV = "HFSDP_SEPARATE_CLIP_SCALE"
 TE_ADAM_KERNEL_ENV = "HFSDP_TE_ADAM_KERNEL"
-TRITON_L2NORM_ENV = "HFSDP_TRITON_L2NORM"  # optimizer/triton_l2norm.py: off by default, on for a comparison
+TRITON_L2NORM_ENV = "HFSDP_TRITON_L2NORM"  # optimizer/triton_l2norm.py: on by default, off for a comparison
 HOST_READS_ENV = "HFSDP_HOST_READS_EVERY_STEP"  # step_host_reads.py: upstream's per-step host reads
 # Megatron's default rerun mode, given explicitly so that a graphed run keeps it.
 VALIDATE_FLAGS = ("--rerun-mode", "validate_results")
@@ -164,8 +164,8 @@ CONFIGS = {
     # the gradient buffers every step, _pgw writes each autograd gradient into its main grad at once,
     # _smc copies the main weights to the model weights after the step, _ppc does so one parameter at
     # a time; _prev does all four. _sclip scales the gradients by the clip coefficient in a pass of
-    # their own; _teadam also steps every tensor with TE's kernel ([Note: Triton Adam]). _tl2n turns the
-    # other way: the gradient norm from the Triton kernels ([Note: Triton l2norm]), not yet the default.
+    # their own; _teadam also steps every tensor with TE's kernel ([Note: Triton Adam]); _tenorm takes the
+    # gradient norm from TE's op, not the Triton kernels ([Note: Triton l2norm]).
     # _hre reads the step's statistics on the host every step, as upstream ([Note: host reads in a step]).
     **{f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}": BenchConfig(
         f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}", (*TE_MAXPOOL_UB_GRAPH_BF16RS, *FUSION_FLAGS, PAO_FLAG),
@@ -179,7 +179,7 @@ CONFIGS = {
            ("sclip", "with the gradient clip in a separate pass", ((SEPARATE_CLIP_SCALE_ENV, "1"),)),
            ("teadam", "with TE's Adam kernel for every tensor and the gradient clip in a separate pass",
             ((TE_ADAM_KERNEL_ENV, "1"), (SEPARATE_CLIP_SCALE_ENV, "1"))),
-           ("tl2n", "with the gradient norm from the Triton kernels", ((TRITON_L2NORM_ENV, "1"),)),
+           ("tenorm", "with the gradient norm from TE's multi_tensor_l2norm", ((TRITON_L2NORM_ENV, "0"),)),
            ("hre", "with upstream's host reads of the step's statistics every step", ((HOST_READS_ENV, "1"),)),
            ("prev", "with the zero fill, per-parameter copies after the step and per-parameter gradient writes",
             ((ZERO_GRAD_FILL_ENV, "1"), (SEPARATE_MODEL_COPIES_ENV, "1"), (PER_PARAM_COPIES_ENV, "1"),

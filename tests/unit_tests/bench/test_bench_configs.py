@@ -143,7 +143,7 @@ def test_default_configs_are_eager_and_graphed_without_nccl_ub():
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_pgw",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_sclip",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_teadam",
-                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_tl2n",
+                                                              "te_maxpool_ub_graph_bf16rs_fused_pao_tenorm",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_hre",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_prev",
                                                               "te_maxpool_ub_graph_bf16rs_fused_pao_bf16m",
@@ -268,8 +268,9 @@ def test_every_configuration_has_a_loss_baseline_of_its_spec():
 
 
 def test_step_path_configs_switch_back_one_change_each():
-    """_fill, _smc, _ppc, _pgw, _sclip, _teadam, _tl2n, _hre and _prev differ from their configuration only by the
-    product's diagnostic switches, named as the product names them (the product never imports the benchmark)."""
+    """_fill, _smc, _ppc, _pgw, _sclip, _teadam, _tenorm, _hre and _prev differ from their configuration only by the
+    product's diagnostic switches, named and valued as the product reads them (the product never imports the
+    benchmark)."""
     from megatron.core import step_host_reads
     from megatron.core.distributed.fsdp.src.megatron_fsdp import foreach_copy, single_rank_grads
     from megatron.core.optimizer import adam_model_writes, triton_adam, triton_l2norm
@@ -279,12 +280,16 @@ def test_step_path_configs_switch_back_one_change_each():
     pgw, smc = foreach_copy.PER_PARAM_GRAD_WRITES_ENV, adam_model_writes.SEPARATE_COPIES_ENV
     sclip, teadam = adam_model_writes.SEPARATE_CLIP_ENV, triton_adam.TE_KERNEL_ENV
     want = {"fill": {fill}, "smc": {smc}, "ppc": {smc, ppc}, "pgw": {pgw}, "prev": {fill, smc, ppc, pgw},
-            "sclip": {sclip}, "teadam": {teadam, sclip}, "tl2n": {triton_l2norm.ENV}, "hre": {step_host_reads.ENV}}
+            "sclip": {sclip}, "teadam": {teadam, sclip}, "hre": {step_host_reads.ENV}}
+    want_env = {suffix: dict.fromkeys(switches, "1") for suffix, switches in want.items()}
+    want_env["tenorm"] = {triton_l2norm.ENV: "0"}  # on by default: the switch turns it off
     assert best.env == ()
-    for suffix, switches in want.items():
+    for suffix, env in want_env.items():
         config = C.CONFIGS[f"te_maxpool_ub_graph_bf16rs_fused_pao_{suffix}"]
         assert config.flags == best.flags, suffix
-        assert dict(config.env) == dict.fromkeys(switches, "1"), suffix
+        assert dict(config.env) == env, suffix
+    assert triton_l2norm.enabled({}) == (triton_l2norm.triton is not None)
+    assert not triton_l2norm.enabled({triton_l2norm.ENV: "0"})
 
 
 def test_realistic_1gpu_preset_is_the_realistic_model_cut_to_12_layers():

@@ -30,8 +30,9 @@ Invariants:
   multiple of 2048 (Megatron's is 65536). :func:`refusal` says why another call goes to TE's op.
 * The noop flag (int32, as TE's) is set where a chunk's sum is not finite, as TE sets it.
 * Not under CUDA-graph capture: a captured norm would read the kept plan at every replay.
-* ``HFSDP_TRITON_L2NORM=1`` turns it on; off by default until its GPU test
-  (``test_triton_l2norm_gpu.py``) has held it to TE's bits. Any value other than 0 or 1 is an error.
+* On by default: the GPU test (``test_triton_l2norm_gpu.py``) holds it to TE's bits, Megatron's
+  ``get_grad_norm_fp32`` among them. ``HFSDP_TRITON_L2NORM=0`` sends every call to TE's op, for
+  comparisons; any value other than 0 or 1 is an error.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ if triton is not None:
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    value = environ.get(ENV, "0")
+    value = environ.get(ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{ENV}={value!r}: expected 0 (TE's multi_tensor_l2norm) or 1 (the Triton norm)")
     return value == "1" and triton is not None
@@ -288,7 +289,7 @@ def l2norm(te_op: Callable[..., Any], chunk_size: int, noop: torch.Tensor,
 
 @functools.cache
 def _log_once() -> None:
-    logger.info("The gradient norm: Triton, TE's bits (%s=1).", ENV)
+    logger.info("The gradient norm: Triton, TE's bits (%s=0 keeps TE's op).", ENV)
 
 
 def wrap(te_op: Callable[..., Any]) -> Callable[..., Any]:
